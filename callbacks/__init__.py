@@ -1,0 +1,1 @@
+"""Callbacks for DAPO runs, importable as ``dapo_lightning.callbacks``."""

@@ -1,0 +1,229 @@
+"""Rollouts as they move from the engine to the loss.
+
+``ScoredRollouts`` is the flat, unpadded form the buffer and the
+``on_rollouts_scored`` callbacks work on; ``RolloutBatch`` is the padded tensor
+form ``DAPOModule.training_step`` consumes. Responses of one group (one prompt,
+``n`` samples) are contiguous in both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ScoredRollouts:
+    """Flat list of ``N`` scored responses, ``n`` per group, groups contiguous.
+
+    Callbacks may change ``reward`` (shaping) and ``loss_mask`` (filtering) in place in
+    ``on_rollouts_scored``; ``score`` stays the raw reward and ``acc`` the correctness flag.
+
+    Args:
+        prompt_ids: Prompt token ids of each response (shared within a group).
+        response_ids: Sampled response token ids.
+        rollout_log_probs: The engine's log-probabilities of the sampled tokens.
+        finish_reason: ``"stop"`` or ``"length"`` per response.
+        group_index: ``[N]`` long, the group each response belongs to (0..num_groups-1).
+        prompt_uid: Stable id of the prompt of each response (for per-prompt statistics).
+        score: ``[N]`` float, the reward function's raw score.
+        acc: ``[N]`` float, 1.0 where the answer is correct.
+        reward: ``[N]`` float, the shaped reward the advantages use (starts as ``score``).
+        loss_mask: ``[N]`` bool, False removes the whole response from the loss and its
+            token count (overlong filtering).
+        max_response_length: The ``max_tokens`` the responses were sampled with.
+        policy_version: Optimizer updates done when the responses were sampled.
+        extra: Per-response extra information from the reward function (lists of length N).
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_log_probs: list[list[float]]
+    finish_reason: list[str]
+    group_index: Tensor
+    prompt_uid: list[str]
+    score: Tensor
+    acc: Tensor
+    max_response_length: int
+    policy_version: int = 0
+    reward: Tensor | None = None
+    loss_mask: Tensor | None = None
+    extra: dict[str, list[Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.reward is None:
+            self.reward = self.score.clone().float()
+        if self.loss_mask is None:
+            self.loss_mask = torch.ones(len(self.response_ids), dtype=torch.bool)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def response_length(self) -> Tensor:
+        """``[N]`` long, number of sampled tokens of each response."""
+        return torch.tensor([len(r) for r in self.response_ids], dtype=torch.long)
+
+    @property
+    def truncated(self) -> Tensor:
+        """``[N]`` bool, True where the response hit ``max_response_length``."""
+        return torch.tensor([f == "length" for f in self.finish_reason], dtype=torch.bool)
+
+    def select(self, index: list[int]) -> ScoredRollouts:
+        """The responses at ``index`` (group ids are renumbered 0..k-1 in order of appearance)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        old_groups = self.group_index[idx]
+        _, new_groups = torch.unique_consecutive(old_groups, return_inverse=True)
+        return ScoredRollouts(
+            prompt_ids=[self.prompt_ids[i] for i in index],
+            response_ids=[self.response_ids[i] for i in index],
+            rollout_log_probs=[self.rollout_log_probs[i] for i in index],
+            finish_reason=[self.finish_reason[i] for i in index],
+            group_index=new_groups,
+            prompt_uid=[self.prompt_uid[i] for i in index],
+            score=self.score[idx],
+            acc=self.acc[idx],
+            max_response_length=self.max_response_length,
+            policy_version=self.policy_version,
+            reward=self.reward[idx],
+            loss_mask=self.loss_mask[idx],
+            extra={k: [v[i] for i in index] for k, v in self.extra.items()},
+        )
+
+
+@dataclass
+class RolloutBatch:
+    """Padded rollouts for one rollout step: ``B = num_groups * group_size`` sequences.
+
+    Sequences are ``[left-padded prompt | right-padded response]``: the prompt part has
+    width ``P = input_ids.shape[1] - T`` and the response part width ``T``.
+
+    Args:
+        input_ids: ``[B, P + T]`` long.
+        attention_mask: ``[B, P + T]`` long, 1 on real tokens.
+        response_mask: ``[B, T]`` float, 1 on response tokens that enter the loss
+            (0 on padding and on responses removed by ``loss_mask``).
+        rollout_log_probs: ``[B, T]`` float, the engine's sampling log-probabilities.
+        reward: ``[B]`` float, shaped reward (what the advantages use).
+        score: ``[B]`` float, raw reward.
+        acc: ``[B]`` float, correctness.
+        group_index: ``[B]`` long, 0..num_groups-1, groups contiguous.
+        truncated: ``[B]`` bool.
+        response_length: ``[B]`` long, sampled tokens per response.
+        sample_version: ``[B]`` long, policy version each response was sampled with.
+        policy_version: Policy version of the freshest responses in the batch.
+        group_size: Responses per group (``n``).
+        stats: Generation statistics of the step (floats): generated / kept groups, timing...
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_mask: Tensor
+    rollout_log_probs: Tensor
+    reward: Tensor
+    score: Tensor
+    acc: Tensor
+    group_index: Tensor
+    truncated: Tensor
+    response_length: Tensor
+    sample_version: Tensor
+    policy_version: int
+    group_size: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return self.batch_size // self.group_size
+
+    @property
+    def response_width(self) -> int:
+        return self.response_mask.shape[1]
+
+    @property
+    def prompt_width(self) -> int:
+        return self.input_ids.shape[1] - self.response_width
+
+    def select(self, index: Tensor | list[int] | slice) -> RolloutBatch:
+        """Rows ``index`` (group_size kept; the caller selects whole groups when it matters)."""
+        if not isinstance(index, slice):
+            index = torch.as_tensor(index, dtype=torch.long)
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value[index] if isinstance(value, Tensor) else value
+        return RolloutBatch(**out)
+
+    def trim(self) -> RolloutBatch:
+        """Drop all-padding columns at the left of the prompt and the right of the response."""
+        prompt_cols = self.attention_mask[:, : self.prompt_width].any(0).nonzero()
+        start = int(prompt_cols[0]) if len(prompt_cols) else self.prompt_width
+        resp_cols = self.attention_mask[:, self.prompt_width :].any(0).nonzero()
+        width = int(resp_cols[-1]) + 1 if len(resp_cols) else 1
+        end = self.prompt_width + width
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("input_ids", "attention_mask"):
+                value = value[:, start:end]
+            elif f.name in ("response_mask", "rollout_log_probs"):
+                value = value[:, :width]
+            out[f.name] = value
+        return RolloutBatch(**out)
+
+    @classmethod
+    def from_rollouts(
+        cls,
+        rollouts: ScoredRollouts,
+        *,
+        group_size: int,
+        pad_token_id: int,
+        sample_version: Tensor | None = None,
+        stats: dict[str, float] | None = None,
+    ) -> RolloutBatch:
+        """Pad ``rollouts`` into tensors (prompts left-padded, responses right-padded)."""
+        n = len(rollouts)
+        if n == 0 or n % group_size:
+            raise ValueError(
+                f"RolloutBatch needs whole groups: got {n} responses for group_size={group_size}."
+            )
+        P = max(len(p) for p in rollouts.prompt_ids)
+        T = max(1, max(len(r) for r in rollouts.response_ids))
+        input_ids = torch.full((n, P + T), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((n, P + T), dtype=torch.long)
+        response_mask = torch.zeros((n, T), dtype=torch.float32)
+        logp = torch.zeros((n, T), dtype=torch.float32)
+        for i, (p, r, lp) in enumerate(
+            zip(rollouts.prompt_ids, rollouts.response_ids, rollouts.rollout_log_probs)
+        ):
+            input_ids[i, P - len(p) : P] = torch.as_tensor(p, dtype=torch.long)
+            attention_mask[i, P - len(p) : P] = 1
+            if r:
+                input_ids[i, P : P + len(r)] = torch.as_tensor(r, dtype=torch.long)
+                attention_mask[i, P : P + len(r)] = 1
+                response_mask[i, : len(r)] = float(rollouts.loss_mask[i])
+                logp[i, : len(r)] = torch.as_tensor(lp, dtype=torch.float32)
+        if sample_version is None:
+            sample_version = torch.full((n,), rollouts.policy_version, dtype=torch.long)
+        return cls(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response_mask=response_mask,
+            rollout_log_probs=logp,
+            reward=rollouts.reward.float(),
+            score=rollouts.score.float(),
+            acc=rollouts.acc.float(),
+            group_index=rollouts.group_index.long(),
+            truncated=rollouts.truncated,
+            response_length=rollouts.response_length,
+            sample_version=sample_version.long(),
+            policy_version=int(sample_version.max()),
+            group_size=group_size,
+            stats=dict(stats or {}),
+        )

@@ -1,0 +1,81 @@
+"""The rollout engine protocol and the plain data it exchanges."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from torch import Tensor
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How responses are sampled.
+
+    Args:
+        max_tokens: Most response tokens per sample (the paper's max response length).
+        temperature: Softmax temperature; 1.0 samples from the policy itself (paper setting).
+        top_p: Nucleus sampling mass; 1.0 disables it.
+        top_k: Keep the k most likely tokens; -1 disables it.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}.")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"SamplingConfig.temperature must be > 0 for RL sampling, got {self.temperature}."
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingConfig.top_k must be -1 (off) or >= 1, got {self.top_k}.")
+
+
+@dataclass
+class Completion:
+    """One sampled response.
+
+    Args:
+        token_ids: Response tokens, EOS included when the sample stopped on it.
+        log_probs: Log-probability of each token under the sampling distribution
+            (after temperature / top-p / top-k), same length as ``token_ids``.
+        finish_reason: ``"stop"`` (EOS or a stop token) or ``"length"`` (hit ``max_tokens``).
+    """
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: FinishReason
+    text: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.log_probs):
+            raise ValueError(
+                f"Completion has {len(self.token_ids)} token_ids but {len(self.log_probs)} log_probs."
+            )
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the data module needs from a generation backend."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        """Sample ``n`` completions for each prompt (token ids, no padding).
+
+        Returns one list of ``n`` completions per prompt, in prompt order.
+        """
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Replace the engine's weights with the trainer's (checkpoint-format names)."""
+        ...

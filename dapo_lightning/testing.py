@@ -1,0 +1,125 @@
+"""Tiny on-disk checkpoints for tests, benchmarks and the quickstart.
+
+Nothing here downloads anything: the tokenizer is a character-level vocabulary
+built in memory and the model is a randomly initialised Qwen2-style causal LM,
+both written with ``save_pretrained`` so that ``AutoTokenizer``,
+``AutoModelForCausalLM`` and ``vllm.LLM`` load them like any hub checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import AddedToken
+from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+#: Special tokens, in id order (ids 0..2).
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|im_end|>"
+BOS_TOKEN = "<|im_start|>"
+SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN)
+
+#: A chat template in the Qwen/ChatML style, written with the tokenizer.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+#: The tiny model's shape. head_dim 32 is the smallest vLLM's CPU attention takes.
+TINY_CONFIG: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    initializer_range=0.02,
+)
+
+
+def make_tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """A byte-level Qwen2 tokenizer with no merges: every byte is one token.
+
+    The vocabulary is the special tokens (``<|pad|>`` = 0, ``<|im_end|>`` = 1 is EOS,
+    ``<|im_start|>`` = 2) followed by the 256 byte-level symbols, so any text encodes and
+    decodes losslessly and one character of ASCII is one token. It is a real
+    ``Qwen2Tokenizer`` (what ``AutoTokenizer`` builds for a ``qwen2`` checkpoint), with a
+    ChatML chat template.
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for symbol in bytes_to_unicode().values():
+        vocab[symbol] = len(vocab)
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=None,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        bos_token=None,
+        padding_side="left",
+        model_max_length=TINY_CONFIG["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+    )
+    tok.add_tokens([AddedToken(BOS_TOKEN, special=True)])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_tiny_checkpoint(path: str | Path, *, seed: int = 0, **config_overrides: Any) -> Path:
+    """Write a tokenizer and a randomly initialised tiny Qwen2 causal LM to ``path``.
+
+    Args:
+        path: Folder to write (created if missing). Loadable afterwards with
+            ``AutoTokenizer.from_pretrained(path)``, ``AutoModelForCausalLM.from_pretrained(path)``
+            and ``vllm.LLM(model=str(path))``.
+        seed: Seeds the weight initialisation; the same seed writes the same weights.
+        **config_overrides: Replace entries of :data:`TINY_CONFIG` (for example SmolLM2-135M's
+            shape: ``hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152``).
+            A ``vocab_size`` larger than the tokenizer's pads the embedding (those ids are never
+            produced by the tokenizer but exist in the model, as in real checkpoints).
+
+    Returns:
+        The folder as a :class:`~pathlib.Path`.
+
+    Example::
+
+        path = make_tiny_checkpoint(tmp_path / "tiny")
+        model = AutoModelForCausalLM.from_pretrained(path)
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tiny_tokenizer()
+    cfg = dict(TINY_CONFIG)
+    cfg["vocab_size"] = len(tokenizer)
+    cfg.update(config_overrides)
+    if cfg["vocab_size"] < len(tokenizer):
+        raise ValueError(
+            f"vocab_size={cfg['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} "
+            "tokens: pass a vocab_size of at least that, or leave it unset."
+        )
+    config = Qwen2Config(
+        **cfg,
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = config.bos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
