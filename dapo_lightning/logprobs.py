@@ -25,6 +25,7 @@ def response_log_probs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities of the response tokens under ``model`` at ``temperature``.
 
@@ -34,7 +35,7 @@ def response_log_probs(
 
     where ``P = input_ids.shape[1] - response_width``. Only the last ``response_width + 1``
     positions' logits are turned into distributions, so a long prompt costs no vocab-sized
-    memory.
+    memory. ``entropy_grad=False`` computes the entropy without building a graph (for metrics).
 
     Returns:
         ``(logp [B, T], entropy [B, T] or None)``, float32.
@@ -52,5 +53,11 @@ def response_log_probs(
         logits = logits / temperature
     targets = input_ids[:, P:]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        if entropy_grad:
+            entropy = entropy_from_logits(logits)
+        else:
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach())
     return logp, entropy
