@@ -1,1 +1,71 @@
-"""rewards"""
+"""Reward functions: one batch protocol, run with timeouts and failure accounting.
+
+``get_reward("dapo" | "math_verify" | "arithmetic" | obj)`` returns a reward object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dapo_lightning.rewards.arithmetic import ArithmeticReward
+from dapo_lightning.rewards.base import (
+    RewardFailureError,
+    RewardFunction,
+    RewardOutputError,
+    RewardResult,
+    RewardRunner,
+)
+from dapo_lightning.rewards.dapo import DAPOAnswerReward, extract_answer_line, normalize_answer
+from dapo_lightning.rewards.mathverify import MathVerifyReward
+
+#: Built-in rewards by name.
+REWARDS: dict[str, type] = {
+    "dapo": DAPOAnswerReward,
+    "math_verify": MathVerifyReward,
+    "arithmetic": ArithmeticReward,
+}
+
+
+def get_reward(name_or_obj: Any, **kwargs: Any) -> Any:
+    """A reward object from a name in :data:`REWARDS` (built with ``kwargs``) or a callable.
+
+    A callable is returned as is; it needs a ``failure_score`` attribute (the score of a sample
+    whose scoring fails), which defaults to -1.0 when missing.
+    """
+    if isinstance(name_or_obj, str):
+        if name_or_obj not in REWARDS:
+            raise ValueError(
+                f"reward={name_or_obj!r} is not a built-in reward: use one of "
+                f"{sorted(REWARDS)} or pass a reward object (a callable "
+                "(responses, ground_truths, **kw) -> list[RewardResult])."
+            )
+        return REWARDS[name_or_obj](**kwargs)
+    if not callable(name_or_obj):
+        raise TypeError(
+            f"reward must be a name in {sorted(REWARDS)} or a callable, got "
+            f"{type(name_or_obj).__name__}."
+        )
+    if kwargs:
+        raise ValueError("reward_kwargs only apply to a reward given by name.")
+    if not hasattr(name_or_obj, "failure_score"):
+        try:
+            name_or_obj.failure_score = -1.0
+        except AttributeError:
+            pass
+    return name_or_obj
+
+
+__all__ = [
+    "REWARDS",
+    "ArithmeticReward",
+    "DAPOAnswerReward",
+    "MathVerifyReward",
+    "RewardFailureError",
+    "RewardFunction",
+    "RewardOutputError",
+    "RewardResult",
+    "RewardRunner",
+    "extract_answer_line",
+    "get_reward",
+    "normalize_answer",
+]

@@ -1,0 +1,351 @@
+"""The reward protocol and the runner that scores a round of responses safely.
+
+A reward function is a batch call::
+
+    reward(responses: list[str], ground_truths: list[str], **kw) -> list[RewardResult]
+
+:class:`RewardRunner` calls it in worker processes with a per-sample timeout (math-verify and
+user rewards can hang on adversarial input), turns a sample that raises or times out into a
+*failure* (``score = reward.failure_score``, ``acc = False``), counts failures, and raises
+:class:`RewardFailureError` when more than ``max_failure_frac`` of a round fails. A reward that
+returns the wrong number of results or a non-finite score is a bug, not a failure: it raises
+:class:`RewardOutputError` at once.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import time
+import traceback
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class RewardResult:
+    """The reward of one response.
+
+    Args:
+        score: The raw reward (the DAPO rule: +1 correct, -1 wrong).
+        acc: True when the answer is correct (what the dynamic-sampling filter uses by default).
+        extra: Free-form information; always has ``has_answer`` (a parseable answer was found).
+    """
+
+    score: float
+    acc: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.extra.setdefault("has_answer", False)
+
+
+@runtime_checkable
+class RewardFunction(Protocol):
+    """What a reward is: a picklable batch callable (it runs in worker processes)."""
+
+    #: Score given to a sample whose scoring raised or timed out.
+    failure_score: float
+
+    def __call__(
+        self, responses: list[str], ground_truths: list[str], **kw: Any
+    ) -> list[RewardResult]: ...
+
+
+class RewardFailureError(RuntimeError):
+    """Too many samples of one round failed to score."""
+
+
+class RewardOutputError(ValueError):
+    """The reward function returned something that is not a valid reward list."""
+
+
+def check_reward_output(results: Any, expected: int, reward: Any) -> list[RewardResult]:
+    """Validate a reward's output: a list of ``expected`` RewardResults with finite scores."""
+    name = type(reward).__name__
+    if not isinstance(results, (list, tuple)) or len(results) != expected:
+        got = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
+        raise RewardOutputError(
+            f"reward {name} returned {got} results for {expected} responses: a reward must "
+            "return one RewardResult per response, in order."
+        )
+    for i, r in enumerate(results):
+        if not isinstance(r, RewardResult):
+            raise RewardOutputError(
+                f"reward {name} returned a {type(r).__name__} at position {i}: return "
+                "RewardResult(score=..., acc=..., extra={...})."
+            )
+        if not math.isfinite(float(r.score)):
+            raise RewardOutputError(
+                f"reward {name} returned score={r.score} at position {i}: scores must be finite "
+                "floats (a NaN or inf reward would poison the advantages)."
+            )
+    return list(results)
+
+
+def failure_result(reward: Any, reason: str) -> RewardResult:
+    """The result of a sample whose scoring failed (``reason``: "timeout" or the error text)."""
+    return RewardResult(
+        score=float(getattr(reward, "failure_score", -1.0)),
+        acc=False,
+        extra={"has_answer": False, "reward_failure": reason},
+    )
+
+
+def _worker_main(conn: Connection, reward: Any) -> None:  # pragma: no cover - runs in a child
+    """Worker loop: receive ``(job_id, responses, ground_truths, kw)``, send results back."""
+    conn.send("ready")
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        job_id, responses, gts, kw = msg
+        try:
+            out = reward(responses, gts, **kw)
+            conn.send((job_id, "ok", out))
+        except Exception:  # noqa: BLE001 - reported to the parent as a failure
+            conn.send((job_id, "error", traceback.format_exc(limit=3)))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, reward: Any) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, reward), daemon=True)
+        self.proc.start()
+        child.close()
+        # Wait until the worker has imported the reward, so its time limit measures scoring only.
+        if not self.conn.poll(120) or self.conn.recv() != "ready":
+            self.kill()
+            raise RuntimeError(
+                f"reward worker for {type(reward).__name__} did not start within 120 s: check "
+                "that the reward is picklable and importable in a fresh process."
+            )
+        self.job: tuple[int, list[int], float, float] | None = None  # id, samples, start, limit
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+class RewardRunner:
+    """Scores rounds of responses with a reward function, with timeouts and failure accounting.
+
+    Args:
+        reward: A :class:`RewardFunction` (picklable when ``in_process`` is False).
+        timeout_s: Most seconds one sample may take; a slower sample is killed and fails.
+        num_workers: Worker processes (persistent; a worker that hangs is killed and replaced).
+        max_failure_frac: Largest share of a round that may fail before the run stops with
+            :class:`RewardFailureError` (failures below it score ``reward.failure_score``).
+        chunk_size: Samples sent to a worker per call (its time limit is ``timeout_s`` per
+            sample); a chunk that fails or times out is retried one sample at a time, so one bad
+            sample never fails its neighbours.
+        in_process: Call the reward in this process, without timeouts (exceptions still count
+            as failures). For trusted, fast rewards and debugging only.
+        mp_context: ``multiprocessing`` start method for the workers ("spawn" is safe with
+            threads and torch.distributed in the parent).
+    """
+
+    def __init__(
+        self,
+        reward: Any,
+        *,
+        timeout_s: float = 10.0,
+        num_workers: int = 1,
+        max_failure_frac: float = 0.1,
+        chunk_size: int = 16,
+        in_process: bool = False,
+        mp_context: str = "spawn",
+    ) -> None:
+        if not callable(reward):
+            raise TypeError(f"reward must be callable, got {type(reward).__name__}.")
+        if timeout_s <= 0:
+            raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}.")
+        if num_workers < 1:
+            raise ValueError(f"reward num_workers must be >= 1, got {num_workers}.")
+        if not 0 <= max_failure_frac <= 1:
+            raise ValueError(f"max_reward_failure_frac must be in [0, 1], got {max_failure_frac}.")
+        self.reward = reward
+        self.timeout_s = float(timeout_s)
+        self.num_workers = num_workers
+        self.max_failure_frac = max_failure_frac
+        self.chunk_size = max(1, chunk_size)
+        self.in_process = in_process
+        self._ctx = mp.get_context(mp_context)
+        self._workers: list[_Worker] = []
+        #: Failures of the last :meth:`score` call and of all calls.
+        self.last_failures = 0
+        self.total_failures = 0
+
+    # ------------------------------------------------------------------ public
+    def score(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        extra_kwargs: Sequence[dict[str, Any]] | None = None,
+    ) -> list[RewardResult]:
+        """Score one round: returns one result per response, failures included.
+
+        ``extra_kwargs[i]`` (optional) are keyword arguments for sample i (e.g. data_source);
+        they are passed as lists to the reward (``kw[key] = [value per sample]``).
+        """
+        if len(responses) != len(ground_truths):
+            raise ValueError(
+                f"{len(responses)} responses but {len(ground_truths)} ground truths to score."
+            )
+        n = len(responses)
+        extra_kwargs = list(extra_kwargs) if extra_kwargs is not None else [{}] * n
+        if n == 0:
+            self.last_failures = 0
+            return []
+        if self.in_process:
+            results = self._score_in_process(list(responses), list(ground_truths), extra_kwargs)
+        else:
+            results = self._score_in_workers(list(responses), list(ground_truths), extra_kwargs)
+        failures = sum(1 for r in results if "reward_failure" in r.extra)
+        self.last_failures = failures
+        self.total_failures += failures
+        if failures > self.max_failure_frac * n:
+            reasons = sorted(
+                {
+                    str(r.extra["reward_failure"])[:200]
+                    for r in results
+                    if "reward_failure" in r.extra
+                }
+            )
+            raise RewardFailureError(
+                f"{failures} of {n} responses ({failures / n:.0%}) failed to score with "
+                f"{type(self.reward).__name__}, more than max_reward_failure_frac="
+                f"{self.max_failure_frac}. First reasons: {reasons[:3]}. Fix the reward function, "
+                f"raise reward_timeout_s (now {self.timeout_s}) if it is slow, or raise "
+                "max_reward_failure_frac to tolerate more."
+            )
+        return results
+
+    def close(self) -> None:
+        """Stop the worker processes."""
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+            w.proc.join(2)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(2)
+            w.conn.close()
+        self._workers = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_workers"] = []
+        state["_ctx"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._ctx = mp.get_context("spawn")
+
+    # --------------------------------------------------------------- internals
+    @staticmethod
+    def _kw(extra_kwargs: list[dict[str, Any]], idx: list[int]) -> dict[str, list[Any]]:
+        keys = set().union(*(extra_kwargs[i].keys() for i in idx)) if idx else set()
+        return {k: [extra_kwargs[i].get(k) for i in idx] for k in keys}
+
+    def _score_in_process(
+        self, responses: list[str], gts: list[str], extra_kwargs: list[dict[str, Any]]
+    ) -> list[RewardResult]:
+        idx = list(range(len(responses)))
+        try:
+            out = self.reward(responses, gts, **self._kw(extra_kwargs, idx))
+        except Exception:  # noqa: BLE001 - retried one by one below
+            out = None
+        if out is not None:
+            return check_reward_output(out, len(responses), self.reward)
+        results = []
+        for i in idx:
+            try:
+                one = self.reward([responses[i]], [gts[i]], **self._kw(extra_kwargs, [i]))
+            except Exception as e:  # noqa: BLE001 - a failing sample is a counted failure
+                results.append(failure_result(self.reward, f"error: {type(e).__name__}: {e}"))
+                continue
+            results.extend(check_reward_output(one, 1, self.reward))
+        return results
+
+    def _spawn(self) -> _Worker:
+        return _Worker(self._ctx, self.reward)
+
+    def _score_in_workers(
+        self, responses: list[str], gts: list[str], extra_kwargs: list[dict[str, Any]]
+    ) -> list[RewardResult]:
+        while len(self._workers) < self.num_workers:
+            self._workers.append(self._spawn())
+        n = len(responses)
+        results: list[RewardResult | None] = [None] * n
+        pending: deque[list[int]] = deque(
+            list(range(s, min(n, s + self.chunk_size))) for s in range(0, n, self.chunk_size)
+        )
+        next_id = 0
+        while pending or any(w.job is not None for w in self._workers):
+            for wi, w in enumerate(self._workers):
+                if w.job is None and pending:
+                    idx = pending.popleft()
+                    if not w.proc.is_alive():
+                        w.kill()
+                        w = self._workers[wi] = self._spawn()
+                    msg = (next_id, [responses[i] for i in idx], [gts[i] for i in idx])
+                    w.conn.send((*msg, self._kw(extra_kwargs, idx)))
+                    w.job = (next_id, idx, time.monotonic(), self.timeout_s * len(idx))
+                    next_id += 1
+            busy = [w for w in self._workers if w.job is not None]
+            now = time.monotonic()
+            wait_s = max(0.0, min(w.job[2] + w.job[3] - now for w in busy))
+            ready = wait([w.conn for w in busy], timeout=wait_s)
+            for wi, w in enumerate(self._workers):
+                if w.job is None:
+                    continue
+                job_id, idx, start, limit = w.job
+                if w.conn in ready:
+                    try:
+                        rid, status, payload = w.conn.recv()
+                    except (EOFError, OSError):
+                        status, payload = "error", "worker process died"
+                        w.kill()
+                        self._workers[wi] = self._spawn()
+                    w.job = None
+                    if status == "ok":
+                        for i, r in zip(idx, check_reward_output(payload, len(idx), self.reward)):
+                            results[i] = r
+                        continue
+                    self._fail_or_split(
+                        idx, f"error: {str(payload).strip()[-300:]}", results, pending
+                    )
+                elif time.monotonic() - start > limit:
+                    w.kill()
+                    self._workers[wi] = self._spawn()
+                    self._fail_or_split(idx, "timeout", results, pending)
+        return [r for r in results if r is not None]
+
+    def _fail_or_split(
+        self,
+        idx: list[int],
+        reason: str,
+        results: list[RewardResult | None],
+        pending: deque[list[int]],
+    ) -> None:
+        if len(idx) > 1:
+            pending.extend([i] for i in idx)
+        else:
+            results[idx[0]] = failure_result(self.reward, reason)

@@ -1,0 +1,175 @@
+"""Rewards: the DAPO "Answer:" rule on real AIME ground truths, math-verify, arithmetic, and the
+runner's timeout / failure accounting (real worker processes, real hangs)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from dapo_lightning.rewards import (
+    ArithmeticReward,
+    DAPOAnswerReward,
+    MathVerifyReward,
+    RewardFailureError,
+    RewardOutputError,
+    RewardResult,
+    RewardRunner,
+    get_reward,
+    normalize_answer,
+)
+
+AIME = "/work/shared/data/aime-2024.parquet"
+
+
+class HangingReward:
+    """Hangs (sleeps far past the timeout) on responses containing "HANG"; raises on "BOOM"."""
+
+    failure_score = -1.0
+
+    def __call__(self, responses, ground_truths, **kw):
+        out = []
+        for r, g in zip(responses, ground_truths):
+            if "HANG" in r:
+                time.sleep(60)
+            if "BOOM" in r:
+                raise ValueError("boom")
+            out.append(RewardResult(1.0 if r == g else -1.0, r == g, {"has_answer": True}))
+        return out
+
+
+class NaNReward:
+    failure_score = -1.0
+
+    def __call__(self, responses, ground_truths, **kw):
+        return [RewardResult(math.nan, False) for _ in responses]
+
+
+class ShortReward:
+    failure_score = -1.0
+
+    def __call__(self, responses, ground_truths, **kw):
+        return [RewardResult(1.0, True)]
+
+
+def _aime_truths() -> list[str]:
+    rows = pq.read_table(AIME).to_pylist()
+    return sorted({r["reward_model"]["ground_truth"] for r in rows})
+
+
+def test_dapo_rule_on_real_aime_ground_truths():
+    reward = DAPOAnswerReward()
+    truths = _aime_truths()
+    assert len(truths) >= 29
+    right = [f"Some work.\nSo the result is clear.\nAnswer: {t}" for t in truths]
+    variants = [f"reasoning...\nAnswer: $\\boxed{{{t}}}$." for t in truths]
+    wrong = [f"Answer: {t}\nWait, no.\nAnswer: {int(t) + 1}" for t in truths]
+    missing = [f"The answer is {t}" for t in truths]
+    for batch, expect in ((right, 1.0), (variants, 1.0), (wrong, -1.0), (missing, -1.0)):
+        res = reward(batch, truths)
+        assert [r.score for r in res] == [expect] * len(truths)
+        assert all(r.acc == (expect > 0) for r in res)
+    assert all(r.extra["has_answer"] for r in reward(wrong, truths))
+    assert not any(r.extra["has_answer"] for r in reward(missing, truths))
+
+
+@pytest.mark.parametrize(
+    "raw,norm",
+    [
+        ("$540$", "540"),
+        ("\\boxed{540}", "540"),
+        ("540.", "540"),
+        ("1,000", "1000"),
+        ("x = 5", "5"),
+        ("30 degrees", "30"),
+        ("30^\\circ", "30"),
+        ("\\dfrac{1}{2}", "\\frac{1}{2}"),
+        ("\\text{(A)}", "(A)"),
+        ("5.0", "5"),
+        ("12 \\%", "12"),
+    ],
+)
+def test_normalize_answer(raw, norm):
+    assert normalize_answer(raw) == norm
+
+
+def test_math_verify_boxed_and_latex():
+    reward = MathVerifyReward()
+    res = reward(
+        [
+            "So we get \\boxed{\\frac{1}{2}}.",
+            "The final answer is $0.5$",
+            "\\boxed{\\frac{1}{3}}",
+            "I do not know",
+            "Thus \\boxed{540}",
+        ],
+        ["\\frac{1}{2}", "\\frac{1}{2}", "\\frac{1}{2}", "\\frac{1}{2}", "540"],
+    )
+    assert [r.acc for r in res] == [True, True, False, False, True]
+    assert [r.score for r in res] == [1.0, 1.0, -1.0, -1.0, 1.0]
+    assert res[3].extra["has_answer"] is False and res[2].extra["has_answer"] is True
+
+
+def test_arithmetic_reward_strict_and_lenient():
+    strict = ArithmeticReward()
+    res = strict([" 12 ", "12 apples", "13", ""], ["12"] * 4)
+    assert [r.acc for r in res] == [True, False, False, False]
+    assert [r.extra["has_answer"] for r in res] == [True, False, True, False]
+    lenient = ArithmeticReward(strict=False)
+    res = lenient(["it is 3, no 12", "12 apples", "none"], ["12"] * 3)
+    assert [r.score for r in res] == [1.0, 1.0, -1.0]
+
+
+def test_get_reward():
+    assert isinstance(get_reward("dapo"), DAPOAnswerReward)
+    assert isinstance(get_reward("math_verify"), MathVerifyReward)
+    assert get_reward("arithmetic", strict=False).strict is False
+    obj = HangingReward()
+    assert get_reward(obj) is obj
+    with pytest.raises(ValueError, match="not a built-in reward"):
+        get_reward("nope")
+
+
+def test_runner_timeout_and_failure_counting():
+    runner = RewardRunner(
+        HangingReward(), timeout_s=1.0, num_workers=2, max_failure_frac=0.5, chunk_size=4
+    )
+    try:
+        responses = ["1", "HANG", "2", "BOOM", "3", "4"]
+        truths = ["1", "1", "2", "2", "0", "4"]
+        t0 = time.monotonic()
+        res = runner.score(responses, truths)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 15, elapsed
+        assert [r.acc for r in res] == [True, False, True, False, False, True]
+        assert res[1].extra["reward_failure"] == "timeout"
+        assert res[3].extra["reward_failure"].startswith("error")
+        assert "boom" in res[3].extra["reward_failure"]
+        assert res[1].score == -1.0 and res[3].score == -1.0
+        assert runner.last_failures == 2
+        # The killed worker was replaced: the runner still works.
+        assert [r.acc for r in runner.score(["5"], ["5"])] == [True]
+        with pytest.raises(RewardFailureError, match="max_reward_failure_frac"):
+            runner.score(["HANG", "BOOM", "1"], ["1", "1", "1"])
+    finally:
+        runner.close()
+
+
+def test_runner_in_process_counts_exceptions():
+    runner = RewardRunner(HangingReward(), in_process=True, max_failure_frac=0.5)
+    res = runner.score(["1", "BOOM", "2"], ["1", "1", "2"])
+    assert [r.acc for r in res] == [True, False, True]
+    assert runner.last_failures == 1
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_runner_rejects_nan_and_wrong_length(in_process):
+    for bad, match in ((NaNReward(), "finite"), (ShortReward(), "1 results for 2 responses")):
+        runner = RewardRunner(bad, in_process=in_process, timeout_s=30)
+        try:
+            with pytest.raises(RewardOutputError, match=match):
+                runner.score(["a", "b"], ["a", "b"])
+        finally:
+            runner.close()
