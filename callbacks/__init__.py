@@ -1,1 +1,32 @@
-"""Callbacks for DAPO runs, importable as ``dapo_lightning.callbacks``."""
+"""Callbacks for DAPO runs, importable as ``dapo_lightning.callbacks``.
+
+Besides Lightning's hooks they implement two DAPO hooks, called by the library on every
+callback that defines them:
+
+* ``on_rollouts_scored(trainer, pl_module, rollouts)``: after scoring, before the
+  dynamic-sampling filter (reward shaping, loss masks). No logging there.
+* ``on_dapo_update(trainer, pl_module, metrics)``: after every optimizer update.
+"""
+
+from dapo_lightning.callbacks.collapse import (
+    CollapseDetector,
+    Detector,
+    default_detectors,
+    ema_update,
+    ngram_repetition,
+)
+from dapo_lightning.callbacks.entropy import EntropyScheduler, adaptive_coef, schedule_value
+from dapo_lightning.callbacks.overlong import OverlongRewardShaping, overlong_penalty
+
+__all__ = [
+    "CollapseDetector",
+    "Detector",
+    "EntropyScheduler",
+    "OverlongRewardShaping",
+    "adaptive_coef",
+    "default_detectors",
+    "ema_update",
+    "ngram_repetition",
+    "overlong_penalty",
+    "schedule_value",
+]
