@@ -177,7 +177,9 @@ class DAPOModule(LightningModule):
         if clip_ratio_c is not None and clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c must be > 1 (or null to disable), got {clip_ratio_c}.")
         if loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}.")
+            raise ValueError(
+                f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}."
+            )
         if advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, "
@@ -229,6 +231,7 @@ class DAPOModule(LightningModule):
                     f"loaded ({err}). Give an existing folder written by save_pretrained or a hub id "
                     "(with network access)."
                 ) from err
+        self.policy.train()  # from_pretrained returns eval mode; Lightning keeps modes as they are
         if self.hparams.gradient_checkpointing and hasattr(
             self.policy, "gradient_checkpointing_enable"
         ):
@@ -252,7 +255,10 @@ class DAPOModule(LightningModule):
             scheduler = WarmupConstantLR(optimizer, warmup_steps=self.hparams.warmup_steps)
         else:
             scheduler = self.lr_scheduler_factory(optimizer)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
 
     def forward_log_probs(
         self,
@@ -307,9 +313,11 @@ class DAPOModule(LightningModule):
 
     def _deepspeed_engine(self) -> Any:
         strategy = self.trainer.strategy
-        return getattr(strategy, "deepspeed_engine", None) if "DeepSpeed" in type(
-            strategy
-        ).__name__ else None
+        return (
+            getattr(strategy, "deepspeed_engine", None)
+            if "DeepSpeed" in type(strategy).__name__
+            else None
+        )
 
     def _backward(self, loss: Tensor, last: bool) -> None:
         engine = self._deepspeed_engine()
@@ -490,6 +498,7 @@ class DAPOModule(LightningModule):
         loss_total = self._all_reduce_sum(torch.tensor(total_loss, device=self.device)).item()
         finite = math.isfinite(loss_total) and bool(torch.isfinite(grad_norm).all())
         skipped = hp.skip_nonfinite and not finite
+        lr = float(optimizer.param_groups[0]["lr"])  # the rate this update uses
         if skipped:
             self.skipped_updates += 1
             optimizer.zero_grad(set_to_none=True)
@@ -507,7 +516,7 @@ class DAPOModule(LightningModule):
         metrics.update(
             loss=loss_total,
             grad_norm=float(grad_norm),
-            lr=float(optimizer.param_groups[0]["lr"]),
+            lr=lr,
             entropy_coef=float(self.entropy_coef),
             tokens=float(global_tokens),
             skipped_nonfinite=float(skipped),
@@ -542,7 +551,9 @@ class DAPOModule(LightningModule):
             mask = batch.response_mask * fresh[:, None].float()
             for key, value in logprob_parity(trainer_logp, batch.rollout_log_probs, mask).items():
                 values[key] = float(value)
-        self.log_dict(values, on_step=True, on_epoch=False, sync_dist=True, batch_size=batch.batch_size)
+        self.log_dict(
+            values, on_step=True, on_epoch=False, sync_dist=True, batch_size=batch.batch_size
+        )
         self.log(
             "rollout/response_length_max",
             float(lengths.max()),

@@ -16,6 +16,8 @@ from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+
 #: Special tokens, in id order (ids 0..2).
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|im_end|>"
@@ -123,3 +125,51 @@ def make_tiny_checkpoint(path: str | Path, *, seed: int = 0, **config_overrides:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def make_random_rollout_batch(
+    *,
+    num_groups: int,
+    group_size: int,
+    response_lengths: list[int] | None = None,
+    prompt_lengths: list[int] | None = None,
+    vocab_size: int = 259,
+    seed: int = 0,
+    policy_version: int = 0,
+) -> RolloutBatch:
+    """A synthetic :class:`RolloutBatch` with random tokens, rewards and log-probs.
+
+    ``response_lengths`` / ``prompt_lengths`` (one per sequence, cycled if shorter) let tests
+    build batches whose lengths differ a lot between micro-batches and ranks. Rewards are
+    +-1 with both values in every group (no zero-variance group). Token ids avoid the special
+    tokens 0..2.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    b = num_groups * group_size
+    resp = response_lengths or [int(x) for x in torch.randint(1, 33, (b,), generator=gen)]
+    prom = prompt_lengths or [int(x) for x in torch.randint(3, 12, (b,), generator=gen)]
+    group_index = torch.arange(num_groups).repeat_interleave(group_size)
+    score = torch.where(torch.rand(b, generator=gen) < 0.5, 1.0, -1.0)
+    score[::group_size] = 1.0
+    score[1::group_size] = -1.0
+    prompts: list[list[int]] = []
+    for g in range(num_groups):
+        prompt = torch.randint(3, vocab_size, (prom[(g * group_size) % len(prom)],), generator=gen)
+        prompts += [prompt.tolist()] * group_size
+    responses = [
+        torch.randint(3, vocab_size, (resp[i % len(resp)],), generator=gen).tolist()
+        for i in range(b)
+    ]
+    rollouts = ScoredRollouts(
+        prompt_ids=prompts,
+        response_ids=responses,
+        rollout_log_probs=[(-torch.rand(len(r), generator=gen) * 5).tolist() for r in responses],
+        finish_reason=["stop"] * b,
+        group_index=group_index,
+        prompt_uid=[f"p{g}" for g in group_index.tolist()],
+        score=score,
+        acc=(score > 0).float(),
+        max_response_length=max(resp),
+        policy_version=policy_version,
+    )
+    return RolloutBatch.from_rollouts(rollouts, group_size=group_size, pad_token_id=0)

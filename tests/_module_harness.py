@@ -1,0 +1,98 @@
+"""Shared pieces for DAPOModule tests: a data module that serves fixed RolloutBatches and a
+runner that fits for a few updates and returns the parameter update.
+
+Also runnable as a script under ``torch.distributed.run`` (2 gloo processes) for the DDP case:
+``python -m torch.distributed.run --nproc_per_node 2 tests/_module_harness.py CKPT OUT MICRO``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule, Trainer
+from torch.utils.data import DataLoader
+
+from dapo_lightning.data.batch import RolloutBatch
+from dapo_lightning.module import DAPOModule
+from dapo_lightning.testing import make_random_rollout_batch
+
+# Lengths that differ a lot within and across micro-batches and ranks.
+RESPONSE_LENGTHS = [1, 40, 3, 2, 35, 1, 5, 30, 2, 1, 28, 4, 6, 1, 33, 2]
+NUM_GROUPS, GROUP_SIZE = 4, 4
+
+
+def fixed_batch(seed: int = 0) -> RolloutBatch:
+    return make_random_rollout_batch(
+        num_groups=NUM_GROUPS,
+        group_size=GROUP_SIZE,
+        response_lengths=RESPONSE_LENGTHS,
+        seed=seed,
+    )
+
+
+class FixedBatches(LightningDataModule):
+    """Serves the same rollout batch every step; under DDP each rank gets its share of groups."""
+
+    def __init__(self, batch: RolloutBatch, steps: int = 1) -> None:
+        super().__init__()
+        self.batch, self.steps = batch, steps
+
+    def train_dataloader(self) -> DataLoader:
+        world = self.trainer.world_size
+        rank = self.trainer.global_rank
+        per_rank = self.batch.num_groups // world
+        groups = range(rank * per_rank, (rank + 1) * per_rank)
+        rows = torch.cat([(self.batch.group_index == g).nonzero().flatten() for g in groups])
+        local = self.batch.select(rows)
+        local.group_index = local.group_index - local.group_index.min()
+        return DataLoader([local] * self.steps, batch_size=None)
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1.0)
+
+
+def fit_update(
+    checkpoint: str,
+    *,
+    micro_batch_size: int,
+    devices: int = 1,
+    steps: int = 1,
+    **module_kwargs: Any,
+) -> tuple[dict[str, torch.Tensor], DAPOModule]:
+    """Fit ``steps`` rollout steps on the fixed batch; returns (parameter delta, module)."""
+    torch.manual_seed(0)
+    kwargs = dict(
+        optimizer=sgd,
+        gradient_clip_val=None,
+        micro_batch_size=micro_batch_size,
+        parity_check_every=0,
+    )
+    kwargs.update(module_kwargs)
+    module = DAPOModule(checkpoint, **kwargs)
+    module.configure_model()
+    before = {k: v.detach().clone() for k, v in module.policy.named_parameters()}
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_steps=-1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, datamodule=FixedBatches(fixed_batch(), steps=steps))
+    delta = {k: v.detach() - before[k] for k, v in module.policy.named_parameters()}
+    return delta, module
+
+
+if __name__ == "__main__":
+    ckpt, out, micro = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    delta, module = fit_update(ckpt, micro_batch_size=micro, devices=2)
+    if module.trainer.global_rank == 0:
+        torch.save(delta, out)

@@ -1,0 +1,213 @@
+"""DAPOModule: partition invariance (DESIGN.md invariant 1), updates, schedules, resume."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from dapo_lightning.module import DAPOModule, micro_batch_rows
+from tests._module_harness import FixedBatches, fit_update, fixed_batch
+
+HARNESS = Path(__file__).with_name("_module_harness.py")
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    scale = max(float(v.abs().max()) for v in a.values())
+    assert scale > 0, "the update is zero: the test would prove nothing"
+    return max(float((a[k] - b[k]).abs().max()) for k in a) / scale
+
+
+@pytest.fixture(scope="module")
+def one_micro_batch(tiny_checkpoint):
+    delta, _ = fit_update(str(tiny_checkpoint), micro_batch_size=16)
+    return delta
+
+
+def test_micro_batches_give_the_same_update(tiny_checkpoint, one_micro_batch):
+    for micro in (1, 3, 5):
+        delta, _ = fit_update(str(tiny_checkpoint), micro_batch_size=micro)
+        assert max_rel_diff(one_micro_batch, delta) <= 1e-6, micro
+
+
+def test_token_budget_micro_batches_give_the_same_update(tiny_checkpoint, one_micro_batch):
+    delta, _ = fit_update(str(tiny_checkpoint), micro_batch_size=16, max_tokens_per_micro_batch=60)
+    assert max_rel_diff(one_micro_batch, delta) <= 1e-6
+
+
+def test_negative_control_per_micro_batch_mean_differs(tiny_checkpoint, one_micro_batch):
+    """The common bug, normalising each micro-batch by its own token count, fails the check."""
+    from transformers import AutoModelForCausalLM
+
+    from dapo_lightning.advantages import compute_advantages
+    from dapo_lightning.logprobs import response_log_probs
+    from dapo_lightning.loss import compute_policy_loss
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    batch = fixed_batch()
+    adv = compute_advantages(batch.reward, batch.group_index)
+    chunks = micro_batch_rows(batch.attention_mask.sum(-1), max_rows=4)
+    for rows in chunks:
+        micro = batch.select(rows).trim()
+        logp, _ = response_log_probs(
+            model, micro.input_ids, micro.attention_mask, micro.response_width
+        )
+        loss, _ = compute_policy_loss(logp, logp.detach(), adv[rows], micro.response_mask)
+        (loss / len(chunks)).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 1.0 * p.grad
+    delta = {k: v.detach() - before[k] for k, v in model.named_parameters()}
+    assert max_rel_diff(one_micro_batch, delta) > 1e-3
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_two_ddp_ranks_give_the_same_update(tiny_checkpoint, one_micro_batch, tmp_path):
+    out = tmp_path / "delta.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HARNESS.parent.parent))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_port", "29531", str(HARNESS), str(tiny_checkpoint), str(out), "3",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    delta = torch.load(out)
+    assert max_rel_diff(one_micro_batch, delta) <= 1e-6
+
+
+class Record(Callback):
+    def __init__(self) -> None:
+        self.updates: list[dict[str, float]] = []
+
+    def on_dapo_update(self, trainer, pl_module, metrics):
+        self.updates.append(dict(metrics))
+
+
+def _fit(module, datamodule, callbacks=(), **trainer_kwargs):
+    kwargs = dict(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
+    trainer = Trainer(**{**kwargs, **trainer_kwargs})
+    trainer.fit(module, datamodule=datamodule)
+    return trainer
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=3e-2)
+
+
+def test_later_mini_batches_see_ratio_not_one_and_clipping(tiny_checkpoint):
+    rec = Record()
+    module = DAPOModule(
+        str(tiny_checkpoint), optimizer=adam, mini_batch_size=1, ppo_epochs=2, parity_check_every=0
+    )
+    _fit(module, FixedBatches(fixed_batch()), [rec])
+    assert len(rec.updates) == 8  # 4 prompts / 1 per update x 2 epochs
+    assert module.global_step == 8 and module.policy_version == 8 and module.rollout_step == 1
+    assert rec.updates[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert rec.updates[0]["clipfrac_high"] == 0 and rec.updates[0]["clipfrac_low"] == 0
+    later = rec.updates[4:]  # second epoch: every mini-batch was already updated on
+    assert all(abs(u["ratio_mean"] - 1) > 1e-3 for u in later)
+    assert any(u["clipfrac_high"] + u["clipfrac_low"] > 0 for u in later)
+
+
+def test_warmup_steps_once_per_update_and_clipping_applies(tiny_checkpoint):
+    rec = Record()
+    module = DAPOModule(
+        str(tiny_checkpoint),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.4),
+        warmup_steps=4,
+        mini_batch_size=1,
+        gradient_clip_val=1e-3,
+        parity_check_every=0,
+    )
+    module.configure_model()
+    before = torch.cat([p.detach().flatten().clone() for p in module.policy.parameters()])
+    _fit(module, FixedBatches(fixed_batch(), steps=1), [rec])
+    lrs = [u["lr"] for u in rec.updates]
+    assert lrs == pytest.approx([0.1, 0.2, 0.3, 0.4])  # warm-up (k + 1) / 4, once per update
+    assert all(u["grad_norm"] > 1e-3 for u in rec.updates)  # clipping was active
+    after = torch.cat([p.detach().flatten() for p in module.policy.parameters()])
+    # SGD with clipped gradients: the total step is at most sum(lr_k * clip).
+    assert float((after - before).norm()) <= (0.1 + 0.2 + 0.3 + 0.4) * 1e-3 * (1 + 1e-4)
+
+
+def test_resume_continues_identically(tiny_checkpoint, tmp_path):
+    def make():
+        torch.manual_seed(0)
+        return DAPOModule(
+            str(tiny_checkpoint), optimizer=adam, mini_batch_size=2, parity_check_every=0
+        )
+
+    straight = make()
+    _fit(straight, FixedBatches(fixed_batch(), steps=2))
+
+    first = make()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _fit(first, FixedBatches(fixed_batch(), steps=1), [ckpt], enable_checkpointing=True)
+    resumed = make()
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(
+        resumed, datamodule=FixedBatches(fixed_batch(), steps=1), ckpt_path=tmp_path / "last.ckpt"
+    )
+    assert resumed.policy_version == straight.policy_version == 4
+    for (name, a), b in zip(
+        straight.policy.state_dict().items(), resumed.policy.state_dict().values()
+    ):
+        assert torch.equal(a, b), name
+    sa = straight.trainer.optimizers[0].state_dict()["state"]
+    sb = trainer.optimizers[0].state_dict()["state"]
+    for k in sa:
+        for key in sa[k]:
+            assert torch.equal(torch.as_tensor(sa[k][key]), torch.as_tensor(sb[k][key]))
+
+
+def test_micro_batch_rows_respect_limits():
+    lengths = torch.tensor([5, 50, 3, 40, 1, 1])
+    chunks = micro_batch_rows(lengths, max_rows=4, max_tokens=60)
+    assert sorted(i for c in chunks for i in c) == list(range(6))
+    for c in chunks:
+        assert len(c) <= 4
+        assert len(c) == 1 or max(int(lengths[i]) for i in c) * len(c) <= 60
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(clip_ratio_low=0.3, clip_ratio_high=0.2), "clip_ratio_high"),
+        (dict(clip_ratio_c=0.5), "clip_ratio_c"),
+        (dict(loss_agg_mode="mean"), "loss_agg_mode"),
+        (dict(micro_batch_size=0), "micro_batch_size"),
+        (dict(loss_agg_mode="seq-mean-token-sum-norm"), "max_response_length"),
+    ],
+)
+def test_bad_arguments_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        DAPOModule("unused", **kwargs)
+
+
+def test_mini_batch_must_divide_the_batch(tiny_checkpoint):
+    module = DAPOModule(str(tiny_checkpoint), mini_batch_size=3)
+    with pytest.raises(ValueError, match="mini_batch_size"):
+        _fit(module, FixedBatches(fixed_batch()))
