@@ -1,0 +1,138 @@
+"""Per-prompt pass-rate statistics, retiring solved prompts, parking hopeless ones, and
+difficulty-adaptive group sizes (beyond the paper).
+
+A *visit* is one generation of a group for a prompt. After each visit the prompt's statistics
+(visits, samples, correct samples, streak of all-correct visits, ever solved) are updated with the
+``acc`` of its samples.
+
+- Retire: a prompt whose last ``retire_after`` visits in a row were all-correct is retired and
+  never drawn again (its groups would have zero variance: pure waste).
+- Park: a prompt never solved after ``park_after`` visits is parked; it is skipped until
+  ``revisit_every`` epochs have passed since it was parked, then visited once more (and parked
+  again if still unsolved; solving it unparks it).
+- Adaptive group size (:meth:`DifficultyTracker.group_size`): a prompt with pass rate ``p``
+  (``0.5`` before its first visit) is sampled ``n_i = n + round((max_n - n) * (1 - p))`` times, so
+  hard prompts get up to ``max_n`` samples and solved ones ``n``. The buffer keeps a fixed budget
+  of ``gen_batch_size * n`` samples per round (so a round holds fewer prompts when they are
+  hard) and subsamples each group back to exactly ``n`` responses, keeping both correct and wrong
+  ones when the group has both (:func:`subsample_keep_variance`). The batch handed to the module
+  therefore always has groups of ``n``; the subsample's pass rate is not the prompt's (it is
+  nudged towards a mix), which biases advantages slightly in exchange for fewer wasted groups.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class PromptStats:
+    """Statistics of one prompt (see the module docstring)."""
+
+    visits: int = 0
+    samples: int = 0
+    correct: int = 0
+    solved_streak: int = 0
+    ever_solved: bool = False
+    retired: bool = False
+    parked_epoch: int | None = None
+
+    @property
+    def pass_rate(self) -> float | None:
+        return self.correct / self.samples if self.samples else None
+
+
+class DifficultyTracker:
+    """Per-prompt statistics keyed by prompt uid.
+
+    Args:
+        retire_after: Retire a prompt after this many all-correct visits in a row; 0 never retires.
+        park_after: Park a prompt never solved after this many visits; 0 never parks.
+        revisit_every: Epochs a parked prompt waits before its next visit (>= 1).
+    """
+
+    def __init__(self, retire_after: int = 0, park_after: int = 0, revisit_every: int = 1) -> None:
+        if retire_after < 0 or park_after < 0:
+            raise ValueError("retire_after and park_after must be >= 0 (0 disables them).")
+        if revisit_every < 1:
+            raise ValueError(f"revisit_every must be >= 1 epoch, got {revisit_every}.")
+        self.retire_after = retire_after
+        self.park_after = park_after
+        self.revisit_every = revisit_every
+        self.stats: dict[str, PromptStats] = {}
+
+    def get(self, uid: str) -> PromptStats:
+        return self.stats.setdefault(uid, PromptStats())
+
+    def update(self, uid: str, accs: Sequence[float], epoch: int) -> None:
+        """Record one visit of ``uid`` whose samples scored ``accs`` (1.0 = correct)."""
+        s = self.get(uid)
+        correct = sum(1 for a in accs if a > 0.5)
+        s.visits += 1
+        s.samples += len(accs)
+        s.correct += correct
+        s.solved_streak = s.solved_streak + 1 if accs and correct == len(accs) else 0
+        s.ever_solved = s.ever_solved or correct > 0
+        if self.retire_after and s.solved_streak >= self.retire_after:
+            s.retired = True
+        if s.ever_solved:
+            s.parked_epoch = None
+        elif self.park_after and s.visits >= self.park_after:
+            s.parked_epoch = epoch
+
+    def eligible(self, uid: str, epoch: int) -> bool:
+        """Whether ``uid`` may be drawn in ``epoch``."""
+        s = self.stats.get(uid)
+        if s is None:
+            return True
+        if s.retired:
+            return False
+        if s.parked_epoch is not None:
+            return epoch - s.parked_epoch >= self.revisit_every
+        return True
+
+    @property
+    def num_retired(self) -> int:
+        return sum(s.retired for s in self.stats.values())
+
+    @property
+    def num_parked(self) -> int:
+        return sum(s.parked_epoch is not None and not s.retired for s in self.stats.values())
+
+    def group_size(self, uid: str, n: int, max_n: int) -> int:
+        """Adaptive samples for ``uid``: ``n + round((max_n - n) * (1 - pass_rate))``."""
+        p = self.get(uid).pass_rate if uid in self.stats else None
+        p = 0.5 if p is None else p
+        return n + round((max_n - n) * (1.0 - p))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stats": {uid: asdict(s) for uid, s in self.stats.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stats = {uid: PromptStats(**s) for uid, s in state["stats"].items()}
+
+
+def subsample_keep_variance(acc: Sequence[float], n: int, rng: random.Random) -> list[int]:
+    """Indices of ``n`` of the ``m = len(acc)`` samples, in their original order.
+
+    When the group has both correct and wrong samples, the subsample keeps
+    ``c = clamp(round(n * correct / m), 1, n - 1)`` correct ones and ``n - c`` wrong ones (so the
+    group keeps its variance); otherwise it is a uniform random choice.
+    """
+    m = len(acc)
+    if m < n:
+        raise ValueError(f"cannot subsample {n} of {m} samples.")
+    if m == n:
+        return list(range(m))
+    good = [i for i, a in enumerate(acc) if a > 0.5]
+    bad = [i for i, a in enumerate(acc) if a <= 0.5]
+    if good and bad and n >= 2:
+        c = min(max(round(n * len(good) / m), 1), n - 1, len(good))
+        c = max(c, n - len(bad))
+        chosen = rng.sample(good, c) + rng.sample(bad, n - c)
+    else:
+        chosen = rng.sample(range(m), n)
+    return sorted(chosen)

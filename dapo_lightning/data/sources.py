@@ -1,0 +1,363 @@
+"""Prompt sources: JSONL, Parquet and Hugging Face ``datasets`` files with a field mapping.
+
+Rows become :class:`PromptRecord` s (uid, prompt, answer, data_source). The DAPO-Math-17k
+schema is read as is: ``prompt`` is a list of chat messages, the answer sits at
+``reward_model.ground_truth`` (a dotted path), ``data_source`` names the source. Then
+:func:`deduplicate` removes repeated prompts (the public DAPO-Math-17k file repeats each ~100x),
+:func:`split_train_val` holds out a validation share, and :func:`tokenize_records` applies the
+chat template and enforces ``max_prompt_length``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[dict[str, str]]
+
+
+class PromptDataError(ValueError):
+    """A row of a prompt file cannot be used; the message names the row, the field and the fix."""
+
+
+@dataclass(frozen=True)
+class FieldMap:
+    """Where each field lives in a row (dotted paths walk nested dicts: ``reward_model.ground_truth``).
+
+    Args:
+        prompt_key: The prompt: a string or a list of ``{"role", "content"}`` chat messages.
+        answer_key: The ground-truth answer (numbers are converted to strings).
+        uid_key: A stable prompt id; None derives one from a hash of the prompt.
+        data_source_key: Where the row came from (passed to the reward as ``data_source``);
+            None or a missing field leaves it empty.
+    """
+
+    prompt_key: str = "prompt"
+    answer_key: str = "reward_model.ground_truth"
+    uid_key: str | None = None
+    data_source_key: str | None = "data_source"
+
+
+@dataclass
+class PromptRecord:
+    """One prompt with its answer.
+
+    Args:
+        uid: Stable id (per-prompt statistics and de-duplication use it).
+        prompt: Text or chat messages.
+        answer: Ground truth, as a string.
+        data_source: Source name, or None.
+        prompt_ids: Token ids after the chat template (set by :func:`tokenize_records`).
+        meta: Extra fields (e.g. ``difficulty`` of the arithmetic task).
+    """
+
+    uid: str
+    prompt: Prompt
+    answer: str
+    data_source: str | None = None
+    prompt_ids: list[int] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def get_field(row: dict[str, Any], path: str) -> Any:
+    """``row[a][b]...`` for ``path = "a.b..."``; raises KeyError naming the missing part."""
+    value: Any = row
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(part)
+        value = value[part]
+    return value
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """A canonical string of a prompt (for hashing and de-duplication)."""
+    if isinstance(prompt, str):
+        return prompt
+    return json.dumps([[m["role"], m["content"]] for m in prompt], ensure_ascii=False)
+
+
+def prompt_uid(prompt: Prompt) -> str:
+    """Stable id of a prompt: the first 16 hex digits of the SHA-1 of its canonical text."""
+    return hashlib.sha1(prompt_text(prompt).encode("utf-8")).hexdigest()[:16]
+
+
+def read_rows(source: str | Path | Any) -> list[dict[str, Any]]:
+    """Rows of a prompt file as dicts.
+
+    ``source`` is a ``.jsonl``/``.json``/``.parquet`` file, a folder written by
+    ``datasets.Dataset.save_to_disk``, a ``datasets.Dataset``, or a Hugging Face hub name
+    (``"org/name"`` or ``"org/name:split"``, loaded with ``datasets.load_dataset``; needs network).
+    """
+    if not isinstance(source, (str, Path)):
+        if hasattr(source, "to_list"):
+            return list(source.to_list())
+        raise TypeError(f"cannot read prompts from a {type(source).__name__}.")
+    path = Path(source)
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl":
+            rows = []
+            with path.open(encoding="utf-8") as f:
+                for i, line in enumerate(f):
+                    if not line.strip():
+                        continue
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise PromptDataError(
+                            f"{path}: line {i + 1} is not valid JSON ({e}): fix or delete it."
+                        ) from e
+            return rows
+        if suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, list):
+                raise PromptDataError(f"{path}: a .json prompt file must hold a list of rows.")
+            return data
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path).to_pylist()
+        raise PromptDataError(
+            f"{path}: unknown prompt file type {suffix!r}: use .jsonl, .json or .parquet."
+        )
+    if path.is_dir():
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise PromptDataError(
+                    f"{path}: a DatasetDict without a 'train' split: point at one split's folder."
+                )
+            ds = ds["train"]
+        return list(ds.to_list())
+    name, _, split = str(source).partition(":")
+    if "/" not in name or str(source).startswith((".", "/")):
+        raise FileNotFoundError(
+            f"prompt file {source} does not exist: check the path in train_files / val_files."
+        )
+    import datasets
+
+    return list(datasets.load_dataset(name, split=split or "train").to_list())
+
+
+def _clean_prompt(value: Any, where: str, key: str) -> Prompt:
+    if isinstance(value, str):
+        if not value.strip():
+            raise PromptDataError(f"{where}: field {key!r} is an empty prompt: remove the row.")
+        return value
+    if isinstance(value, (list, tuple)) and value:
+        msgs = []
+        for j, m in enumerate(value):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise PromptDataError(
+                    f"{where}: field {key!r} message {j} must be a dict with string 'role' and "
+                    f"'content', got {m!r}."
+                )
+            msgs.append({"role": m["role"], "content": m["content"]})
+        if not any(m["content"].strip() for m in msgs):
+            raise PromptDataError(
+                f"{where}: field {key!r} has only empty messages: remove the row."
+            )
+        return msgs
+    raise PromptDataError(
+        f"{where}: field {key!r} must be a non-empty string or a list of chat messages, got "
+        f"{value!r}; fix the row or point prompt_key at the prompt field."
+    )
+
+
+def _clean_answer(value: Any, where: str, key: str) -> str:
+    if isinstance(value, bool):
+        raise PromptDataError(
+            f"{where}: field {key!r} is a bool ({value}): answers must be strings or numbers."
+        )
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, str):
+        if not value.strip():
+            raise PromptDataError(f"{where}: field {key!r} is an empty answer: remove the row.")
+        return value.strip()
+    raise PromptDataError(
+        f"{where}: field {key!r} must be a string or a number, got {type(value).__name__} "
+        f"{value!r}; store the ground truth as a string (or point answer_key at it)."
+    )
+
+
+def records_from_rows(
+    rows: Sequence[dict[str, Any]], fields: FieldMap = FieldMap(), name: str = "prompts"
+) -> list[PromptRecord]:
+    """Turn rows into records, checking each; errors name the row number (1-based) and field."""
+    out = []
+    for i, row in enumerate(rows):
+        where = f"{name} row {i + 1}"
+        if not isinstance(row, dict):
+            raise PromptDataError(f"{where} is a {type(row).__name__}, not a dict of fields.")
+        values = {}
+        for attr in ("prompt_key", "answer_key"):
+            key = getattr(fields, attr)
+            try:
+                values[attr] = get_field(row, key)
+            except KeyError as e:
+                raise PromptDataError(
+                    f"{where}: missing field {key!r} (no {str(e)!r}; row keys: {sorted(row)}): "
+                    f"set {attr} to the field that holds it (dotted paths reach nested fields)."
+                ) from None
+            if values[attr] is None:
+                raise PromptDataError(f"{where}: field {key!r} is null: fill it or drop the row.")
+        prompt = _clean_prompt(values["prompt_key"], where, fields.prompt_key)
+        answer = _clean_answer(values["answer_key"], where, fields.answer_key)
+        if fields.uid_key is not None:
+            try:
+                uid = str(get_field(row, fields.uid_key))
+            except KeyError:
+                raise PromptDataError(
+                    f"{where}: missing uid field {fields.uid_key!r}: set uid_key=None to derive "
+                    "ids from the prompt text."
+                ) from None
+        else:
+            uid = prompt_uid(prompt)
+        source = None
+        if fields.data_source_key is not None:
+            try:
+                source = get_field(row, fields.data_source_key)
+            except KeyError:
+                source = None
+        meta = {k: v for k, v in row.items() if k == "difficulty"}
+        out.append(
+            PromptRecord(uid, prompt, answer, None if source is None else str(source), meta=meta)
+        )
+    return out
+
+
+def deduplicate(records: Sequence[PromptRecord]) -> tuple[list[PromptRecord], int]:
+    """Keep the first record of each prompt text; returns (records, number removed).
+
+    Two copies of one prompt with different answers keep the first answer (a warning counts them).
+    """
+    seen: dict[str, PromptRecord] = {}
+    conflicts = 0
+    for r in records:
+        key = prompt_text(r.prompt)
+        if key in seen:
+            conflicts += seen[key].answer != r.answer
+            continue
+        seen[key] = r
+    if conflicts:
+        log.warning("%d duplicate prompts had a different answer; kept the first.", conflicts)
+    kept = list(seen.values())
+    uids = [r.uid for r in kept]
+    if len(set(uids)) != len(uids):
+        raise PromptDataError(
+            "distinct prompts share a uid: make uid_key unique per prompt or set uid_key=None."
+        )
+    return kept, len(records) - len(kept)
+
+
+def load_prompt_records(
+    sources: str | Path | Sequence[str | Path] | Any,
+    fields: FieldMap = FieldMap(),
+    *,
+    dedup: bool = True,
+) -> list[PromptRecord]:
+    """Read, check and (by default) de-duplicate the prompts of one or more files."""
+    if isinstance(sources, (str, Path)) or not isinstance(sources, Sequence):
+        sources = [sources]
+    records: list[PromptRecord] = []
+    for src in sources:
+        name = str(src) if isinstance(src, (str, Path)) else type(src).__name__
+        records.extend(records_from_rows(read_rows(src), fields, name=name))
+    if not records:
+        raise PromptDataError(f"no prompts found in {[str(s) for s in sources]}.")
+    if dedup:
+        records, removed = deduplicate(records)
+        if removed:
+            log.info("removed %d duplicate prompts, %d left.", removed, len(records))
+    return records
+
+
+def split_train_val(
+    records: Sequence[PromptRecord], val_fraction: float, seed: int = 0
+) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """Hold out ``round(val_fraction * len)`` records (a seeded random choice) for validation."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}.")
+    n_val = round(val_fraction * len(records))
+    if val_fraction > 0 and n_val == 0:
+        n_val = 1
+    if n_val >= len(records):
+        raise ValueError(
+            f"val_fraction={val_fraction} leaves no training prompts out of {len(records)}."
+        )
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    val_idx = set(order[:n_val])
+    train = [r for i, r in enumerate(records) if i not in val_idx]
+    val = [r for i, r in enumerate(records) if i in val_idx]
+    return train, val
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, apply_chat_template: bool) -> list[int]:
+    """Token ids of a prompt; strings become one user message when the chat template is applied."""
+    if apply_chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not isinstance(prompt, str):
+        raise PromptDataError(
+            "a prompt is a list of chat messages but apply_chat_template=False: set "
+            "apply_chat_template=True or give plain-text prompts."
+        )
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def tokenize_records(
+    records: Sequence[PromptRecord],
+    tokenizer: Any,
+    *,
+    apply_chat_template: bool = True,
+    max_prompt_length: int | None = None,
+    overlong_prompts: Literal["error", "drop"] = "error",
+) -> tuple[list[PromptRecord], int]:
+    """Fill ``prompt_ids``; prompts over ``max_prompt_length`` tokens raise or are dropped.
+
+    Returns (records kept, number dropped).
+    """
+    if overlong_prompts not in ("error", "drop"):
+        raise ValueError(f"overlong_prompts must be 'error' or 'drop', got {overlong_prompts!r}.")
+    kept, dropped = [], 0
+    for i, r in enumerate(records):
+        ids = encode_prompt(tokenizer, r.prompt, apply_chat_template)
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            if overlong_prompts == "drop":
+                dropped += 1
+                continue
+            raise PromptDataError(
+                f"prompt {i + 1} (uid {r.uid}) has {len(ids)} tokens, more than "
+                f"max_prompt_length={max_prompt_length}: raise max_prompt_length, or set "
+                "overlong_prompts='drop' to skip such prompts."
+            )
+        r.prompt_ids = ids
+        kept.append(r)
+    if dropped:
+        log.warning(
+            "dropped %d prompts longer than max_prompt_length=%s.", dropped, max_prompt_length
+        )
+    if not kept:
+        raise PromptDataError(
+            f"every prompt is longer than max_prompt_length={max_prompt_length}: raise it."
+        )
+    return kept, dropped
