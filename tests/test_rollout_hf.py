@@ -10,6 +10,7 @@ from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.rollout import HFRolloutEngine, RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.hf import process_logits
+from dapo_lightning.rollout.parity import ParityMonitor, logprob_parity
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +190,48 @@ def test_process_logits_top_k_top_p():
     p = torch.tensor([[0.5, 0.3, 0.15, 0.05]]) ** 2
     logp = process_logits(logits, 0.5, -1, 1.0)
     assert torch.allclose(logp.exp(), p / p.sum(), atol=1e-6)
+
+
+# ---------------------------------------------------------------- parity monitor (rollout/parity.py)
+
+
+def test_logprob_parity_formulas():
+    trainer = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
+    engine = torch.tensor([[-1.5, -2.0, -9.0], [-0.5, -0.25, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])  # the -9 is padding and must be ignored
+    out = logprob_parity(trainer, engine, mask)
+    d = torch.tensor([0.5, 0.0, 0.0, -0.25])
+    assert out["parity/mean_abs_diff"] == pytest.approx(0.1875)
+    assert out["parity/max_abs_diff"] == pytest.approx(0.5)
+    assert out["parity/tis_ratio_mean"] == pytest.approx(d.exp().mean().item())
+    assert out["parity/tis_ratio_max"] == pytest.approx(torch.exp(torch.tensor(0.5)).item())
+    assert out["parity/tokens"] == 4.0
+    empty = logprob_parity(trainer, engine, torch.zeros_like(mask))
+    assert empty["parity/max_abs_diff"] == 0.0 and empty["parity/tis_ratio_mean"] == 1.0
+    with pytest.raises(ValueError, match="one shape"):
+        logprob_parity(trainer, engine[:, :2], mask)
+
+
+def test_parity_monitor_schedule_and_on_real_rollouts(model, tokenizer):
+    monitor = ParityMonitor(every=3)
+    assert [monitor.should_check(k) for k in range(7)] == [1, 0, 0, 1, 0, 0, 1]
+    with pytest.raises(ValueError, match="every"):
+        ParityMonitor(every=0)
+    engine = HFRolloutEngine(model, tokenizer, seed=8)
+    prompts = _prompts(tokenizer, ["one", "three"])
+    out = engine.generate(prompts, 2, SamplingConfig(max_tokens=8))
+    batch, _ = _trainer_logp(model, prompts, out, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = response_log_probs(
+            model, batch.input_ids, batch.attention_mask, batch.response_width
+        )
+    stats = ParityMonitor()(logp, batch)
+    assert stats["parity/max_abs_diff"] < 1e-5
+    assert stats["parity/tis_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert stats["parity/tokens"] == batch.response_mask.sum().item()
+    # a different policy (temperature 2 scoring) is flagged
+    with torch.no_grad():
+        hot, _ = response_log_probs(
+            model, batch.input_ids, batch.attention_mask, batch.response_width, temperature=2.0
+        )
+    assert ParityMonitor()(hot, batch)["parity/max_abs_diff"] > 1e-2

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from dapo_lightning.rollout.base import Completion, FinishReason, RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.hf import HFRolloutEngine
+from dapo_lightning.rollout.parity import ParityMonitor, logprob_parity
 
 if TYPE_CHECKING:
     from dapo_lightning.rollout.vllm import VLLMRolloutEngine
@@ -17,10 +18,12 @@ __all__ = [
     "Completion",
     "FinishReason",
     "HFRolloutEngine",
+    "ParityMonitor",
     "RolloutEngine",
     "SamplingConfig",
     "VLLMRolloutEngine",
     "create_engine",
+    "logprob_parity",
     "ENGINE_KINDS",
 ]
 
