@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from dapo_lightning.callbacks.overlong import OverlongRewardShaping, overlong_penalty
+
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 
 
@@ -63,7 +63,9 @@ def test_penalty_on_tensors_matches_ints_elementwise() -> None:
     lengths = torch.tensor([[0, 16, 17], [19, 20, 25]])
     out = overlong_penalty(lengths, 20, 4, penalty_factor=2.0)
     assert out.shape == lengths.shape and out.dtype == torch.float32
-    expected = torch.tensor([[overlong_penalty(int(x), 20, 4, 2.0) for x in row] for row in lengths])
+    expected = torch.tensor(
+        [[overlong_penalty(int(x), 20, 4, 2.0) for x in row] for row in lengths]
+    )
     torch.testing.assert_close(out, expected)
     # a float tensor keeps its dtype
     assert overlong_penalty(lengths.double(), 20, 4).dtype == torch.float64
