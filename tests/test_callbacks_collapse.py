@@ -1,0 +1,419 @@
+"""Tests for dapo_lightning.callbacks.collapse: detectors, actions, rollback, state.
+
+The hooks are driven directly. ``trainer`` is a SimpleNamespace stand-in (the hooks only read
+``optimizers``, ``lr_scheduler_configs`` and set ``should_stop``); the optimizer, scheduler
+and model in it are real. ``pl_module`` is a small stand-in holding a real ``policy`` and
+recording ``log`` calls, because Lightning refuses ``log`` outside a running loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from dapo_lightning.callbacks.collapse import (
+    CollapseDetector,
+    Detector,
+    ema_update,
+    ngram_repetition,
+    relative_drop,
+    spike_ratio,
+)
+from lightning.pytorch.callbacks import Callback
+
+from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+
+
+class RecordingModule:
+    def __init__(self, policy: torch.nn.Module | None = None) -> None:
+        self.policy = policy if policy is not None else torch.nn.Linear(2, 2)
+        self.logged: dict[str, list[float]] = {}
+
+    def log(self, name: str, value: float, **kwargs: Any) -> None:
+        self.logged.setdefault(name, []).append(float(value))
+
+
+def make_trainer(optimizer=None, scheduler=None) -> SimpleNamespace:
+    return SimpleNamespace(
+        optimizers=[optimizer] if optimizer is not None else [],
+        lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)] if scheduler else [],
+        should_stop=False,
+    )
+
+
+def make_step(
+    responses: list[list[int]],
+    *,
+    truncated: list[bool] | None = None,
+    has_answer: list[bool] | None = None,
+    stats: dict[str, float] | None = None,
+) -> tuple[ScoredRollouts, RolloutBatch]:
+    n = len(responses)
+    rollouts = ScoredRollouts(
+        prompt_ids=[[3, 4]] * n,
+        response_ids=responses,
+        rollout_log_probs=[[-1.0] * len(r) for r in responses],
+        finish_reason=["length" if t else "stop" for t in (truncated or [False] * n)],
+        group_index=torch.arange(n) // 2,
+        prompt_uid=[str(i // 2) for i in range(n)],
+        score=torch.arange(n).float(),
+        acc=torch.zeros(n),
+        max_response_length=64,
+        extra={"has_answer": has_answer} if has_answer is not None else {},
+    )
+    batch = RolloutBatch.from_rollouts(rollouts, group_size=2, pad_token_id=0, stats=stats)
+    return rollouts, batch
+
+
+def drive(cb: CollapseDetector, trainer, module, stream: list) -> None:
+    """Feed observations: ("update", metrics) or ("step", (rollouts, batch))."""
+    for kind, item in stream:
+        if kind == "update":
+            cb.on_dapo_update(trainer, module, item)
+        else:
+            rollouts, batch = item
+            cb.on_rollouts_scored(trainer, module, rollouts)
+            cb.on_train_batch_end(trainer, module, None, batch, 0)
+
+
+def updates(key: str, values: list[float]) -> list:
+    base = {"entropy": 0.7, "grad_norm": 1.0, "kl_k3": 0.01, "skipped_nonfinite": 0.0}
+    return [
+        ("update", {**base, key: v, "update": float(i + 1), "loss": 0.1})
+        for i, v in enumerate(values)
+    ]
+
+
+def distinct(n: int = 4, length: int = 24) -> list[list[int]]:
+    return [[(7 * i + j) % 250 + 3 for j in range(length)] for i in range(n)]
+
+
+def looping(n: int = 4, length: int = 24) -> list[list[int]]:
+    return [[5, 6, 7] * (length // 3) for _ in range(n)]
+
+
+STEP_STATS = {"generated_groups": 3.0, "kept_groups": 2.0, "zero_variance_frac": 0.33}
+
+# signal -> (detector, healthy stream, unhealthy stream); every unhealthy stream is bad for
+# at least `patience` consecutive observations at its end
+CASES = {
+    "entropy": (
+        Detector("entropy", threshold=0.05, patience=3),
+        updates("entropy", [0.7, 0.5, 0.3, 0.2, 0.1, 0.06, 0.3]),
+        updates("entropy", [0.7, 0.3, 0.04, 0.01, 0.001]),
+    ),
+    "entropy_drop": (
+        Detector("entropy_drop", threshold=0.5, patience=2, warmup=3, ema_decay=0.8),
+        updates("entropy", [1.0, 1.05, 0.95, 1.0, 0.9, 0.8, 0.7, 0.6, 0.5]),  # slow decline
+        updates("entropy", [1.0, 1.05, 0.95, 1.0, 0.3, 0.2, 0.25]),  # sudden fall
+    ),
+    "grad_norm_spike": (
+        Detector("grad_norm_spike", threshold=5.0, patience=2, warmup=3),
+        updates("grad_norm", [1.0, 1.2, 0.8, 1.1, 3.0, 0.9, 1.0, 2.0]),
+        updates("grad_norm", [1.0, 1.2, 0.8, 1.1, 30.0, 40.0]),
+    ),
+    "kl_spike": (
+        Detector("kl_spike", threshold=10.0, patience=2, warmup=2, min_value=1e-3),
+        # KL is ~0 on the first update of each step: tiny values must not count as spikes
+        updates("kl_k3", [0.0, 0.01, 0.0, 0.012, 1e-9, 0.0005, 0.02, 0.0]),
+        updates("kl_k3", [0.0, 0.01, 0.0, 0.012, 0.5, 0.8]),
+    ),
+    "nonfinite": (
+        Detector("nonfinite", threshold=0.5, patience=3),
+        updates("skipped_nonfinite", [0, 1, 1, 0, 1, 1, 0, 0]),
+        updates("skipped_nonfinite", [0, 1, 1, 1]),
+    ),
+    "repetition": (
+        Detector("repetition", threshold=0.5, patience=2, ngram=3, max_repeat=0.5),
+        [("step", make_step(distinct(), stats=STEP_STATS))] * 4
+        + [("step", make_step(distinct(2) + looping(2), stats=STEP_STATS))],  # share 0.5
+        [("step", make_step(distinct(1) + looping(3), stats=STEP_STATS))] * 2,
+    ),
+    "format": (
+        Detector("format", threshold=0.5, patience=2),
+        [("step", make_step(distinct(), has_answer=[True, True, False, True]))] * 4,
+        [("step", make_step(distinct(), has_answer=[False, False, False, True]))] * 2,
+    ),
+    "zero_variance": (
+        Detector("zero_variance", threshold=0.9, patience=2),
+        [("step", make_step(distinct(), stats={**STEP_STATS, "zero_variance_frac": 0.8}))] * 4,
+        [("step", make_step(distinct(), stats={**STEP_STATS, "zero_variance_frac": 0.97}))] * 2,
+    ),
+    "oversampling": (
+        Detector("oversampling", threshold=4.0, patience=2),
+        [("step", make_step(distinct(), stats={**STEP_STATS, "generated_groups": 8.0}))] * 4,
+        [("step", make_step(distinct(), stats={**STEP_STATS, "generated_groups": 10.0}))] * 2,
+    ),
+    "length_low": (
+        Detector("length_low", threshold=5.0, patience=2),
+        [("step", make_step(distinct(length=6)))] * 4,
+        [("step", make_step(distinct(length=2)))] * 2,
+    ),
+    "length_high": (
+        Detector("length_high", threshold=50.0, patience=2),
+        [("step", make_step(distinct(length=48)))] * 4,
+        [("step", make_step(distinct(length=60)))] * 2,
+    ),
+    "truncation": (
+        Detector("truncation", threshold=0.5, patience=2),
+        [("step", make_step(distinct(), truncated=[True, False, True, False]))] * 4,
+        [("step", make_step(distinct(), truncated=[True, True, True, False]))] * 2,
+    ),
+}
+
+
+def test_every_signal_has_a_case() -> None:
+    from typing import get_args
+
+    from dapo_lightning.callbacks.collapse import Signal
+
+    assert set(CASES) == set(get_args(Signal))
+
+
+@pytest.mark.parametrize("signal", sorted(CASES))
+def test_detector_silent_on_healthy_stream(signal: str) -> None:
+    det, healthy, _ = CASES[signal]
+    cb = CollapseDetector([copy.deepcopy(det)])
+    module = RecordingModule()
+    drive(cb, make_trainer(), module, healthy)
+    assert cb.fired[det.name] == 0
+    assert len(module.logged[f"collapse/{det.name}"]) > 0  # it did observe and log values
+
+
+@pytest.mark.parametrize("signal", sorted(CASES))
+def test_detector_fires_on_unhealthy_stream(signal: str) -> None:
+    det, _, unhealthy = CASES[signal]
+    cb = CollapseDetector([copy.deepcopy(det)])
+    module = RecordingModule()
+    with pytest.warns(UserWarning, match=f"{det.name} fired"):
+        drive(cb, make_trainer(), module, unhealthy)
+    assert cb.fired[det.name] == 1
+    if det.signal in ("repetition", "format", "zero_variance", "oversampling") or "length" in (
+        det.signal
+    ):
+        assert module.logged[f"collapse/fired_{det.name}"][-1] == 1.0
+
+
+def test_patience_needs_consecutive_bad_observations() -> None:
+    cb = CollapseDetector([Detector("entropy", threshold=0.1, patience=3)])
+    module, trainer = RecordingModule(), make_trainer()
+    drive(cb, trainer, module, updates("entropy", [0.05, 0.05, 0.5, 0.05, 0.05, 0.5]))
+    assert cb.fired["entropy"] == 0
+    with pytest.warns(UserWarning):
+        drive(cb, trainer, module, updates("entropy", [0.05] * 7))
+    assert cb.fired["entropy"] == 2  # fires, the count restarts, fires again after 3 more
+
+
+def test_stop_action_sets_should_stop_and_keeps_the_reason() -> None:
+    cb = CollapseDetector([Detector("nonfinite", threshold=0.5, patience=2, action="stop")])
+    trainer = make_trainer()
+    drive(cb, trainer, RecordingModule(), updates("skipped_nonfinite", [1.0]))
+    assert not trainer.should_stop and cb.stop_reason is None
+    with pytest.warns(UserWarning, match="Stopping training"):
+        drive(cb, trainer, RecordingModule(), updates("skipped_nonfinite", [1.0]))
+    assert trainer.should_stop
+    assert "nonfinite fired" in cb.stop_reason
+
+
+def test_pure_functions() -> None:
+    assert ngram_repetition([1, 2, 3, 4, 5], n=2) == 0.0
+    assert ngram_repetition([1, 2, 1, 2, 1, 2], n=2) == pytest.approx(1 - 2 / 5)
+    assert ngram_repetition([9] * 11, n=3) == pytest.approx(1 - 1 / 9)
+    assert ngram_repetition([1, 2], n=4) == 0.0
+    assert ema_update(None, 3.0, 0.9) == 3.0
+    assert ema_update(2.0, 4.0, 0.75) == pytest.approx(2.5)
+    assert relative_drop(0.25, 1.0) == 0.75 and relative_drop(1.0, 0.0) == 0.0
+    assert spike_ratio(10.0, 2.0) == 5.0 and math.isfinite(spike_ratio(1.0, 0.0))
+
+
+def test_detector_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match="Detector.signal"):
+        Detector("entropyy", threshold=0.1)
+    with pytest.raises(ValueError, match="Detector.action"):
+        Detector("entropy", threshold=0.1, action="explode")
+    with pytest.raises(ValueError, match="Detector.patience"):
+        Detector("entropy", threshold=0.1, patience=0)
+    with pytest.raises(ValueError, match="names must be unique"):
+        CollapseDetector([Detector("entropy", 0.1), {"signal": "entropy", "threshold": 0.2}])
+    with pytest.raises(ValueError, match="rollback_lr_scale"):
+        CollapseDetector([], rollback_lr_scale=0.0)
+
+
+# ------------------------------------------------------------------------- rollback
+
+
+def _tiny_setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    policy = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(policy.parameters(), lr=0.1, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return policy, opt, sched
+
+
+def _train_update(policy, opt, sched) -> None:
+    x = torch.randn(8, 4)
+    opt.zero_grad()
+    policy(x).pow(2).mean().backward()
+    opt.step()
+    sched.step()
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """Bit-exact equality of nested dicts/lists of tensors and plain values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def _state(policy, opt, sched) -> dict:
+    return copy.deepcopy(
+        {"policy": policy.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+    )
+
+
+def test_rollback_restores_weights_and_optimizer_bit_exactly() -> None:
+    policy, opt, sched = _tiny_setup()
+    module, trainer = RecordingModule(policy), make_trainer(opt, sched)
+    det = Detector("grad_norm_spike", threshold=5.0, patience=2, warmup=2, action="rollback")
+    cb = CollapseDetector([det], snapshot_every=2, rollback_lr_scale=0.5)
+    cb.on_train_start(trainer, module)
+    healthy = {"grad_norm": 1.0, "entropy": 0.5, "kl_k3": 0.0, "skipped_nonfinite": 0.0}
+    for k in range(1, 6):  # 5 healthy updates: snapshots after updates 2 and 4
+        _train_update(policy, opt, sched)
+        cb.on_dapo_update(trainer, module, {**healthy, "update": float(k)})
+        if k == 4:
+            expected = _state(policy, opt, sched)
+    for k in (6, 7):  # two spikes: the second fires the rollback
+        _train_update(policy, opt, sched)
+        cb.on_dapo_update(trainer, module, {**healthy, "grad_norm": 100.0, "update": float(k)})
+    assert cb.rollbacks == 1 and cb.fired["grad_norm_spike"] == 1
+    got = _state(policy, opt, sched)
+    assert_same(got["policy"], expected["policy"])
+    assert_same(got["opt"]["state"], expected["opt"]["state"])
+    # the learning rate was scaled down, in the optimizer and in the scheduler
+    lr4 = expected["opt"]["param_groups"][0]["lr"]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * lr4)
+    assert sched.base_lrs == [pytest.approx(0.05)]
+    assert sched.last_epoch == expected["sched"]["last_epoch"]
+    _train_update(policy, opt, sched)  # the next scheduler step keeps the scale
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05 / (1 + sched.last_epoch))
+
+    # training on after the rollback must not leak into the snapshot (no shared storage)
+    restored = got
+    for k in (9, 10):
+        _train_update(policy, opt, sched)
+        cb.on_dapo_update(trainer, module, {**healthy, "grad_norm": 100.0, "update": float(k)})
+    assert cb.rollbacks == 2
+    again = _state(policy, opt, sched)
+    assert_same(again["policy"], restored["policy"])
+    assert_same(again["opt"]["state"], restored["opt"]["state"])
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.25 * lr4)  # scales compound
+
+
+def test_rollback_falls_back_to_stop_after_max_rollbacks() -> None:
+    policy, opt, sched = _tiny_setup()
+    module, trainer = RecordingModule(policy), make_trainer(opt, sched)
+    cb = CollapseDetector(
+        [Detector("nonfinite", threshold=0.5, patience=1, action="rollback")], max_rollbacks=1
+    )
+    cb.on_train_start(trainer, module)
+    drive(cb, trainer, module, updates("skipped_nonfinite", [1.0]))
+    assert cb.rollbacks == 1 and not trainer.should_stop
+    with pytest.warns(UserWarning, match="max_rollbacks=1 reached"):
+        drive(cb, trainer, module, updates("skipped_nonfinite", [1.0]))
+    assert trainer.should_stop and "max_rollbacks" in cb.stop_reason
+
+
+def test_step_detector_rolls_back_at_batch_end() -> None:
+    policy, opt, sched = _tiny_setup()
+    module, trainer = RecordingModule(policy), make_trainer(opt, sched)
+    cb = CollapseDetector([Detector("length_high", threshold=50.0, action="rollback")])
+    cb.on_train_start(trainer, module)
+    start = _state(policy, opt, sched)
+    _train_update(policy, opt, sched)
+    drive(cb, trainer, module, [("step", make_step(distinct(length=60)))])
+    assert cb.rollbacks == 1
+    assert_same(_state(policy, opt, sched)["policy"], start["policy"])
+
+
+# ---------------------------------------------------------------------------- state
+
+
+def test_state_round_trip_continues_identically() -> None:
+    dets = [
+        Detector("entropy_drop", threshold=0.4, patience=2, warmup=2),
+        Detector("grad_norm_spike", threshold=5.0, patience=3, warmup=2),
+        Detector("repetition", threshold=0.4, patience=2),
+        Detector("format", threshold=0.5, patience=3),
+    ]
+    a = CollapseDetector(copy.deepcopy(dets))
+    first = updates("entropy", [1.0, 0.9, 1.1, 0.5]) + [
+        ("step", make_step(distinct(1) + looping(3), has_answer=[False] * 4))
+    ]
+    second = (
+        updates("entropy", [0.4, 0.45, 1.0])
+        + [("step", make_step(looping(), has_answer=[False, False, True, False]))] * 3
+        + updates("grad_norm", [9.0, 9.0, 9.0, 1.0])
+    )
+    trainer, module = make_trainer(), RecordingModule()
+    drive(a, trainer, module, first)
+    a.on_rollouts_scored(trainer, module, make_step(looping())[0])  # stashed mid-step
+    b = CollapseDetector(copy.deepcopy(dets))
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    assert b.state_dict() == a.state_dict()
+    with pytest.warns(UserWarning):
+        drive(a, trainer, module, second)
+    with pytest.warns(UserWarning):
+        drive(b, trainer, module, second)
+    assert b.state_dict() == a.state_dict()
+    assert sum(a.fired.values()) >= 3
+
+
+def test_snapshot_kept_in_checkpoint_only_when_asked() -> None:
+    policy, opt, sched = _tiny_setup()
+    module, trainer = RecordingModule(policy), make_trainer(opt, sched)
+    det = Detector("nonfinite", threshold=0.5, action="rollback")
+    small, full = CollapseDetector([det]), CollapseDetector([det], snapshot_in_checkpoint=True)
+    for cb in (small, full):
+        cb.on_train_start(trainer, module)
+    assert "snapshot" not in small.state_dict()
+    restored = CollapseDetector([det], snapshot_in_checkpoint=True)
+    restored.load_state_dict(full.state_dict())
+    assert_same(restored.snapshot["policy"], full.snapshot["policy"])
+
+
+def test_built_from_yaml_by_jsonargparse() -> None:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--callbacks", type=list[Callback])
+    cfg = parser.parse_string(
+        """
+callbacks:
+  - class_path: dapo_lightning.callbacks.CollapseDetector
+    init_args:
+      snapshot_every: 5
+      rollback_lr_scale: 0.5
+      detectors:
+        - {signal: entropy, threshold: 0.05, patience: 5, action: stop}
+        - {signal: kl_spike, threshold: 20.0, min_value: 0.001, name: kl}
+"""
+    )
+    (cb,) = parser.instantiate_classes(cfg).callbacks
+    assert isinstance(cb, CollapseDetector)
+    assert [d.name for d in cb.detectors] == ["entropy", "kl"]
+    assert cb.detectors[0].action == "stop" and cb.detectors[1].min_value == 0.001
+    assert cb.snapshot_every == 5 and cb.rollback_lr_scale == 0.5
