@@ -1,0 +1,146 @@
+"""Response-token throughput of the HF and vLLM rollout engines, side by side.
+
+Both engines sample from the same checkpoint, prompts, ``n`` and ``max_tokens``; each cell is
+the median over repeats of ``response tokens generated / wall seconds`` (after one warm-up
+call per engine). Prints a rich table and writes ``benchmarks/out/rollout_throughput.png``.
+
+Usage::
+
+    python benchmarks/rollout_throughput.py --quick          # < 1 minute on 2 CPU cores
+    python benchmarks/rollout_throughput.py --model-path /path/to/ckpt --dtype bfloat16
+
+The HF engine is measured first: building a vLLM engine in-process lowers torch's thread
+count for the whole process, which would otherwise handicap the HF engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dapo_lightning.rollout import HFRolloutEngine, RolloutEngine, SamplingConfig, create_engine
+from dapo_lightning.testing import make_tiny_checkpoint
+
+OUT_DIR = Path(__file__).parent / "out"
+
+
+def make_prompts(num_prompts: int, seed: int = 0) -> list[list[int]]:
+    """``num_prompts`` token-id prompts of 8..40 tokens (ids 3..258: the tiny vocabulary)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 41, (num_prompts,), generator=g)
+    return [torch.randint(3, 259, (int(k),), generator=g).tolist() for k in lengths]
+
+
+def measure(
+    engine: RolloutEngine, prompts: list[list[int]], n: int, max_tokens: int, repeats: int
+) -> tuple[float, float]:
+    """Median response tokens/s and median seconds per call over ``repeats`` calls."""
+    sampling = SamplingConfig(max_tokens=max_tokens)
+    rates, secs = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = engine.generate(prompts, n, sampling)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(c.token_ids) for group in out for c in group)
+        rates.append(tokens / elapsed)
+        secs.append(elapsed)
+    return statistics.median(rates), statistics.median(secs)
+
+
+def main(argv: list[str] | None = None) -> dict[tuple[str, int, int], tuple[float, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small grid, finishes in < 1 min")
+    parser.add_argument("--model-path", default=None, help="checkpoint (default: tiny one)")
+    parser.add_argument("--dtype", default="float32", help="vLLM dtype (HF model: same)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per call")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per cell")
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=None)
+    parser.add_argument("--n", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
+    args = parser.parse_args(argv)
+    num_prompts = args.prompts or (4 if args.quick else 16)
+    repeats = args.repeats or (2 if args.quick else 3)
+    lengths = args.max_tokens or ([32] if args.quick else [64, 256])
+
+    from transformers import AutoModelForCausalLM
+
+    tmp = None
+    model_path = args.model_path
+    if model_path is None:
+        tmp = tempfile.TemporaryDirectory()
+        model_path = str(make_tiny_checkpoint(Path(tmp.name) / "tiny"))
+    prompts = make_prompts(num_prompts)
+    dtype = getattr(torch, args.dtype)
+    results: dict[tuple[str, int, int], tuple[float, float]] = {}
+    threads: dict[str, int] = {}
+    for kind in args.engines:
+        if kind == "hf":
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+            engine: RolloutEngine = HFRolloutEngine(model, eos_token_id=1, pad_token_id=0, seed=0)
+        else:
+            engine = create_engine("vllm", model_path=model_path, dtype=args.dtype, seed=0)
+        threads[kind] = torch.get_num_threads()
+        engine.generate(prompts[:2], 2, SamplingConfig(max_tokens=8))  # warm-up
+        for n in args.n:
+            for length in lengths:
+                results[(kind, n, length)] = measure(engine, prompts, n, length, repeats)
+        del engine
+
+    _print_table(results, args, num_prompts, repeats, threads)
+    _plot(results, args, lengths)
+    if tmp is not None:
+        tmp.cleanup()
+    return results
+
+
+def _print_table(results, args, num_prompts, repeats, threads) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"Rollout throughput: {num_prompts} prompts x n, median of {repeats}, "
+        f"dtype {args.dtype}, torch threads {threads}"
+    )
+    for col in ("n", "max_tokens", "engine", "response tok/s", "s / call", "vLLM / HF"):
+        table.add_column(col, justify="right")
+    keys = sorted({(n, length) for _, n, length in results})
+    for n, length in keys:
+        hf = results.get(("hf", n, length))
+        for kind in args.engines:
+            rate, sec = results[(kind, n, length)]
+            speedup = f"{rate / hf[0]:.2f}x" if kind == "vllm" and hf else ""
+            table.add_row(str(n), str(length), kind, f"{rate:,.0f}", f"{sec:.2f}", speedup)
+    Console().print(table)
+
+
+def _plot(results, args, lengths) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    cells = sorted({(n, length) for _, n, length in results})
+    labels = [f"n={n}\nT={length}" for n, length in cells]
+    width = 0.8 / len(args.engines)
+    fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(cells)), 3.5))
+    for i, kind in enumerate(args.engines):
+        xs = [j + i * width for j in range(len(cells))]
+        ax.bar(xs, [results[(kind, n, t)][0] for n, t in cells], width, label=kind)
+    ax.set_xticks([j + width * (len(args.engines) - 1) / 2 for j in range(len(cells))], labels)
+    ax.set_ylabel("response tokens / s")
+    ax.set_title("Rollout throughput (median)")
+    ax.legend()
+    fig.tight_layout()
+    path = OUT_DIR / "rollout_throughput.png"
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
