@@ -23,7 +23,9 @@ from dapo_lightning.callbacks.collapse import (
     relative_drop,
     spike_ratio,
 )
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
 
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 
@@ -417,3 +419,66 @@ callbacks:
     assert [d.name for d in cb.detectors] == ["entropy", "kl"]
     assert cb.detectors[0].action == "stop" and cb.detectors[1].min_value == 0.001
     assert cb.snapshot_every == 5 and cb.rollback_lr_scale == 0.5
+
+
+# ------------------------------------------------------------------ real Trainer.fit
+
+
+class SpikyDAPOLike(LightningModule):
+    """Trivial module following the DAPOModule contract (manual optimization, on_dapo_update
+    after every optimizer update, ``policy`` attribute); reports a grad-norm spike from
+    update ``spike_from`` on, as a collapsing run would."""
+
+    def __init__(self, spike_from: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.policy = torch.nn.Linear(4, 2)
+        self.spike_from = spike_from
+        self.updates = 0
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(self.policy(batch).pow(2).mean())
+        opt.step()
+        self.updates += 1
+        grad_norm = 100.0 if self.updates >= self.spike_from else 1.0
+        metrics = {"update": float(self.updates), "grad_norm": grad_norm, "entropy": 0.5}
+        for cb in self.trainer.callbacks:
+            if hasattr(cb, "on_dapo_update"):
+                cb.on_dapo_update(self.trainer, self, metrics)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.policy.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), batch_size=2
+        )
+
+
+def test_real_trainer_rolls_back_logs_and_checkpoints_state(tmp_path) -> None:
+    torch.manual_seed(0)
+    det = Detector("grad_norm_spike", threshold=5.0, patience=2, warmup=2, action="rollback")
+    stop = Detector("entropy", threshold=0.6, patience=100, action="stop")  # bad, never fires
+    cb = CollapseDetector([det, stop], snapshot_every=1, rollback_lr_scale=0.5)
+    module = SpikyDAPOLike(spike_from=5)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=8,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+    )
+    trainer.fit(module)
+    # spikes from update 5: rollbacks after updates 6 and 8, to the state after update 4
+    assert cb.rollbacks == 2
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 * 0.25)
+    assert trainer.logged_metrics["collapse/fired_grad_norm_spike"].item() == 2.0
+    assert trainer.logged_metrics["collapse/grad_norm_spike"].item() == pytest.approx(100.0)
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
+    assert saved[cb.state_key]["fired"] == {"grad_norm_spike": 2, "entropy": 0}
+    assert saved[cb.state_key]["rollbacks"] == 2
+    assert saved[cb.state_key]["streak"]["entropy"] == 0  # a rollback clears every streak
