@@ -224,16 +224,17 @@ class CollapseDetector(Callback):
       detector stops training instead.
 
     Snapshots (CPU deep copies) are taken at train start and then after every
-    ``snapshot_every`` healthy updates (an update is healthy when no detector has an open run
-    of bad observations and the update was not skipped as non-finite). Only policy, optimizer
+    ``snapshot_every`` healthy updates (an update is healthy when no detector fired on it or
+    has an open run of bad observations, and the update was not skipped as non-finite). Only policy, optimizer
     and scheduler are restored: the trainer's step counters and the data stream go on. With a
     rollout engine that keeps its own weights copy (vLLM) the restored weights reach it at the
     module's next weight push. Per-update detectors roll back inside ``on_dapo_update`` (the
     step's remaining updates continue from the restored weights); per-step ones in
     ``on_train_batch_end``.
 
-    Under data-parallel training each observation's bad/healthy decision is summed over
-    ranks (bad on any rank = bad), so every rank fires and rolls back together.
+    Under data-parallel training the bad/healthy decisions are all-reduced (bad on any rank
+    = bad, also for a signal this rank did not observe), so every rank fires and rolls back
+    together. Observed values and EMAs stay rank-local.
 
     Logs ``collapse/<name>`` (the observed value) when observed and ``collapse/fired_<name>``
     (cumulative count) every rollout step. ``state_dict`` keeps EMAs, counters and the stop
@@ -368,14 +369,13 @@ class CollapseDetector(Callback):
             value = self._update_value(det, metrics)
             if value is not None:
                 values[det.name] = value
-        fired = self._observe(trainer, pl_module, values)
+        fired = self._observe(trainer, pl_module, UPDATE_SIGNALS, values)
         skipped = float(metrics.get("skipped_nonfinite", 0.0)) > 0
-        healthy = not skipped and all(s == 0 for s in self.streak.values())
-        if not any(d.action == "rollback" for d in fired):
-            if healthy:
-                self.healthy_updates += 1
-                if self._uses_rollback and self.healthy_updates >= self.snapshot_every:
-                    self.take_snapshot(trainer, pl_module)
+        healthy = not skipped and not fired and all(s == 0 for s in self.streak.values())
+        if healthy:
+            self.healthy_updates += 1
+            if self._uses_rollback and self.healthy_updates >= self.snapshot_every:
+                self.take_snapshot(trainer, pl_module)
         self._act(trainer, pl_module, fired)
 
     @override
@@ -395,7 +395,7 @@ class CollapseDetector(Callback):
             if value is not None:
                 values[det.name] = value
         self._pending = self._zero_pending()
-        fired = self._observe(trainer, pl_module, values)
+        fired = self._observe(trainer, pl_module, STEP_SIGNALS, values)
         self._act(trainer, pl_module, fired)
         for name, count in self.fired.items():
             pl_module.log(
@@ -460,44 +460,57 @@ class CollapseDetector(Callback):
         return None if truncated is None or len(truncated) == 0 else float(truncated.float().mean())
 
     def _observe(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, values: dict[str, float]
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        signals: tuple[str, ...],
+        values: dict[str, float],
     ) -> list[Detector]:
-        """Update streaks with this observation; return the detectors whose patience ran out."""
-        if not values:
+        """Update the streaks of the detectors watching ``signals`` with this observation
+        (``values``: the ones observed on this rank); return those whose patience ran out."""
+        dets = [d for d in self.detectors if d.signal in signals]
+        if not dets:
             return []
-        by_name = {d.name: d for d in self.detectors}
-        names = sorted(values)
-        bad = [by_name[n].is_bad(values[n]) for n in names]
-        for i, n in enumerate(names):  # spikes also need the raw value above min_value
-            if by_name[n].signal in ("grad_norm_spike", "kl_spike"):
-                bad[i] = bad[i] and self._raw.get(n, math.inf) > by_name[n].min_value
+        bad = []
+        for det in dets:
+            value = values.get(det.name)
+            b = value is not None and det.is_bad(value)
+            if det.signal in ("grad_norm_spike", "kl_spike"):  # also raw value above min_value
+                b = b and self._raw.get(det.name, math.inf) > det.min_value
+            bad.append(b)
+        # same-length flags on every rank, even with nothing observed here: no collective hangs
         bad = self._any_rank(trainer, pl_module, bad)
         fired = []
-        for n, b in zip(names, bad):
-            self.last_value[n] = values[n]
-            if math.isfinite(values[n]):
-                pl_module.log(
-                    f"collapse/{n}", values[n], on_step=True, on_epoch=False, batch_size=1
-                )
+        for det, b in zip(dets, bad):
+            n = det.name
+            if n in values:
+                self.last_value[n] = values[n]
+                if math.isfinite(values[n]):
+                    pl_module.log(
+                        f"collapse/{n}", values[n], on_step=True, on_epoch=False, batch_size=1
+                    )
             if b:
                 self.streak[n] += 1
-                if self.streak[n] >= by_name[n].patience:
+                if self.streak[n] >= det.patience:
                     self.streak[n] = 0
                     self.fired[n] += 1
-                    fired.append(by_name[n])
-            else:
+                    fired.append(det)
+            elif n in values:
                 self.streak[n] = 0
         return fired
 
     @staticmethod
     def _any_rank(trainer: Any, pl_module: Any, bad: list[bool]) -> list[bool]:
-        """Bad on any rank counts as bad (one all-reduce per observation point under DDP)."""
-        strategy = getattr(trainer, "strategy", None)
-        if strategy is None or getattr(trainer, "world_size", 1) <= 1:
+        """Bad on any rank counts as bad (one MAX all-reduce per hook call when a
+        ``torch.distributed`` process group with more than one rank is running)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return bad
-        device = getattr(pl_module, "device", torch.device("cpu"))
+        device = getattr(pl_module, "device", None)
+        if not isinstance(device, torch.device):
+            device = torch.device("cpu")
         flags = torch.tensor([float(b) for b in bad], device=device)
-        flags = strategy.reduce(flags, reduce_op="sum")
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return [bool(f > 0) for f in flags.tolist()]
 
     # ---------------------------------------------------------------- actions

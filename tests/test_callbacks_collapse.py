@@ -482,3 +482,49 @@ def test_real_trainer_rolls_back_logs_and_checkpoints_state(tmp_path) -> None:
     assert saved[cb.state_key]["fired"] == {"grad_norm_spike": 2, "entropy": 0}
     assert saved[cb.state_key]["rollbacks"] == 2
     assert saved[cb.state_key]["streak"]["entropy"] == 0  # a rollback clears every streak
+
+
+# ------------------------------------------------------------------- two gloo ranks
+
+
+def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        cb = CollapseDetector(
+            [
+                Detector("entropy", threshold=0.1, patience=2),
+                Detector("format", threshold=0.5, patience=1, action="stop"),
+            ]
+        )
+        trainer, module = make_trainer(), RecordingModule()
+        # only rank 0 sees the entropy collapse
+        entropy = [0.01, 0.01] if rank == 0 else [0.5, 0.5]
+        drive(cb, trainer, module, updates("entropy", entropy))
+        # only rank 1 has has_answer information (and it is all missing answers)
+        has_answer = None if rank == 0 else [False] * 4
+        drive(cb, trainer, module, [("step", make_step(distinct(), has_answer=has_answer))])
+        torch.save(
+            {"fired": cb.fired, "should_stop": trainer.should_stop},
+            f"{out_dir}/rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # two spawned interpreters importing torch + lightning: ~30 s on a busy 2-core box
+def test_ranks_fire_together(tmp_path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["fired"] == {"entropy": 1, "format": 1}
+        assert result["should_stop"]
