@@ -1,0 +1,75 @@
+"""Smoke tests: each benchmark script runs end to end with ``--quick`` in a fresh process,
+exits 0, prints its table and writes its PNG. No timing is asserted (these machines are noisy)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "out"
+
+
+def _run(module: str, png: str, timeout: int) -> str:
+    target = OUT / png
+    target.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200")
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert target.is_file() and target.stat().st_size > 1000, f"{target} not written"
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_roofline_quick() -> None:
+    out = _run("benchmarks.roofline", "roofline_quick.png", timeout=110)
+    assert "Square GEMM throughput" in out
+    assert "float32 GFLOP/s" in out and "bfloat16 GFLOP/s" in out
+    assert (OUT / "gemm_quick.png").is_file()
+
+
+def test_model_flops_formula() -> None:
+    """6 N D + 12 L H Q S D on a hand-computed toy config."""
+    from types import SimpleNamespace
+
+    from benchmarks.roofline import matmul_params, mfu, update_model_flops
+
+    cfg = SimpleNamespace(
+        hidden_size=8,
+        head_dim=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=16,
+        num_hidden_layers=3,
+        vocab_size=10,
+    )
+    # per layer: q 8*8 + k,v 2*8*4 + o 8*8 = 192; mlp 3*8*16 = 384; head 10*8 = 80
+    assert matmul_params(cfg) == 3 * (192 + 384) + 80
+    n, d, s = 1808, 2 * 5, 5
+    assert update_model_flops(cfg, 2, 5) == 6 * n * d + 12 * 3 * 2 * 4 * s * d
+    assert mfu(100.0, 2.0, 100.0) == 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_update_throughput_quick() -> None:
+    out = _run("benchmarks.update_throughput", "update_throughput_quick.png", timeout=290)
+    assert "One DAPO optimizer update" in out
+    assert "ours" in out and "trl" in out
+    assert "Rollout step shares" in out
+    assert "Redundant-forward check" in out
+    assert "Profile of our update" in out
