@@ -331,7 +331,8 @@ class CollapseDetector(Callback):
 
     @staticmethod
     def _zero_pending() -> dict[str, float]:
-        return {"responses": 0.0, "repetitive": 0.0, "format_seen": 0.0, "no_answer": 0.0}
+        # plus "repetitive/<name>" per repetition detector
+        return {"responses": 0.0, "format_seen": 0.0, "no_answer": 0.0}
 
     # ------------------------------------------------------------------ hooks
 

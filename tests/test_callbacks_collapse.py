@@ -325,6 +325,27 @@ def test_rollback_restores_weights_and_optimizer_bit_exactly() -> None:
     assert opt.param_groups[0]["lr"] == pytest.approx(0.25 * lr4)  # scales compound
 
 
+def test_an_update_on_which_a_detector_fires_is_never_snapshotted() -> None:
+    policy, opt, sched = _tiny_setup()
+    module, trainer = RecordingModule(policy), make_trainer(opt, sched)
+    dets = [
+        Detector("entropy", threshold=0.1, patience=1, action="warn"),
+        Detector("nonfinite", threshold=0.5, patience=1, action="rollback"),
+    ]
+    cb = CollapseDetector(dets, snapshot_every=1)
+    cb.on_train_start(trainer, module)
+    _train_update(policy, opt, sched)
+    drive(cb, trainer, module, updates("entropy", [0.5]))  # healthy: snapshot
+    after_healthy = _state(policy, opt, sched)
+    _train_update(policy, opt, sched)
+    with pytest.warns(UserWarning, match="entropy fired"):
+        drive(cb, trainer, module, updates("entropy", [0.01]))  # fires: no snapshot
+    _train_update(policy, opt, sched)
+    drive(cb, trainer, module, updates("skipped_nonfinite", [1.0]))  # rollback
+    assert cb.rollbacks == 1
+    assert_same(_state(policy, opt, sched)["policy"], after_healthy["policy"])
+
+
 def test_rollback_falls_back_to_stop_after_max_rollbacks() -> None:
     policy, opt, sched = _tiny_setup()
     module, trainer = RecordingModule(policy), make_trainer(opt, sched)
@@ -414,7 +435,7 @@ callbacks:
         - {signal: kl_spike, threshold: 20.0, min_value: 0.001, name: kl}
 """
     )
-    (cb,) = parser.instantiate_classes(cfg).callbacks
+    (cb,) = parser.instantiate(cfg).callbacks
     assert isinstance(cb, CollapseDetector)
     assert [d.name for d in cb.detectors] == ["entropy", "kl"]
     assert cb.detectors[0].action == "stop" and cb.detectors[1].min_value == 0.001
