@@ -86,21 +86,29 @@ def run_worker(
 ) -> dict[str, Any]:
     """Run ``python -m <module> --worker '<json payload>'`` in a fresh process; return its result.
 
-    The worker must call :func:`emit_result` once. Its full output is saved to
-    ``benchmarks/out/<log_name>.log`` when ``log_name`` is given. A failing worker raises
+    The worker must call :func:`emit_result` once. Its output is streamed to
+    ``benchmarks/out/<log_name>.log`` (``worker.log`` when no name is given). A failing worker raises
     ``RuntimeError`` with the tail of its output.
     """
     cmd = [sys.executable, "-m", module, "--worker", json.dumps(payload)]
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    output = proc.stdout + proc.stderr
-    if log_name:
-        (out_dir() / f"{log_name}.log").write_text(output)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
+    log = out_dir() / f"{log_name or 'worker'}.log"
+    # Streamed to a file (not a pipe) so a long worker's progress lines can be followed live.
+    with open(log, "w") as f:
+        proc = subprocess.run(
+            cmd,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    output = log.read_text()
+    lines = [ln for ln in output.splitlines() if ln.startswith(RESULT_MARKER)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(
             f"benchmark worker {module} failed (exit {proc.returncode}) for {payload}:\n"

@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = (128, 256, 512) if args.quick else (256, 512, 1024, 2048, 3072)
     repeats = args.repeats or (3 if args.quick else 7)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"mkldnn bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"mkldnn bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}"
+    )
 
     results = {dt: measure_gemm_flops(dt, sizes, repeats) for dt in _DTYPES}
     bandwidth = measure_bandwidth(64 * 2**20 if args.quick else 512 * 2**20, repeats)
@@ -128,8 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         f32, bf16 = results["float32"][n], results["bfloat16"][n]
         rows.append([f"{n}x{n}", f32 / 1e9, bf16 / 1e9, bf16 / f32])
     peak = {dt: max(v.values()) for dt, v in results.items()}
-    rows.append(["peak (best size)", peak["float32"] / 1e9, peak["bfloat16"] / 1e9,
-                 peak["bfloat16"] / peak["float32"]])
+    rows.append(
+        [
+            "peak (best size)",
+            peak["float32"] / 1e9,
+            peak["bfloat16"] / 1e9,
+            peak["bfloat16"] / peak["float32"],
+        ]
+    )
     print_table(
         "Square GEMM throughput (median of repeats)",
         ["size", "float32 GFLOP/s", "bfloat16 GFLOP/s", "bf16 / fp32"],
@@ -148,9 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     xs = [2.0**k for k in range(-2, 11)]
     for dt, color in (("float32", "tab:blue"), ("bfloat16", "tab:orange")):
         item = 4 if dt == "float32" else 2
-        ax.plot(xs, [min(peak[dt], bandwidth * x) / 1e9 for x in xs], color=color, label=f"roof {dt}")
+        ax.plot(
+            xs, [min(peak[dt], bandwidth * x) / 1e9 for x in xs], color=color, label=f"roof {dt}"
+        )
         pts = [(2 * n**3 / (3 * n * n * item), results[dt][n] / 1e9) for n in sizes]
-        ax.scatter(*zip(*pts), color=color, marker="o", label=f"GEMM {dt} (n={sizes[0]}..{sizes[-1]})")
+        ax.scatter(
+            *zip(*pts), color=color, marker="o", label=f"GEMM {dt} (n={sizes[0]}..{sizes[-1]})"
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")

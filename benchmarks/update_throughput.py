@@ -146,13 +146,13 @@ def build_cases(quick: bool, full: bool) -> list[Case]:
         Case("tiny fp32 uniform", "tiny", 8, 8, 32, [96], 8, extras=True),
         Case("tiny fp32 var-len", "tiny", 8, 8, 32, variable_lengths(64, 4, 224), 8),
         Case(
-            "smol bf16 gc 4x512",
+            "smol bf16 gc 2x512",
             "smol",
             1,
-            4,
+            2,
             64,
             [448],
-            2,
+            1,
             precision="bf16-mixed",
             gradient_checkpointing=True,
             warmup=0,
@@ -174,7 +174,7 @@ def build_cases(quick: bool, full: bool) -> list[Case]:
                 warmup=0,
                 repeats=1,
                 impls=("dapo",),
-                timeout=1800,
+                timeout=7200,
             )
         )
     return cases
@@ -280,6 +280,7 @@ def worker_dapo(case: Case) -> dict[str, Any]:
     timer = Timer(steps - 1 if profile else None)
     module.policy.register_forward_pre_hook(timer.count)
     result: dict[str, Any] = {}
+    _start_progress_thread(lambda: f"forwards in current update {timer._n}")
 
     if case.extras:
         # Shares of a rollout step: generate responses of this batch's shape with the HF engine
@@ -369,6 +370,24 @@ def worker_dapo(case: Case) -> dict[str, Any]:
     return result
 
 
+def _start_progress_thread(status: Any, every: float = 30.0) -> None:
+    """Print elapsed time, peak RSS and ``status()`` every ``every`` seconds (long runs)."""
+    import threading
+
+    start = time.perf_counter()
+
+    def loop() -> None:
+        while True:
+            time.sleep(every)
+            print(
+                f"[progress] {time.perf_counter() - start:.0f} s, peak RSS "
+                f"{peak_rss_bytes() / GIB:.2f} GiB, {status()}",
+                flush=True,
+            )
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
 def worker_trl(case: Case) -> dict[str, Any]:
     import warnings
 
@@ -453,6 +472,7 @@ def worker_trl(case: Case) -> dict[str, Any]:
         for s in (slice(i, i + micro) for i in range(0, B, micro))
     ]
     grad_norms: list[float] = []
+    _start_progress_thread(lambda: f"updates done {len(grad_norms)}")
 
     def update() -> None:
         for inputs in micro_inputs:
