@@ -1,0 +1,176 @@
+"""DAPODataModule inside a real Trainer.fit: on-policy version stamps despite Lightning's prefetch,
+the HF engine on the tiny checkpoint, validation, and resume through a real checkpoint file."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from test_buffer import ScriptedEngine
+from transformers import AutoModelForCausalLM
+
+from dapo_lightning.data import DAPODataModule, RolloutBatch, ScoredRollouts, validation_metrics
+
+
+class ToyModule(pl.LightningModule):
+    """Owns ``policy`` and bumps ``policy_version`` once per step (a stand-in for DAPOModule)."""
+
+    def __init__(self, path):
+        super().__init__()
+        torch.manual_seed(0)
+        self.policy = AutoModelForCausalLM.from_pretrained(path)
+        self.policy_version = 0
+        self.automatic_optimization = False
+        self.seen: list[tuple[int, int, list[int], int]] = []
+        self.val_seen: list[dict[str, float]] = []
+
+    def training_step(self, batch, batch_idx):
+        assert isinstance(batch, RolloutBatch)
+        self.seen.append(
+            (
+                batch.policy_version,
+                self.policy_version,
+                batch.sample_version.tolist(),
+                batch.batch_size,
+            )
+        )
+        self.optimizers().step()  # an empty update: Lightning counts steps by optimizer steps
+        self.policy_version += 1  # one "optimizer update"
+
+    def validation_step(self, batch, batch_idx):
+        assert isinstance(batch, ScoredRollouts)
+        metrics = validation_metrics(batch)
+        self.val_seen.append(metrics)
+        self.log_dict(metrics, batch_size=len(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.policy.parameters(), lr=0.0)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["policy_version"] = self.policy_version
+
+    def on_load_checkpoint(self, checkpoint):
+        self.policy_version = checkpoint["policy_version"]
+
+
+def trainer(tmp_path, max_steps, **kw):
+    return pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+        **kw,
+    )
+
+
+def scripted_dm(path, **kw):
+    args = dict(
+        task="arithmetic",
+        task_kwargs={"num_prompts": 40},
+        reward="arithmetic",
+        reward_in_process=True,
+        engine=ScriptedEngine(),
+        n=4,
+        train_batch_size=4,
+        gen_batch_size=4,
+        max_response_length=8,
+        max_num_gen_batches=20,
+    )
+    args.update(kw)
+    return DAPODataModule(str(path), **args)
+
+
+def test_on_policy_version_stamps_in_fit(tiny_checkpoint, tmp_path):
+    dm = scripted_dm(tiny_checkpoint)
+    module = ToyModule(tiny_checkpoint)
+    trainer(tmp_path, 5).fit(module, datamodule=dm)
+    assert len(module.seen) == 5
+    for step, (batch_version, module_version, sample_versions, size) in enumerate(module.seen):
+        # sampled with the weights after update step-1, i.e. version == step
+        assert batch_version == module_version == step
+        assert set(sample_versions) == {step} and size == 16
+    # the prompt cursor advanced exactly once per step (prefetching drew nothing)
+    assert len(dm.drawn_log) == 5
+
+
+def test_hf_engine_fit_with_validation(tiny_checkpoint, tmp_path):
+    dm = DAPODataModule(
+        str(tiny_checkpoint),
+        task="arithmetic",
+        task_kwargs={"num_prompts": 20},
+        reward="arithmetic",
+        reward_kwargs={"strict": False},
+        reward_in_process=False,
+        engine="hf",
+        n=3,
+        train_batch_size=2,
+        max_response_length=4,
+        filter_metric=None,  # a random tiny model solves nothing: no variance to filter on
+        val_fraction=0.2,
+        val_n=2,
+        val_batch_size=3,
+        max_prompt_length=64,
+    )
+    module = ToyModule(tiny_checkpoint)
+    try:
+        trainer(tmp_path, 2, val_check_interval=2, check_val_every_n_epoch=None).fit(
+            module, datamodule=dm
+        )
+    finally:
+        dm.teardown()
+    assert dm.engine.model is module.policy  # the HF engine samples with the policy itself
+    assert [s[:2] for s in module.seen] == [(0, 0), (1, 1)]
+    assert all(s[3] == 6 for s in module.seen)
+    assert len(dm.val_records) == 4 and len(module.val_seen) == 2  # 4 prompts, chunks of 3
+    for m in module.val_seen:
+        assert set(m) == {"val/acc", "val/pass@2", "val/response_length"}
+        assert 0 < m["val/response_length"] <= 4
+
+
+def test_resume_from_checkpoint_draws_same_prompts(tiny_checkpoint, tmp_path):
+    kw = dict(carry_over=True, gen_batch_size=6, retire_after=1, park_after=1)
+    full_dm = scripted_dm(tiny_checkpoint, **kw)
+    trainer(tmp_path / "full", 6).fit(ToyModule(tiny_checkpoint), datamodule=full_dm)
+
+    first_dm = scripted_dm(tiny_checkpoint, **kw)
+    t1 = trainer(tmp_path / "a", 2)
+    t1.fit(ToyModule(tiny_checkpoint), datamodule=first_dm)
+    ckpt = tmp_path / "a" / "step2.ckpt"
+    t1.save_checkpoint(ckpt)
+
+    resumed_dm = scripted_dm(tiny_checkpoint, **kw)
+    resumed_module = ToyModule(tiny_checkpoint)
+    trainer(tmp_path / "b", 6).fit(resumed_module, datamodule=resumed_dm, ckpt_path=ckpt)
+    assert first_dm.drawn_log + resumed_dm.drawn_log == full_dm.drawn_log
+    assert [s[0] for s in resumed_module.seen] == [2, 3, 4, 5]
+
+
+def test_validation_metrics():
+    r = ScoredRollouts(
+        prompt_ids=[[1]] * 4,
+        response_ids=[[5], [5, 6], [7], [8, 9, 9]],
+        rollout_log_probs=[[0.0], [0.0, 0.0], [0.0], [0.0] * 3],
+        finish_reason=["stop"] * 4,
+        group_index=torch.tensor([0, 0, 1, 1]),
+        prompt_uid=["a", "a", "b", "b"],
+        score=torch.tensor([1.0, -1.0, -1.0, -1.0]),
+        acc=torch.tensor([1.0, 0.0, 0.0, 0.0]),
+        max_response_length=4,
+    )
+    m = validation_metrics(r)
+    assert m == {"val/acc": 0.25, "val/pass@2": 0.5, "val/response_length": 1.75}
+
+
+def test_constructor_errors(tiny_checkpoint):
+    with pytest.raises(ValueError, match="exactly one of train_files"):
+        DAPODataModule(str(tiny_checkpoint))
+    with pytest.raises(ValueError, match="engine='nope'"):
+        DAPODataModule(str(tiny_checkpoint), task="arithmetic", engine="nope")
+    dm = scripted_dm(tiny_checkpoint, train_batch_size=3, gen_batch_size=None, n=1)
+    with pytest.raises(ValueError, match="n >= 2"):
+        dm.setup("fit")
