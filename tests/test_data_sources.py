@@ -1,0 +1,149 @@
+"""Prompt sources (real AIME parquet in the DAPO schema, JSONL, local HF datasets), bad rows,
+overlong prompts, the validation split, and the arithmetic task."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+
+from dapo_lightning.data import (
+    FieldMap,
+    PromptDataError,
+    deduplicate,
+    load_prompt_records,
+    make_arithmetic_rows,
+    records_from_rows,
+    split_train_val,
+    tokenize_records,
+)
+from dapo_lightning.testing import make_tiny_tokenizer
+
+AIME = "/work/shared/data/aime-2024.parquet"
+TOK = make_tiny_tokenizer()
+
+
+def test_aime_parquet_dapo_schema_dedup():
+    records = load_prompt_records(AIME, dedup=False)
+    assert len(records) == 960
+    records = load_prompt_records(AIME)
+    assert len(records) == 30
+    r = records[0]
+    assert isinstance(r.prompt, list) and r.prompt[0]["role"] == "user"
+    assert "Answer:" in r.prompt[0]["content"]
+    assert r.answer.isdigit() and r.data_source == "math_dapo"
+    assert len({x.uid for x in records}) == 30
+    kept, _ = tokenize_records(records[:2], TOK, max_prompt_length=4096)
+    text = TOK.decode(kept[0].prompt_ids)
+    assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_jsonl_with_field_mapping(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [
+        {"question": "1+1=", "meta": {"sol": 2}, "id": "a"},
+        {"question": "2+2=", "meta": {"sol": "4"}, "id": "b"},
+        {"question": "1+1=", "meta": {"sol": 2}, "id": "a"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    fields = FieldMap(prompt_key="question", answer_key="meta.sol", uid_key="id")
+    records = load_prompt_records(path, fields)
+    assert [(r.uid, r.prompt, r.answer) for r in records] == [
+        ("a", "1+1=", "2"),
+        ("b", "2+2=", "4"),
+    ]
+    kept, _ = tokenize_records(records, TOK, apply_chat_template=False)
+    assert TOK.decode(kept[0].prompt_ids) == "1+1="
+    kept, _ = tokenize_records(records, TOK, apply_chat_template=True)
+    assert (
+        TOK.decode(kept[0].prompt_ids)
+        == "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_hf_dataset_on_disk(tmp_path):
+    ds = datasets.Dataset.from_list(
+        [{"problem": "What is 3*3?", "answer": 9.0}, {"problem": "What is 1/2?", "answer": 0.5}]
+    )
+    ds.save_to_disk(str(tmp_path / "ds"))
+    records = load_prompt_records(tmp_path / "ds", FieldMap("problem", "answer"))
+    assert [r.answer for r in records] == ["9", "0.5"]
+    assert records[0].data_source is None
+
+
+@pytest.mark.parametrize(
+    "row,match",
+    [
+        ({"prompt": "", "answer": "1"}, r"row 2: field 'prompt' is an empty prompt"),
+        ({"answer": "1"}, r"row 2: missing field 'prompt'.*set prompt_key"),
+        ({"prompt": "x", "answer": [1]}, r"row 2: field 'answer' must be a string or a number"),
+        ({"prompt": "x", "answer": True}, r"row 2: field 'answer' is a bool"),
+        ({"prompt": "x", "answer": None}, r"row 2: field 'answer' is null"),
+        ({"prompt": [{"role": "user"}], "answer": "1"}, r"row 2: field 'prompt' message 0"),
+    ],
+)
+def test_bad_rows_name_row_field_and_fix(row, match):
+    rows = [{"prompt": "ok", "answer": "1"}, row]
+    with pytest.raises(PromptDataError, match=match):
+        records_from_rows(rows, FieldMap("prompt", "answer"))
+
+
+def test_missing_nested_field_and_file():
+    with pytest.raises(PromptDataError, match="missing field 'reward_model.ground_truth'"):
+        records_from_rows([{"prompt": "x", "reward_model": {}}])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_prompt_records("/nonexistent/prompts.jsonl")
+
+
+def test_overlong_prompts_error_or_drop():
+    records = records_from_rows(
+        [{"prompt": "short", "answer": "1"}, {"prompt": "x" * 100, "answer": "2"}],
+        FieldMap("prompt", "answer"),
+    )
+    with pytest.raises(PromptDataError, match="max_prompt_length=50.*overlong_prompts='drop'"):
+        tokenize_records(records, TOK, apply_chat_template=False, max_prompt_length=50)
+    kept, dropped = tokenize_records(
+        records, TOK, apply_chat_template=False, max_prompt_length=50, overlong_prompts="drop"
+    )
+    assert dropped == 1 and [r.answer for r in kept] == ["1"]
+
+
+def test_messages_need_chat_template():
+    records = records_from_rows(
+        [{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}],
+        FieldMap("prompt", "answer"),
+    )
+    with pytest.raises(PromptDataError, match="apply_chat_template=True"):
+        tokenize_records(records, TOK, apply_chat_template=False)
+
+
+def test_split_train_val_is_seeded_and_disjoint():
+    records = records_from_rows(
+        make_arithmetic_rows(50, level=1), FieldMap("prompt", "answer", "uid")
+    )
+    tr, va = split_train_val(records, 0.2, seed=3)
+    assert len(va) == 10 and len(tr) == 40
+    assert not {r.uid for r in tr} & {r.uid for r in va}
+    assert [r.uid for r in split_train_val(records, 0.2, seed=3)[1]] == [r.uid for r in va]
+    assert deduplicate(records + records)[1] == 50
+
+
+def test_arithmetic_task():
+    a = make_arithmetic_rows(30, level=1, seed=5)
+    assert a == make_arithmetic_rows(30, level=1, seed=5)
+    assert a != make_arithmetic_rows(30, level=1, seed=6)
+    assert len({r["prompt"] for r in a}) == 30
+    for r in a:
+        x, y = r["prompt"].rstrip("=").split("+")
+        assert int(x) + int(y) == int(r["answer"]) and r["difficulty"] == 1
+        assert r["prompt"].isascii()
+    assert any(len(r["answer"]) > 1 for r in a)  # multi-token answers exist
+    two = make_arithmetic_rows(20, level=2)
+    assert all(10 <= int(r["prompt"].split("+")[0]) <= 99 for r in two)
+    mul = make_arithmetic_rows(10, level=3)
+    assert all("*" in r["prompt"] for r in mul)
+    custom = make_arithmetic_rows(5, level=1, operand_range=(100, 105), ops=["-"])
+    assert all(r["prompt"].startswith("10") and "-" in r["prompt"] for r in custom)
+    with pytest.raises(ValueError, match="level"):
+        make_arithmetic_rows(5, level=99)
