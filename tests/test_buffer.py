@@ -57,8 +57,8 @@ class ScriptedEngine:
         self.loaded += 1
 
 
-def make_buffer(engine=None, *, num_prompts=64, seed=0, **kw):
-    records = records_from_rows(make_arithmetic_rows(num_prompts, level=1, seed=seed), FIELDS)
+def make_buffer(engine=None, *, num_prompts=64, seed=0, level=1, **kw):
+    records = records_from_rows(make_arithmetic_rows(num_prompts, level=level, seed=seed), FIELDS)
     records, _ = tokenize_records(records, TOK, apply_chat_template=True, max_prompt_length=64)
     runner = RewardRunner(ArithmeticReward(), in_process=True)
     args = dict(n=4, train_batch_size=8, gen_batch_size=8, max_num_gen_batches=20)

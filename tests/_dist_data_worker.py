@@ -1,0 +1,54 @@
+"""Worker of tests/test_data_distributed.py: one gloo rank running DynamicSamplingBuffers."""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import torch
+import torch.distributed as dist
+
+
+def _scenario(rank: int, world: int, mode: str) -> dict:
+    from test_buffer import ScriptedEngine, make_buffer
+
+    if rank == 0:
+        engine = ScriptedEngine(rate=lambda p: 0.5)
+    elif mode == "hopeless":
+        engine = ScriptedEngine(rate=lambda p: 1.0)
+    else:  # rank 1 filters far more: about 7 of 8 of its groups have zero variance
+        engine = ScriptedEngine(rate=lambda p: 0.5 if zlib.crc32(p.encode()) % 8 == 0 else 1.0)
+    buf = make_buffer(
+        engine,
+        num_prompts=2000,
+        level=2,
+        train_batch_size=8,
+        gen_batch_size=8,
+        world_size=world,
+        rank=rank,
+        max_num_gen_batches=5 if mode == "hopeless" else 0,
+    )
+    result: dict = {"uids": [], "rounds": [], "error": None}
+    try:
+        for step in range(3):
+            batch = buf.next_batch(policy_version=step)
+            assert batch.batch_size == 4 * 4
+            result["uids"].extend(buf.drawn_uids)
+            result["rounds"].append(batch.stats["gen_rounds"])
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(e).__name__}: {e}"
+    return result
+
+
+def run(rank: int, world: int, port: int, out_dir: str) -> None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out = {mode: _scenario(rank, world, mode) for mode in ("skewed", "hopeless")}
+        dist.barrier()
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,37 @@
+"""Two real gloo ranks (spawned processes): disjoint prompts, lockstep rounds, no deadlock."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from _dist_data_worker import run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_two_ranks_disjoint_prompts_lockstep_and_shared_errors(tmp_path):
+    mp.spawn(run, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+
+    s0, s1 = r0["skewed"], r1["skewed"]
+    assert s0["error"] is None and s1["error"] is None, (s0["error"], s1["error"])
+    # both ranks are in their first epoch (1000 prompts each): the prompts are disjoint
+    assert len(s1["uids"]) < 1000
+    assert not set(s0["uids"]) & set(s1["uids"])
+    # rank 1 filtered far more and needed more rounds; rank 0 waited in the collectives
+    assert sum(s1["rounds"]) > sum(s0["rounds"])
+
+    h0, h1 = r0["hopeless"], r1["hopeless"]
+    assert h1["error"] and "DynamicSamplingError" in h1["error"]
+    # rank 0 was full, yet it stopped with the same error instead of hanging in a collective
+    assert h0["error"] and "DynamicSamplingError" in h0["error"]
+    assert "1 of 2 ranks short" in h0["error"]
