@@ -143,7 +143,7 @@ def test_buckets_never_split_a_block():
     assert len(list(bucket_named_tensors(((n, t) for n in names), bucket_bytes=10**9))) == 1
 
 
-def test_gather_full_state_dict_plain_ddp_and_fsdp2(hf_model, tmp_path):
+def test_gather_full_state_dict_plain_ddp_fsdp1_fsdp2(hf_model, tmp_path):
     ref = hf_model.state_dict()
     plain = dict(gather_full_state_dict(hf_model))
     assert "lm_head.weight" in plain  # checkpoint format, unlike named_parameters()
@@ -159,6 +159,17 @@ def test_gather_full_state_dict_plain_ddp_and_fsdp2(hf_model, tmp_path):
         got = dict(gather_full_state_dict(ddp))
         assert got.keys() == ref.keys()
         assert torch.equal(got["model.norm.weight"], ddp.module.model.norm.weight)
+
+        # FSDP1 (what Lightning's FSDPStrategy wraps with); world size 1 means NO_SHARD here.
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        fsdp1_model = _perturbed(hf_model, seed=4)
+        expected1 = {k: v.clone() for k, v in fsdp1_model.state_dict().items()}
+        fsdp1 = FSDP(fsdp1_model, device_id=torch.device("cpu"), use_orig_params=True)
+        assert next(iter(dict(fsdp1.named_parameters()))).startswith("_fsdp_wrapped_module.")
+        got = dict(gather_full_state_dict(fsdp1))
+        assert got.keys() == expected1.keys()
+        assert all(torch.equal(got[k], v) for k, v in expected1.items())
 
         sharded = _perturbed(hf_model, seed=2)
         expected = {k: v.clone() for k, v in sharded.state_dict().items()}

@@ -21,7 +21,6 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -81,33 +80,17 @@ def gather_full_state_dict(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
     * DeepSpeed ZeRO-3 partitioned parameters (those with ``ds_id``) are gathered with
       ``deepspeed.zero.GatheredParameters`` and copied out before the context exits
       (a collective too);
-    * FSDP1 (``FullyShardedDataParallel``) roots are unsharded with ``summon_full_params``
-      for the whole iteration.
+    * FSDP1 (``FullyShardedDataParallel``) gathers in its own ``state_dict()`` (full state
+      dict type, the default), which holds the whole unsharded state at once.
 
     Names are stripped of wrapper prefixes (:func:`strip_wrapper_prefixes`). Tied weights
     appear under every name ``state_dict()`` gives them (``lm_head.weight`` included), i.e.
     the checkpoint format vLLM loads.
     """
-    with ExitStack() as stack:
-        fsdp1_roots = _fsdp1_roots(module)
-        for root in fsdp1_roots:
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-            stack.enter_context(FSDP.summon_full_params(root, writeback=False, recurse=True))
-        for name, value in module.state_dict(keep_vars=True).items():
-            yield strip_wrapper_prefixes(name), _full_tensor(value)
-
-
-def _fsdp1_roots(module: nn.Module) -> list[nn.Module]:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return []
-    return (
-        [m for m in FSDP.fsdp_modules(module) if m.check_is_root()]
-        if any(isinstance(m, FSDP) for m in module.modules())
-        else []
-    )
+    # FSDP1's own state_dict() (default FULL_STATE_DICT) all-gathers and strips its prefixes;
+    # it materialises the whole state at once. FSDP2 / ZeRO-3 are gathered one tensor at a time.
+    for name, value in module.state_dict(keep_vars=True).items():
+        yield strip_wrapper_prefixes(name), _full_tensor(value)
 
 
 def _full_tensor(value: Tensor) -> Tensor:
