@@ -120,7 +120,11 @@ class _Worker:
         self.proc.start()
         child.close()
         # Wait until the worker has imported the reward, so its time limit measures scoring only.
-        if not self.conn.poll(120) or self.conn.recv() != "ready":
+        try:
+            ready = self.conn.poll(120) and self.conn.recv() == "ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
             self.kill()
             raise RuntimeError(
                 f"reward worker for {type(reward).__name__} did not start within 120 s: check "
