@@ -125,7 +125,7 @@ def variable_lengths(n: int, lo: int, hi: int, seed: int = 0) -> list[int]:
     return [min(hi, max(lo, int(lo + (hi - lo) * rng.random() ** 3))) for _ in range(n)]
 
 
-def build_cases(quick: bool, full: bool) -> list[Case]:
+def build_cases(quick: bool, full: bool, full_sequences: int = 64) -> list[Case]:
     if quick:
         return [
             Case(
@@ -162,10 +162,10 @@ def build_cases(quick: bool, full: bool) -> list[Case]:
     if full:
         cases.append(
             Case(
-                "smol bf16 gc 64x512",
+                f"smol bf16 gc {full_sequences}x512",
                 "smol",
-                8,
-                8,
+                max(1, full_sequences // 8),
+                min(8, full_sequences),
                 64,
                 [448],
                 4,
@@ -551,6 +551,12 @@ def main(argv: list[str] | None = None) -> int:
         help="add the 64 x 512-token SmolLM2-135M-shaped update (ours; ~10+ min)",
     )
     parser.add_argument("--only-full", action="store_true", help="run only the --full case")
+    parser.add_argument(
+        "--full-sequences",
+        type=int,
+        default=64,
+        help="sequences of the --full case (64; a multiple of 8, or fewer than 8)",
+    )
     parser.add_argument("--skip-trl", action="store_true", help="run our module only")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -562,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.roofline import mfu, peak_flops, update_model_flops
 
-    cases = build_cases(args.quick, args.full or args.only_full)
+    cases = build_cases(args.quick, args.full or args.only_full, args.full_sequences)
     if args.only_full:
         cases = cases[-1:]
     peaks = {
