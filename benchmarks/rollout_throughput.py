@@ -9,8 +9,8 @@ Usage::
     python benchmarks/rollout_throughput.py --quick          # < 1 minute on 2 CPU cores
     python benchmarks/rollout_throughput.py --model-path /path/to/ckpt --dtype bfloat16
 
-The HF engine is measured first: building a vLLM engine in-process lowers torch's thread
-count for the whole process, which would otherwise handicap the HF engine.
+The HF engine is measured first, before vLLM's CPU worker binds threads and memory in this
+process (its log says it reduces torch threads to 1), so vLLM's start cannot handicap it.
 """
 
 from __future__ import annotations

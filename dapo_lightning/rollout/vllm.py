@@ -79,7 +79,7 @@ def gather_full_state_dict(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
       every rank must iterate);
     * DeepSpeed ZeRO-3 partitioned parameters (those with ``ds_id``) are gathered with
       ``deepspeed.zero.GatheredParameters`` and copied out before the context exits
-      (a collective too);
+      (a collective too; pass the DeepSpeed engine or its ``.module``);
     * FSDP1 (``FullyShardedDataParallel``) gathers in its own ``state_dict()`` (full state
       dict type, the default), which holds the whole unsharded state at once.
 
