@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
                 "benchmarks.update_throughput",
                 payload,
                 timeout=case.timeout,
-                log_name=f"update_{_slug(case.name)}_{impl}",
+                log_name=f"update{'_quick' if args.quick else ''}_{_slug(case.name)}_{impl}",
             )
             print(
                 f"  {case.name} [{impl}]: {results[impl]['seconds']:.2f} s/update "
