@@ -580,6 +580,10 @@ class CollapseDetector(Callback):
             if scheduler is not None and hasattr(scheduler, "_last_lr"):
                 scheduler._last_lr = [g["lr"] for g in optimizers[0].param_groups]
         self.rollbacks += 1
+        if hasattr(pl_module, "policy_version"):
+            # The weights changed: a new version makes the data module push them to the
+            # rollout engine before it samples again.
+            pl_module.policy_version += 1
         for n in self.streak:
             self.streak[n] = 0
         # the restored (rescaled) state is the new snapshot: repeated rollbacks compound

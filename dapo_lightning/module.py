@@ -437,11 +437,13 @@ class DAPOModule(LightningModule):
         mask = batch.response_mask[rows]
         world = self.world_size
         local_counts = torch.tensor(
-            [mask.sum().item(), (mask.sum(-1) > 0).sum().item()],
+            [mask.sum().item(), (mask.sum(-1) > 0).sum().item(), float(len(rows))],
             dtype=torch.float64,
             device=self.device,
         )
-        global_tokens, global_seqs = self._all_reduce_sum(local_counts).tolist()
+        global_tokens, global_seqs, global_rows = self._all_reduce_sum(local_counts).tolist()
+        if hp.loss_agg_mode == "seq-mean-token-sum-norm":
+            global_seqs = global_rows  # Dr. GRPO divides by a constant: every row counts
         want_entropy = self.entropy_coef != 0
         sums: dict[str, float] = {}
         total_loss = 0.0

@@ -1,0 +1,3 @@
+from dapo_lightning.cli import main
+
+main()

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set-up (when needed) and the test suite. Extra arguments go to pytest, e.g.
+#   bash scripts/test.sh -m slow          # the slow tests CI skips
+#   bash scripts/test.sh tests/test_loss.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
+if [ $# -eq 0 ]; then set -- -m "not slow"; fi
+set +e
+.venv/bin/python -m pytest "$@"
+rc=$?
+set -e
+# pytest exits 5 when a marker selection collects nothing: that is not a failure.
+if [ $rc -eq 5 ]; then rc=0; fi
+exit $rc
