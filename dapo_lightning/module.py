@@ -575,11 +575,14 @@ class DAPOModule(LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        from dapo_lightning.checkpoint import collect_rng_states
+
         checkpoint["dapo"] = {
             "policy_version": self.policy_version,
             "rollout_step": self.rollout_step,
             "skipped_updates": self.skipped_updates,
             "entropy_coef": self.entropy_coef,
+            "rng": collect_rng_states(),  # global RNGs (the engine's is in the data module)
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -588,6 +591,10 @@ class DAPOModule(LightningModule):
         self.rollout_step = int(state.get("rollout_step", 0))
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.entropy_coef = float(state.get("entropy_coef", self.entropy_coef))
+        if "rng" in state:
+            from dapo_lightning.checkpoint import restore_rng_states
+
+            restore_rng_states(state["rng"])
 
     def named_checkpoint_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """The policy's tensors under checkpoint (``save_pretrained``) names, tied weights
