@@ -1,0 +1,296 @@
+"""The ``dapo-lightning`` console entry end to end: fit, resume, validate, --print_config,
+subclasses by ``class_path``, bad keys, and the SLURM script's launch line.
+
+Every run goes through the real console script in a subprocess, on the tiny random model with
+tiny settings (2 updates of 4 groups x 4 responses of <= 4 tokens). The random model never
+answers right, so dynamic sampling is switched off (``filter_metric: null``) or it would give up.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from dapo_lightning.cli import main, resolve_auto_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = str(Path(sys.executable).parent / "dapo-lightning")
+QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
+TINY = [
+    "--trainer.max_steps", "2",
+    "--trainer.val_check_interval", "1",
+    "--data.init_args.train_batch_size", "4",
+    "--data.init_args.gen_batch_size", "4",
+    "--data.init_args.n", "4",
+    "--data.init_args.max_response_length", "4",
+    "--data.init_args.filter_metric", "null",
+]  # fmt: skip
+# Metrics that do not depend on wall-clock time: equal in two runs with the same config and seed.
+DETERMINISTIC = (
+    "rollout/reward_mean",
+    "rollout/response_length_mean",
+    "update/loss",
+    "update/grad_norm",
+    "update/entropy",
+    "val/acc",
+)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: int = 240):
+    full_env = {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        **(env or {}),
+    }
+    return subprocess.run(
+        [CLI, *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def write_override(path: Path, run_dir: Path, model_dir: Path) -> Path:
+    """A second --config moving every path of quickstart.yaml into ``run_dir`` (lists such as
+    trainer.callbacks cannot be changed key by key, so the list is given whole)."""
+    path.write_text(
+        f"""
+trainer:
+  default_root_dir: {run_dir}
+  logger:
+    class_path: lightning.pytorch.loggers.CSVLogger
+    init_args:
+      save_dir: {run_dir}
+      name: logs
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: {run_dir}/checkpoints
+        save_last: true
+        every_n_train_steps: 1
+        save_top_k: 0
+    - class_path: dapo_lightning.callbacks.OverlongRewardShaping
+      init_args:
+        buffer_length: 2
+model:
+  init_args:
+    model_name_or_path: {model_dir}
+"""
+    )
+    return path
+
+
+def read_csv(run_dir: Path) -> list[dict[str, str]]:
+    files = sorted(run_dir.rglob("metrics.csv"))
+    assert len(files) == 1, f"expected one metrics.csv under {run_dir}, found {files}"
+    with open(files[0], newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def series(rows: list[dict[str, str]], key: str) -> list[tuple[str, float]]:
+    return [(r["step"], float(r[key])) for r in rows if r.get(key) not in (None, "")]
+
+
+def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
+    return proc
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory: pytest.TempPathFactory):
+    """One 2-update fit through the console script; the model is written on first use."""
+    root = tmp_path_factory.mktemp("base")
+    run_dir, model_dir = root / "run", root / "model"
+    override = write_override(root / "override.yaml", run_dir, model_dir)
+    args = ["--config", QUICKSTART, "--config", str(override), *TINY]
+    proc = check(run_cli("fit", *args, "--create_model_if_missing", "tiny", "--ckpt_path", "auto"))
+    return {"run_dir": run_dir, "model_dir": model_dir, "args": args, "proc": proc}
+
+
+def test_fit_end_to_end_hf(base_run):
+    run_dir, model_dir = base_run["run_dir"], base_run["model_dir"]
+    assert (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
+    assert "no checkpoint yet, starting fresh" in base_run["proc"].stderr
+    rows = read_csv(run_dir)
+    assert [v for _, v in series(rows, "update/update")] == [1.0, 2.0]
+    assert len(series(rows, "rollout/reward_mean")) == 2
+    # one validation after each of the 2 rollout steps (Lightning does not log the sanity pass)
+    val = [v for _, v in series(rows, "val/acc")]
+    assert len(val) == 2 and all(0.0 <= v <= 1.0 for v in val)
+    assert all(v == v and v >= 0 for _, v in series(rows, "update/grad_norm"))
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    saved = list(run_dir.rglob("config.yaml"))
+    assert saved and "max_steps: 2" in saved[0].read_text()
+
+
+def test_print_config_round_trip(base_run, tmp_path):
+    """Print the config, save it, print it again from the file (identical), then train from the
+    file alone: the same metrics as the run it was printed from."""
+    run_dir = tmp_path / "run"
+    override = write_override(tmp_path / "override.yaml", run_dir, base_run["model_dir"])
+    args = ["--config", QUICKSTART, "--config", str(override), *TINY, "--ckpt_path", "auto"]
+    printed = check(run_cli("fit", *args, "--print_config")).stdout
+    assert "max_response_length: 4" in printed and str(run_dir) in printed
+    saved = tmp_path / "printed.yaml"
+    saved.write_text(printed)
+    again = check(run_cli("fit", "--config", str(saved), "--print_config")).stdout
+    assert again == printed
+
+    check(run_cli("fit", "--config", str(saved)))
+    ours, theirs = read_csv(run_dir), read_csv(base_run["run_dir"])
+    for key in DETERMINISTIC:
+        a, b = series(ours, key), series(theirs, key)
+        assert a, f"{key} was not logged"
+        assert [step for step, _ in a] == [step for step, _ in b], key
+        assert [v for _, v in a] == pytest.approx([v for _, v in b], rel=1e-5, abs=1e-6), key
+
+
+def test_resume_through_sbatch_script(base_run, tmp_path):
+    """The SLURM script, launched without srun, resumes from last.ckpt via --ckpt_path auto and
+    continues at update 3 (what a requeued job does)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(base_run["run_dir"] / "checkpoints", run_dir / "checkpoints")
+    override = write_override(tmp_path / "override.yaml", run_dir, base_run["model_dir"])
+    proc = subprocess.run(
+        ["bash", str(REPO / "slurm" / "dapo.sbatch"), QUICKSTART, "--config", str(override),
+         *TINY, "--trainer.max_steps", "3"],
+        cwd=REPO,
+        env={**os.environ, "LAUNCH": "env", "DAPO_CLI": CLI, "TOKENIZERS_PARALLELISM": "false"},
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    check(proc)
+    assert "--trainer.num_nodes 1 --trainer.devices 1 --ckpt_path auto" in proc.stdout
+    assert f"resuming from {run_dir / 'checkpoints' / 'last.ckpt'}" in proc.stderr
+    assert [v for _, v in series(read_csv(run_dir), "update/update")] == [3.0]
+
+
+def _touch(path: Path, mtime: float) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x")
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_resolve_auto_checkpoint_picks_newest(tmp_path):
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)],
+        logger=False,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    assert resolve_auto_checkpoint(trainer) is None
+    now = time.time()
+    last = _touch(tmp_path / "ckpts" / "last.ckpt", now - 100)
+    _touch(tmp_path / "ckpts" / "epoch=0-step=5.ckpt", now)  # not a last checkpoint
+    assert resolve_auto_checkpoint(trainer) == str(last)
+    hpc = _touch(tmp_path / "hpc_ckpt_1.ckpt", now - 50)  # SLURM requeue, newer
+    assert resolve_auto_checkpoint(trainer) == str(hpc)
+    os.utime(last, (now, now))  # a later last.ckpt beats an older requeue checkpoint
+    assert resolve_auto_checkpoint(trainer) == str(last)
+
+
+def test_validate_only(base_run, tmp_path):
+    run_dir = tmp_path / "run"
+    override = write_override(tmp_path / "override.yaml", run_dir, base_run["model_dir"])
+    ckpt = base_run["run_dir"] / "checkpoints" / "last.ckpt"
+    proc = check(
+        run_cli(
+            "validate", "--config", QUICKSTART, "--config", str(override), *TINY,
+            "--ckpt_path", str(ckpt),
+        )
+    )  # fmt: skip
+    assert "val/acc" in proc.stdout
+    rows = read_csv(run_dir)
+    assert len(series(rows, "val/acc")) == 1
+    assert not any(k.startswith(("update/", "rollout/")) and r[k] for r in rows for k in r)
+    assert not (run_dir / "checkpoints").exists()
+
+
+def test_subclass_by_class_path(base_run, tmp_path):
+    run_dir = tmp_path / "run"
+    override = write_override(tmp_path / "override.yaml", run_dir, base_run["model_dir"])
+    trace = tmp_path / "trace.txt"
+    check(
+        run_cli(
+            "fit", "--config", QUICKSTART, "--config", str(override), *TINY,
+            "--model.class_path", "_cli_subclass.TracingDAPOModule",
+            "--model.init_args.trace_file", str(trace),
+        )
+    )  # fmt: skip
+    assert trace.read_text().splitlines() == ["step 1 groups 4", "step 2 groups 4"]
+    rows = read_csv(run_dir)
+    assert [v for _, v in series(rows, "trace/steps")] == [1.0, 2.0]
+    saved = next(run_dir.rglob("config.yaml")).read_text()
+    assert "class_path: _cli_subclass.TracingDAPOModule" in saved
+    # the base class's own arguments still reach the subclass
+    assert "clip_ratio_high: 0.28" in saved
+
+
+def run_in_process(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    """``main(args)`` in this process (a parse error exits before anything is built)."""
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    return exc.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        (["--model.init_args.clip_ratio_hihg", "0.3"], "clip_ratio_hihg"),
+        (["--data.init_args.n", "many"], "many"),
+        (["--trainer.max_stepz", "3"], "trainer.max_stepz"),
+    ],
+)
+def test_bad_key_fails_with_jsonargparse_message(args, key, capsys):
+    code, err = run_in_process(capsys, "fit", "--config", QUICKSTART, *args)
+    assert code not in (0, None)
+    assert "error:" in err and key in err
+
+
+def test_bad_key_in_yaml_names_it(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  init_args:\n    max_respons_length: 8\n")
+    code, err = run_in_process(capsys, "fit", "--config", QUICKSTART, "--config", str(bad))
+    assert code not in (0, None)
+    assert "max_respons_length" in err
+
+
+def test_bad_key_console_script_exit_code():
+    """The real console script exits non-zero and names the key (no traceback)."""
+    proc = run_cli("fit", "--config", QUICKSTART, "--model.init_args.clip_ratio_hihg", "0.3")
+    assert proc.returncode != 0
+    assert "clip_ratio_hihg" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.vllm
+def test_fit_end_to_end_vllm(base_run, tmp_path):
+    pytest.importorskip("vllm")
+    run_dir = tmp_path / "run"
+    override = write_override(tmp_path / "override.yaml", run_dir, base_run["model_dir"])
+    check(
+        run_cli(
+            "fit", "--config", QUICKSTART,
+            "--config", str(REPO / "configs" / "quickstart_vllm.yaml"),
+            "--config", str(override), *TINY,
+            timeout=400,
+        )
+    )  # fmt: skip
+    rows = read_csv(run_dir)
+    assert [v for _, v in series(rows, "update/update")] == [1.0, 2.0]
+    assert len(series(rows, "val/acc")) == 2
+    # the engine sampled from the trainer's weights: float32 engine parity (DESIGN.md invariant 3)
+    gaps = [v for _, v in series(rows, "parity/max_abs_diff")]
+    assert gaps and max(gaps) < 1e-4, gaps
+    saved = next(run_dir.rglob("config.yaml")).read_text()
+    assert "engine: vllm" in saved
