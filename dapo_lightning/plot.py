@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import sys
 from pathlib import Path
 
 #: Panels: (title, metric names drawn in it). Missing metrics are skipped; empty panels say so.
@@ -51,8 +52,25 @@ def read_metrics(path: str | Path) -> dict[str, list[tuple[float, float]]]:
     return series
 
 
+def panel_coverage(
+    series: dict[str, list[tuple[float, float]]],
+) -> dict[str, list[str]]:
+    """``{panel title: [metric names of that panel present in series]}`` for :data:`PANELS`."""
+    return {title: [n for n in names if series.get(n)] for title, names in PANELS}
+
+
+def missing_panels(series: dict[str, list[tuple[float, float]]]) -> dict[str, tuple[str, ...]]:
+    """Panels with no series at all, each with the metric names it looked for."""
+    names = dict(PANELS)
+    return {title: names[title] for title, found in panel_coverage(series).items() if not found}
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw :data:`PANELS` for the run's metrics; returns the PNG path."""
+    """Draw :data:`PANELS` for the run's metrics; returns the PNG path.
+
+    Panels whose metrics the run did not log are drawn empty with a note (and listed by
+    ``dapo-lightning plot`` on stderr).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,7 +78,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     csv_path = find_metrics_csv(run_dir)
     series = read_metrics(csv_path)
-    out = Path(out) if out else Path(run_dir) / "metrics.png"
+    if out is None:  # beside the run (or beside the CSV when given a file)
+        out = (Path(run_dir).parent if Path(run_dir).is_file() else Path(run_dir)) / "metrics.png"
+    out = Path(out)
     cols = 3
     rows = math.ceil(len(PANELS) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows))
@@ -91,8 +111,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def plot_main(argv: list[str]) -> None:
+    """``dapo-lightning plot RUN_DIR [--out PNG]``: prints the PNG path; empty panels on stderr."""
     parser = argparse.ArgumentParser(prog="dapo-lightning plot", description=__doc__)
     parser.add_argument("run_dir", help="run directory (or a metrics.csv) of a finished fit")
     parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)
-    print(plot_run(args.run_dir, args.out))
+    path = plot_run(args.run_dir, args.out)
+    for title, names in missing_panels(read_metrics(find_metrics_csv(args.run_dir))).items():
+        print(f"panel {title!r}: none of {list(names)} was logged", file=sys.stderr)
+    print(path)
