@@ -248,6 +248,48 @@ class DAPOModule(LightningModule):
             # Kept outside the module tree: it is neither trained nor checkpointed.
             object.__setattr__(self, "ref_policy", ref)
 
+    def on_fit_start(self) -> None:
+        """Check the data settings against the model's before any rollout is generated."""
+        self.check_data_compatible(getattr(self.trainer, "datamodule", None))
+
+    def check_data_compatible(self, data: Any) -> None:
+        """Raise a clear error for data settings this module cannot train on (up front, so no
+        generation is wasted). ``data`` is read duck-typed: ``n``, ``train_batch_size``,
+        ``max_prompt_length``, ``max_response_length`` where present."""
+        if data is None:
+            return
+        hp = self.hparams
+        n = getattr(data, "n", None)
+        if n is not None and n < 2 and hp.advantage_estimator in ("grpo", "rloo"):
+            raise ValueError(
+                f"data.n={n} with model.advantage_estimator={hp.advantage_estimator!r}: a group of "
+                "one response has no std / no other responses to compare with. Fix: set data.n "
+                ">= 2 (paper 16), or advantage_estimator 'dr_grpo' / 'reinforce_baseline'."
+            )
+        batch = getattr(data, "train_batch_size", None)
+        mini = hp.mini_batch_size
+        if isinstance(batch, int) and mini is not None and batch % mini:
+            raise ValueError(
+                f"model.mini_batch_size={mini} does not divide data.train_batch_size={batch} "
+                "(prompts per rollout step): fix: choose a divisor of train_batch_size, or null "
+                "for one update per rollout step."
+            )
+        prompt_len = getattr(data, "max_prompt_length", None)
+        response_len = getattr(data, "max_response_length", None)
+        context = getattr(getattr(self.policy, "config", None), "max_position_embeddings", None)
+        if (
+            isinstance(context, int)
+            and isinstance(prompt_len, int)
+            and isinstance(response_len, int)
+            and prompt_len + response_len > context
+        ):
+            raise ValueError(
+                f"data.max_prompt_length={prompt_len} + data.max_response_length={response_len} "
+                f"= {prompt_len + response_len} tokens exceeds the model's context "
+                f"(max_position_embeddings={context}). Fix: lower max_prompt_length or "
+                "max_response_length so that their sum fits the context."
+            )
+
     def configure_optimizers(self) -> Any:
         params = [p for p in self.policy.parameters() if p.requires_grad]
         optimizer = self.optimizer_factory(params)

@@ -198,6 +198,13 @@ class DAPODataModule(pl.LightningDataModule):
             raise ValueError(f"engine={engine!r}: use 'hf', 'vllm' or an engine object.")
         if engine == "vllm" and model_name_or_path is None:
             raise ValueError("engine='vllm' needs model_name_or_path (the checkpoint vLLM loads).")
+        if engine == "vllm":
+            import importlib.util
+
+            if importlib.util.find_spec("vllm") is None:  # fail now, not after set-up
+                from dapo_lightning.rollout.vllm import _INSTALL_HINT
+
+                raise ImportError(f"data.engine='vllm' but vllm is not installed. {_INSTALL_HINT}")
         if val_n < 1 or val_batch_size < 1:
             raise ValueError("val_n and val_batch_size must be >= 1.")
         if steps_per_epoch is not None and steps_per_epoch < 1:
@@ -287,7 +294,14 @@ class DAPODataModule(pl.LightningDataModule):
                 raise ValueError("DAPODataModule needs model_name_or_path to load the tokenizer.")
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_name_or_path)
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(self.model_name_or_path)
+            except OSError as err:
+                raise FileNotFoundError(
+                    f"data.model_name_or_path={self.model_name_or_path!r}: no tokenizer could be "
+                    f"loaded ({err}). Fix: give an existing folder written by save_pretrained or "
+                    "a hub id (with network access)."
+                ) from err
         train, val = self._load_records()
         tok_kw = dict(
             apply_chat_template=self.apply_chat_template,

@@ -338,6 +338,12 @@ def tokenize_records(
     """
     if overlong_prompts not in ("error", "drop"):
         raise ValueError(f"overlong_prompts must be 'error' or 'drop', got {overlong_prompts!r}.")
+    if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise PromptDataError(
+            f"apply_chat_template=True but the tokenizer ({type(tokenizer).__name__}) has no chat "
+            "template. Fix: set apply_chat_template=False to feed plain-text prompts as they are, "
+            "or use a tokenizer that defines one (tokenizer.chat_template)."
+        )
     kept, dropped = [], 0
     for i, r in enumerate(records):
         ids = encode_prompt(tokenizer, r.prompt, apply_chat_template)

@@ -1,0 +1,422 @@
+"""Bad-input catalogue (DESIGN.md invariant 6): each bad setting or bad data gives a clear error that
+names the field and the fix, raised up front where it can be checked before work is wasted.
+
+Cases, in order: the CLI parser (unknown keys, wrong types, bad choices), DAPOModule arguments,
+DAPODataModule arguments, checks that need both (group size, mini-batch, context length), prompt
+data, rewards, tokenizer / model / engine availability, and dtypes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from dapo_lightning import DAPODataModule, DAPOModule
+from dapo_lightning.cli import DAPOLightningCLI
+from dapo_lightning.data.buffer import DynamicSamplingError  # noqa: F401 - documented error type
+from dapo_lightning.data.sources import PromptDataError
+from dapo_lightning.rewards import (
+    RewardFailureError,
+    RewardOutputError,
+    RewardResult,
+    RewardRunner,
+    get_reward,
+)
+from dapo_lightning.rollout.base import SamplingConfig
+from dapo_lightning.testing import make_tiny_checkpoint
+
+# ----------------------------------------------------------------------------- the CLI parser
+
+
+@pytest.fixture(autouse=True)
+def _clean_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["dapo-lightning"])  # the CLI reads only ``args``
+
+
+def _cli(args: list[str], capsys: pytest.CaptureFixture) -> str:
+    """Parse ``args`` with the real CLI (no fit); returns the error text it exits with."""
+    with pytest.raises(SystemExit) as exc:
+        DAPOLightningCLI(
+            DAPOModule,
+            DAPODataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            auto_configure_optimizers=False,
+            run=False,
+            args=args,
+        )
+    assert exc.value.code not in (0, None)
+    return capsys.readouterr().err
+
+
+BASE = [
+    "--model=dapo_lightning.DAPOModule",
+    "--model.model_name_or_path=/nonexistent",
+    "--data=dapo_lightning.DAPODataModule",
+    "--data.task=arithmetic",
+    "--trainer.logger=false",
+]
+
+
+def test_cli_unknown_model_key(capsys):
+    err = _cli([*BASE, "--model.clip_ratio_hi=0.3"], capsys)
+    assert "clip_ratio_hi" in err
+
+
+def test_cli_unknown_top_level_key(capsys):
+    err = _cli([*BASE, "--not_a_section.x=1"], capsys)
+    assert "not_a_section" in err
+
+
+def test_cli_unknown_key_in_config_file(capsys, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data:\n  init_args:\n    n_samples: 4\n")
+    err = _cli([*BASE, f"--config={cfg}"], capsys)
+    assert "n_samples" in err
+
+
+def test_cli_wrong_type_float(capsys):
+    err = _cli([*BASE, "--model.clip_ratio_low=abc"], capsys)
+    assert "clip_ratio_low" in err and "abc" in err
+
+
+def test_cli_wrong_type_int(capsys):
+    err = _cli([*BASE, "--data.n=four"], capsys)
+    assert "n" in err and "four" in err
+
+
+def test_cli_bad_choice_loss_agg_mode(capsys):
+    err = _cli([*BASE, "--model.loss_agg_mode=token-sum"], capsys)
+    assert "loss_agg_mode" in err and "token-mean" in err  # names the allowed values
+
+
+def test_cli_bad_choice_torch_dtype(capsys):
+    err = _cli([*BASE, "--model.torch_dtype=float64"], capsys)
+    assert "torch_dtype" in err and "bfloat16" in err
+
+
+def test_cli_eps_high_below_eps_low(capsys):
+    with pytest.raises(ValueError, match="clip_ratio_high .* < clip_ratio_low"):
+        DAPOLightningCLI(
+            DAPOModule,
+            DAPODataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            auto_configure_optimizers=False,
+            run=False,
+            args=[*BASE, "--model.clip_ratio_low=0.3", "--model.clip_ratio_high=0.2"],
+        )
+
+
+# ----------------------------------------------------------------------------- DAPOModule args
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"clip_ratio_low": 0.3, "clip_ratio_high": 0.2}, "clip_ratio_high .*0.28 and 0.2"),
+        ({"clip_ratio_low": 1.5}, "clip_ratio_low must be in"),
+        ({"clip_ratio_c": 0.5}, "clip_ratio_c must be > 1"),
+        ({"loss_agg_mode": "token-sum"}, "loss_agg_mode must be one of"),
+        ({"advantage_estimator": "ppo"}, "advantage_estimator must be one of"),
+        ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "needs `max_response_length`"),
+        ({"micro_batch_size": 0}, "micro_batch_size must be >= 1"),
+        ({"mini_batch_size": 0}, "mini_batch_size must be >= 1"),
+        ({"temperature": 0.0}, "temperature must be > 0"),
+        ({"tis_cap": 0.0}, "tis_cap must be > 0"),
+    ],
+)
+def test_module_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DAPOModule("unused", **kwargs)
+
+
+def test_module_without_policy():
+    with pytest.raises(ValueError, match="model_name_or_path"):
+        DAPOModule()
+
+
+def test_module_missing_model_path(tmp_path):
+    module = DAPOModule(str(tmp_path / "no_such_model"))
+    with pytest.raises(FileNotFoundError, match="model.model_name_or_path=.*save_pretrained"):
+        module.configure_model()
+
+
+# ------------------------------------------------------------------------- DAPODataModule args
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({}, ValueError, "exactly one of train_files"),
+        ({"task": "algebra"}, ValueError, "task='algebra' is unknown"),
+        ({"task": "arithmetic", "engine": "sglang"}, ValueError, "engine='sglang'"),
+        ({"task": "arithmetic", "val_n": 0}, ValueError, "val_n and val_batch_size"),
+        ({"task": "arithmetic", "steps_per_epoch": 0}, ValueError, "steps_per_epoch must be"),
+        ({"task": "arithmetic", "max_response_length": 0}, ValueError, "max_tokens must be >= 1"),
+        ({"task": "arithmetic", "top_p": 0.0}, ValueError, "top_p must be in"),
+    ],
+)
+def test_datamodule_bad_arguments(tiny_checkpoint, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DAPODataModule(str(tiny_checkpoint), **kwargs)
+
+
+def _dm(path: Any, **kw: Any) -> DAPODataModule:
+    args: dict[str, Any] = dict(
+        task="arithmetic",
+        task_kwargs={"num_prompts": 8},
+        apply_chat_template=False,
+        reward="arithmetic",
+        reward_in_process=True,
+        n=2,
+        train_batch_size=2,
+        max_prompt_length=16,
+        max_response_length=4,
+    )
+    args.update(kw)
+    return DAPODataModule(str(path), **args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n": 1}, "n >= 2 or filter_metric=None"),
+        ({"train_batch_size": 0}, "train_batch_size=0 is global"),
+        ({"max_num_gen_batches": -1}, "max_num_gen_batches must be >= 0"),
+        ({"reward": "exact_match"}, "reward='exact_match' is not a built-in reward"),
+        ({"reward_timeout_s": 0.0}, "timeout_s must be > 0"),
+        ({"max_reward_failure_frac": 2.0}, "max_reward_failure_frac must be in"),
+        ({"val_fraction": 1.0}, "val_fraction must be in"),
+        ({"overlong_prompts": "truncate"}, "overlong_prompts must be 'error' or 'drop'"),
+        ({"max_prompt_length": 2}, "max_prompt_length=2"),
+    ],
+)
+def test_datamodule_bad_settings_fail_in_setup(tiny_checkpoint, kwargs, match):
+    dm = _dm(tiny_checkpoint, **kwargs)
+    with pytest.raises((ValueError, TypeError), match=match):
+        dm.setup("fit")
+
+
+def test_missing_tokenizer_path(tmp_path):
+    dm = _dm(tmp_path / "no_such_model")
+    with pytest.raises(FileNotFoundError, match="data.model_name_or_path=.*Fix"):
+        dm.setup("fit")
+
+
+def test_chat_template_needed_but_missing(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "m")
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for extra in path.glob("chat_template.*"):
+        extra.unlink()
+    dm = _dm(path, apply_chat_template=True)
+    with pytest.raises(PromptDataError, match="no chat template. Fix: set apply_chat_template"):
+        dm.setup("fit")
+
+
+def test_vllm_engine_not_installed(tiny_checkpoint, monkeypatch):
+    # vLLM *is* installed here, so its absence is faked: a None entry in sys.modules makes both
+    # importlib.util.find_spec and `import vllm` behave as if the package were missing.
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match="engine='vllm' but vllm is not installed.*pip install"):
+        _dm(tiny_checkpoint, engine="vllm")
+
+
+# ----------------------------------------------- checks across model and data, before generating
+
+
+class _CountingEngine:
+    """A rollout engine that records whether it was ever asked to generate."""
+
+    calls = 0
+
+    def generate(self, prompts, n, sampling):  # pragma: no cover - must never run
+        _CountingEngine.calls += 1
+        raise AssertionError("generation started before the configuration was checked")
+
+    def load_weights(self, named_tensors):
+        return None
+
+
+def _fit(module: DAPOModule, dm: DAPODataModule, tmp_path: Path) -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=dm)
+
+
+@pytest.mark.parametrize(
+    ("module_kw", "data_kw", "match"),
+    [
+        ({"advantage_estimator": "grpo"}, {"n": 1, "filter_metric": None}, "data.n=1 with"),
+        ({"advantage_estimator": "rloo"}, {"n": 1, "filter_metric": None}, "data.n=1 with"),
+        ({"mini_batch_size": 3}, {"train_batch_size": 4}, "mini_batch_size=3 does not divide"),
+        ({}, {"max_prompt_length": 500, "max_response_length": 100}, "max_position_embeddings"),
+    ],
+)
+def test_model_data_mismatch_fails_before_generation(
+    tiny_checkpoint, tmp_path, module_kw, data_kw, match
+):
+    _CountingEngine.calls = 0
+    module = DAPOModule(str(tiny_checkpoint), parity_check_every=0, **module_kw)
+    dm = _dm(tiny_checkpoint, engine=_CountingEngine(), **data_kw)
+    with pytest.raises(ValueError, match=match + ".*[Ff]ix"):
+        _fit(module, dm, tmp_path)
+    assert _CountingEngine.calls == 0
+
+
+# ----------------------------------------------------------------------------------- prompt data
+
+
+def _rows_file(tmp_path: Path, rows: list[Any] | str) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    if isinstance(rows, str):
+        path.write_text(rows)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ("", "no prompts found"),
+        ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n', "line 2 is not valid JSON"),
+        ([{"question": "1+1=", "answer": "2"}], "missing field 'prompt'.*set prompt_key"),
+        ([{"prompt": "1+1="}], "missing field 'answer'.*set answer_key"),
+        ([{"prompt": "   ", "answer": "2"}], "empty prompt"),
+        ([{"prompt": "1+1=", "answer": None}], "field 'answer' is null"),
+        ([{"prompt": "1+1=", "answer": ["2"]}], "must be a string or a number, got list"),
+        ([{"prompt": "1+1=", "answer": True}], "is a bool"),
+        ([{"prompt": [{"role": "user"}], "answer": "2"}], "message 0 must be a dict"),
+        ([["1+1=", "2"]], "is a list, not a dict"),
+    ],
+)
+def test_bad_prompt_rows(tiny_checkpoint, tmp_path, content, match):
+    path = _rows_file(tmp_path, content)
+    dm = DAPODataModule(
+        str(tiny_checkpoint),
+        train_files=str(path),
+        answer_key="answer",
+        apply_chat_template=False,
+        reward="arithmetic",
+        reward_in_process=True,
+        n=2,
+        train_batch_size=1,
+        max_prompt_length=16,
+        max_response_length=4,
+    )
+    with pytest.raises(PromptDataError, match=match):
+        dm.setup("fit")
+
+
+def test_missing_prompt_file(tiny_checkpoint, tmp_path):
+    dm = DAPODataModule(str(tiny_checkpoint), train_files=str(tmp_path / "nope.jsonl"))
+    with pytest.raises(FileNotFoundError, match="check the path in train_files"):
+        dm.setup("fit")
+
+
+def test_unknown_prompt_file_type(tiny_checkpoint, tmp_path):
+    path = tmp_path / "prompts.csv"
+    path.write_text("prompt,answer\n1+1=,2\n")
+    dm = DAPODataModule(str(tiny_checkpoint), train_files=str(path))
+    with pytest.raises(PromptDataError, match="unknown prompt file type '.csv'"):
+        dm.setup("fit")
+
+
+# --------------------------------------------------------------------------------------- rewards
+
+
+class RaisingReward:
+    failure_score = -1.0
+
+    def __call__(self, responses, ground_truths, **kw):
+        raise RuntimeError("reward bug")
+
+
+class HangingReward:
+    failure_score = -1.0
+
+    def __call__(self, responses, ground_truths, **kw):
+        time.sleep(3600)
+
+
+class NaNReward:
+    failure_score = -1.0
+
+    def __call__(self, responses, ground_truths, **kw):
+        return [RewardResult(score=float("nan"), acc=False) for _ in responses]
+
+
+class ShortReward:
+    failure_score = -1.0
+
+    def __call__(self, responses, ground_truths, **kw):
+        return [RewardResult(score=1.0, acc=True)] * (len(responses) - 1)
+
+
+def test_reward_that_raises():
+    runner = RewardRunner(RaisingReward(), in_process=True)
+    with pytest.raises(RewardFailureError, match="RuntimeError: reward bug.*Fix the reward"):
+        runner.score(["a", "b"], ["1", "2"])
+
+
+def test_reward_that_hangs_is_killed_by_the_timeout():
+    runner = RewardRunner(HangingReward(), timeout_s=0.5, num_workers=1)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RewardFailureError, match="timeout.*raise reward_timeout_s"):
+            runner.score(["a"], ["1"])
+    finally:
+        runner.close()
+    assert time.monotonic() - t0 < 60
+
+
+def test_reward_that_returns_nan():
+    with pytest.raises(RewardOutputError, match="score=nan .* must be finite"):
+        RewardRunner(NaNReward(), in_process=True).score(["a"], ["1"])
+
+
+def test_reward_that_returns_the_wrong_length():
+    with pytest.raises(RewardOutputError, match="returned 1 results for 2 responses"):
+        RewardRunner(ShortReward(), in_process=True).score(["a", "b"], ["1", "2"])
+
+
+def test_reward_that_is_not_callable():
+    with pytest.raises(TypeError, match="reward must be a name in"):
+        get_reward(42)
+
+
+# ------------------------------------------------------------------------------------- dtypes
+
+
+def test_sampling_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="top_k must be -1"):
+        SamplingConfig(4, top_k=0)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_dtypes_run_on_this_cpu(tiny_checkpoint, dtype):
+    """Measured, not guarded: float16 and bfloat16 forward and backward both run on this CPU
+    (torch 2.13), so there is no dtype/device combination to reject here."""
+    module = DAPOModule(str(tiny_checkpoint), torch_dtype=dtype)
+    module.configure_model()
+    out = module.policy(torch.tensor([[1, 2, 3]])).logits
+    out.float().sum().backward()
+    assert out.dtype == getattr(torch, dtype) and torch.isfinite(out).all()
