@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from lightning.pytorch import Trainer
@@ -239,7 +240,7 @@ def test_subclass_by_class_path(base_run, tmp_path):
 
 def run_in_process(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
     """``main(args)`` in this process (a parse error exits before anything is built)."""
-    with pytest.raises(SystemExit) as exc:
+    with mock.patch.object(sys, "argv", ["dapo-lightning"]), pytest.raises(SystemExit) as exc:
         main(list(args))
     return exc.value.code, capsys.readouterr().err
 
