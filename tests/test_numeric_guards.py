@@ -1,0 +1,251 @@
+"""Numeric guards and safe defaults.
+
+- A non-finite loss (NaN reward -> NaN advantages; a poisoned engine log-prob under TIS) or a
+  non-finite gradient norm skips the update: weights and optimizer state unchanged, the skip
+  counted (``skipped_updates``) and logged (``update/skipped_nonfinite``), and repeated skips
+  reach ``CollapseDetector``'s "nonfinite" detector, whose default action stops training.
+- ``trust_remote_code`` is never turned on, and rewards named in configs are scored in worker
+  processes with a timeout by default.
+"""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _module_harness import FixedBatches, fixed_batch, sgd
+from dapo_lightning.callbacks import CollapseDetector
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger
+
+from dapo_lightning import DAPODataModule, DAPOModule
+from dapo_lightning.data.batch import RolloutBatch
+
+
+class UpdateRecorder:
+    """Records the metrics of every ``on_dapo_update`` call (a plain DAPO hook holder)."""
+
+    def __init__(self) -> None:
+        self.metrics: list[dict[str, float]] = []
+
+    def on_dapo_update(self, trainer: Any, pl_module: Any, metrics: dict[str, float]) -> None:
+        self.metrics.append(dict(metrics))
+
+
+def _fit(
+    checkpoint: Path,
+    batch: RolloutBatch,
+    tmp_path: Path,
+    *,
+    steps: int,
+    callbacks: list[Any] = (),
+    module_setup: Any = None,
+    **module_kw: Any,
+) -> tuple[DAPOModule, dict[str, torch.Tensor], Trainer]:
+    torch.manual_seed(0)
+    kw: dict[str, Any] = dict(optimizer=sgd, micro_batch_size=8, parity_check_every=0)
+    kw.update(module_kw)
+    module = DAPOModule(str(checkpoint), **kw)
+    module.configure_model()
+    if module_setup is not None:
+        module_setup(module)
+    before = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+    from lightning.pytorch.callbacks import Callback
+
+    class Hooks(Callback):  # Lightning needs Callback instances; forward the DAPO hook
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def on_dapo_update(self, *args: Any) -> None:
+            self.inner.on_dapo_update(*args)
+
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=-1,
+        max_epochs=1,
+        logger=CSVLogger(tmp_path, name="logs"),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[c if hasattr(c, "setup") else Hooks(c) for c in callbacks],
+    )
+    trainer.fit(module, datamodule=FixedBatches(batch, steps=steps))
+    return module, before, trainer
+
+
+def _logged(trainer: Trainer, key: str) -> list[float]:
+    path = Path(trainer.logger.log_dir) / "metrics.csv"
+    with open(path) as f:
+        return [float(row[key]) for row in csv.DictReader(f) if row.get(key) not in (None, "")]
+
+
+def _unchanged(module: DAPOModule, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(v, before[k]) for k, v in module.policy.state_dict().items())
+
+
+def _poisoned_batch() -> RolloutBatch:
+    """A NaN sampled-token log-prob from the engine: it enters the loss through the TIS weight
+    ``min(pi_old / pi_rollout, cap)`` (run with ``tis_cap`` set)."""
+    batch = fixed_batch()
+    batch.rollout_log_probs = batch.rollout_log_probs.clone()
+    batch.rollout_log_probs[3, 0] = float("nan")
+    return batch
+
+
+def test_nan_reward_is_refused_with_a_clear_error(tiny_checkpoint, tmp_path):
+    """A NaN reward never reaches the loss: the advantage step names it."""
+    batch = fixed_batch()
+    batch.reward = batch.reward.clone()
+    batch.reward[0] = float("nan")
+    with pytest.raises(
+        ValueError, match=r"rewards must be finite; non-finite values at indices \[0\]"
+    ):
+        _fit(tiny_checkpoint, batch, tmp_path, steps=1)
+
+
+def test_nonfinite_loss_skips_update(tiny_checkpoint, tmp_path):
+    rec = UpdateRecorder()
+    module, before, trainer = _fit(
+        tiny_checkpoint, _poisoned_batch(), tmp_path, steps=2, callbacks=[rec], tis_cap=2.0
+    )
+    assert _unchanged(module, before)  # the weights were not corrupted
+    assert module.skipped_updates == 2 and module.policy_version == 2
+    assert [m["skipped_nonfinite"] for m in rec.metrics] == [1.0, 1.0]
+    assert not torch.isfinite(torch.tensor(rec.metrics[0]["loss"]))
+    assert _logged(trainer, "update/skipped_nonfinite") == [1.0, 1.0]
+    assert _logged(trainer, "update/skipped_total")[-1] == 2.0
+    assert not any(p.grad is not None for p in module.policy.parameters())  # grads dropped
+
+
+def test_nonfinite_grad_norm_skips_update(tiny_checkpoint, tmp_path):
+    """Finite loss, infinite gradient (a fault injected with a gradient hook on one weight)."""
+
+    def poison(module: DAPOModule) -> None:
+        weight = module.policy.model.layers[0].mlp.up_proj.weight
+        weight.register_hook(lambda g: g * float("inf"))
+
+    rec = UpdateRecorder()
+    module, before, _ = _fit(
+        tiny_checkpoint, fixed_batch(), tmp_path, steps=1, callbacks=[rec], module_setup=poison
+    )
+    assert _unchanged(module, before) and module.skipped_updates == 1
+    assert torch.isfinite(torch.tensor(rec.metrics[0]["loss"]))
+    assert not torch.isfinite(torch.tensor(rec.metrics[0]["grad_norm"]))
+    opt_state = module.trainer.optimizers[0].state
+    assert all(not s for s in opt_state.values())  # no optimizer step happened
+
+
+def test_healthy_batch_is_not_skipped(tiny_checkpoint, tmp_path):
+    """Negative control: the same run on finite data updates the weights."""
+    module, before, trainer = _fit(tiny_checkpoint, fixed_batch(), tmp_path, steps=1)
+    assert not _unchanged(module, before) and module.skipped_updates == 0
+    assert _logged(trainer, "update/skipped_nonfinite") == [0.0]
+
+
+def test_repeated_skips_reach_collapse_detector_and_stop(tiny_checkpoint, tmp_path):
+    detector = CollapseDetector()  # default detectors: nonfinite, patience 3, action stop
+    module, before, trainer = _fit(
+        tiny_checkpoint, _poisoned_batch(), tmp_path, steps=10, callbacks=[detector], tis_cap=2.0
+    )
+    assert detector.fired["nonfinite"] == 1
+    assert "nonfinite" in detector.stop_reason
+    assert trainer.should_stop and module.rollout_step == 3  # stopped after 3 of 10 steps
+    assert module.skipped_updates == 3 and _unchanged(module, before)
+    assert _logged(trainer, "collapse/fired_nonfinite")[-1] == 1.0
+
+
+def test_skip_nonfinite_off_lets_nan_through(tiny_checkpoint, tmp_path):
+    """Negative control: with the guard off, the NaN reaches the weights."""
+    module, _, _ = _fit(
+        tiny_checkpoint, _poisoned_batch(), tmp_path, steps=1, skip_nonfinite=False, tis_cap=2.0
+    )
+    assert module.skipped_updates == 0
+    assert any(not torch.isfinite(p).all() for p in module.policy.parameters())
+
+
+# ----------------------------------------------------------------------------- safe defaults
+
+
+def test_trust_remote_code_is_never_enabled(tiny_checkpoint, monkeypatch):
+    """Every ``from_pretrained`` the module and data module make gets trust_remote_code off."""
+    import transformers
+
+    calls: list[dict[str, Any]] = []
+    for cls in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        original = cls.from_pretrained.__func__
+
+        def spy(klass, *args, _original=original, **kwargs):
+            calls.append(kwargs)
+            return _original(klass, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
+    DAPOModule(str(tiny_checkpoint), kl_coef=0.0).configure_model()
+    dm = DAPODataModule(
+        str(tiny_checkpoint),
+        task="arithmetic",
+        task_kwargs={"num_prompts": 4},
+        apply_chat_template=False,
+        reward_in_process=True,
+        n=2,
+        train_batch_size=2,
+        max_prompt_length=16,
+        max_response_length=4,
+    )
+    dm.setup("fit")
+    assert len(calls) == 2
+    assert all(not kw.get("trust_remote_code", False) for kw in calls)
+
+
+def test_no_source_file_enables_trust_remote_code():
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for folder in ("dapo_lightning", "callbacks", "configs"):
+        for path in (root / folder).rglob("*"):
+            if path.suffix not in (".py", ".yaml", ".yml") or not path.is_file():
+                continue
+            text = path.read_text(encoding="utf-8")
+            for line in text.splitlines():
+                low = line.replace(" ", "").lower()
+                if "trust_remote_code=true" in low or "trust_remote_code:true" in low:
+                    offenders.append(f"{path.relative_to(root)}: {line.strip()}")
+    assert not offenders, offenders
+
+
+def test_rewards_run_in_worker_processes_with_timeout_by_default(tiny_checkpoint):
+    sig = inspect.signature(DAPODataModule.__init__).parameters
+    assert sig["reward_in_process"].default is False
+    assert sig["reward_timeout_s"].default > 0
+    dm = DAPODataModule(
+        str(tiny_checkpoint),
+        task="arithmetic",
+        task_kwargs={"num_prompts": 4},
+        apply_chat_template=False,
+        reward="arithmetic",
+        n=2,
+        train_batch_size=2,
+        max_prompt_length=16,
+        max_response_length=4,
+    )
+    dm.setup("fit")
+    runner = dm.reward_runner
+    try:
+        assert runner.in_process is False and runner.timeout_s == dm.reward_timeout_s
+        results = runner.score(["7", "3"], ["7", "8"])
+        assert [r.acc for r in results] == [True, False]
+        workers = [w.proc for w in runner._workers]
+        assert workers and all(p.is_alive() and p.pid != os.getpid() for p in workers)
+    finally:
+        dm.teardown()
+
+
+def test_quickstart_in_process_reward_is_explicit():
+    """The quickstart opts in to in-process scoring explicitly (a trusted built-in reward)."""
+    text = (Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml").read_text()
+    assert "reward_in_process: true" in text
