@@ -11,6 +11,7 @@ only there, so prefetching changes nothing. Validation works the same way with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterator
@@ -425,13 +426,14 @@ class DAPODataModule(pl.LightningDataModule):
             raise RuntimeError("call setup() before generating rollouts.")
         module = self._module()
         self.ensure_engine(module)
-        batch = self.buffer.next_batch(
-            int(getattr(module, "policy_version", 0)),
-            callbacks=list(self.trainer.callbacks),
-            trainer=self.trainer,
-            pl_module=module,
-            before_round=lambda: self.push_weights(module),
-        )
+        with self._engine_awake():
+            batch = self.buffer.next_batch(
+                int(getattr(module, "policy_version", 0)),
+                callbacks=list(self.trainer.callbacks),
+                trainer=self.trainer,
+                pl_module=module,
+                before_round=lambda: self.push_weights(module),
+            )
         batch.stats["dropped_prompts"] = float(self.dropped_prompts)
         self.drawn_log.append(list(self.buffer.drawn_uids))
         return batch
@@ -442,15 +444,29 @@ class DAPODataModule(pl.LightningDataModule):
             raise RuntimeError("call setup() before validating.")
         module = self._module()
         self.ensure_engine(module)
-        self.push_weights(module)
         shard = self._val_shard()
         chunk = shard[index * self.val_batch_size : (index + 1) * self.val_batch_size]
-        return self.buffer.generate_scored(
-            chunk,
-            [self.val_n] * len(chunk),
-            self.val_sampling,
-            int(getattr(module, "policy_version", 0)),
-        )
+        with self._engine_awake():
+            self.push_weights(module)
+            return self.buffer.generate_scored(
+                chunk,
+                [self.val_n] * len(chunk),
+                self.val_sampling,
+                int(getattr(module, "policy_version", 0)),
+            )
+
+    @contextlib.contextmanager
+    def _engine_awake(self) -> Iterator[None]:
+        """With a sleep-mode vLLM engine: wake it for generation, put it back to sleep after,
+        so the update runs with the engine's GPU memory (weights, KV cache) released."""
+        sleeps = bool(getattr(self.engine, "sleep_mode", False))
+        if sleeps:
+            self.engine.wake_up()
+        try:
+            yield
+        finally:
+            if sleeps:
+                self.engine.sleep()
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Turn a ticket into its rollouts, right before the step that consumes them."""
