@@ -83,6 +83,18 @@ def micro_batch_rows(
     return chunks
 
 
+def deepspeed_backward(engine: Any, loss: Tensor, last: bool) -> None:
+    """Backward of one micro-batch through a DeepSpeed engine.
+
+    The loss is already this micro-batch's share of the global token-mean, so DeepSpeed must
+    neither divide it by its accumulation steps (``scale_wrt_gas=False``) nor reduce / step
+    before the last micro-batch (the accumulation boundary is set explicitly, since the
+    number of micro-batches varies with the token budget).
+    """
+    engine.set_gradient_accumulation_boundary(last)
+    engine.backward(loss, scale_wrt_gas=False)
+
+
 class DAPOModule(LightningModule):
     """The DAPO policy update (Yu et al. 2025) with exact token-level gradient accumulation.
 
@@ -364,10 +376,7 @@ class DAPOModule(LightningModule):
     def _backward(self, loss: Tensor, last: bool) -> None:
         engine = self._deepspeed_engine()
         if engine is not None:
-            # Our loss is already normalised by the global token count: DeepSpeed must
-            # neither rescale it by its accumulation steps nor step before the boundary.
-            engine.set_gradient_accumulation_boundary(last)
-            engine.backward(loss, scale_wrt_gas=False)
+            deepspeed_backward(engine, loss, last)
             return
         with self._no_sync(last):
             self.manual_backward(loss)
