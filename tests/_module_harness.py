@@ -60,6 +60,7 @@ def fit_update(
     micro_batch_size: int,
     devices: int = 1,
     steps: int = 1,
+    strategy: str | None = None,
     **module_kwargs: Any,
 ) -> tuple[dict[str, torch.Tensor], DAPOModule]:
     """Fit ``steps`` rollout steps on the fixed batch; returns (parameter delta, module)."""
@@ -77,7 +78,7 @@ def fit_update(
     trainer = Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
+        strategy=strategy or ("ddp" if devices > 1 else "auto"),
         max_steps=-1,
         max_epochs=1,
         logger=False,
@@ -93,6 +94,7 @@ def fit_update(
 
 if __name__ == "__main__":
     ckpt, out, micro = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    delta, module = fit_update(ckpt, micro_batch_size=micro, devices=2)
+    strategy = sys.argv[4] if len(sys.argv) > 4 else "ddp"
+    delta, module = fit_update(ckpt, micro_batch_size=micro, devices=2, strategy=strategy)
     if module.trainer.global_rank == 0:
         torch.save(delta, out)
