@@ -5,7 +5,7 @@
 Writes into RUN_DIR:
 
 - ``checkpoints/last.ckpt``: after every rollout step (AtomicCheckpointIO, save_last); the run
-  resumes from it when it exists.
+  resumes from it when it exists, loading it with ``weights_only=True``.
 - ``steps.jsonl``: one record per rollout step (step, drawn prompt uids, policy_version,
   global_step), flushed and fsynced. On resume, records beyond the checkpoint's rollout step
   (written by the killed process after its last checkpoint) are cut off first.
@@ -154,7 +154,13 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
             ),
         ],
     )
-    trainer.fit(module, datamodule=dm, ckpt_path=str(last) if last.exists() else None)
+    # weights_only=True: the whole checkpoint (data module, callbacks, RNG) is plain data
+    trainer.fit(
+        module,
+        datamodule=dm,
+        ckpt_path=str(last) if last.exists() else None,
+        weights_only=True,
+    )
     out = {
         "policy": {k: v.detach().clone() for k, v in module.policy.state_dict().items()},
         "global_step": trainer.global_step,
