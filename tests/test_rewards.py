@@ -33,7 +33,7 @@ class HangingReward:
         out = []
         for r, g in zip(responses, ground_truths):
             if "HANG" in r:
-                time.sleep(60)
+                time.sleep(3600)
             if "BOOM" in r:
                 raise ValueError("boom")
             out.append(RewardResult(1.0 if r == g else -1.0, r == g, {"has_answer": True}))
@@ -142,7 +142,9 @@ def test_runner_timeout_and_failure_counting():
         t0 = time.monotonic()
         res = runner.score(responses, truths)
         elapsed = time.monotonic() - t0
-        assert elapsed < 15, elapsed
+        # The hang lasts an hour: finishing at all proves the 1 s timeout cut it (the bound is
+        # loose on purpose: these cores are shared and noisy).
+        assert elapsed < 600, elapsed
         assert [r.acc for r in res] == [True, False, True, False, False, True]
         assert res[1].extra["reward_failure"] == "timeout"
         assert res[3].extra["reward_failure"].startswith("error")
