@@ -73,3 +73,18 @@ def test_update_throughput_quick() -> None:
     assert "Rollout step shares" in out
     assert "Redundant-forward check" in out
     assert "Profile of our update" in out
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_rollout_throughput_quick() -> None:
+    out = _run("benchmarks.rollout_throughput", "rollout_throughput.png", timeout=290)
+    assert "vllm" in out.lower() and "hf" in out.lower()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_learning_efficiency_quick() -> None:
+    out = _run("benchmarks.learning_efficiency", "learning_efficiency_quick.png", timeout=890)
+    assert "DAPO" in out and "GRPO baseline" in out
