@@ -101,7 +101,13 @@ class DAPOLightningCLI(LightningCLI):
             if kind == "tiny":
                 make_tiny_checkpoint(path, seed=seed)
             else:
-                make_quickstart_checkpoint(path, seed=seed)
+                # Warm up on the same problems the data module will serve.
+                data = config.get("data", {}).get("init_args", {}) or {}
+                task_kwargs = dict(data.get("task_kwargs") or {})
+                task_kwargs.setdefault("task_seed", task_kwargs.pop("seed", data.get("seed", 0)))
+                if data.get("apply_chat_template") is not None:
+                    task_kwargs["apply_chat_template"] = bool(data.get("apply_chat_template"))
+                make_quickstart_checkpoint(path, seed=seed, **task_kwargs)
 
     def _resolve_ckpt_path(self, ckpt_path: Any) -> Any:
         if ckpt_path != AUTO_CKPT:

@@ -181,30 +181,51 @@ def make_quickstart_checkpoint(
     seed: int = 0,
     level: int = 1,
     num_prompts: int = 100,
+    operand_range: tuple[int, int] | None = None,
+    ops: list[str] | tuple[str, ...] | None = None,
+    task_seed: int | None = None,
     apply_chat_template: bool = False,
-    steps: int = 150,
-    batch_size: int = 32,
+    noise: int = 4,
+    exact_frac: float = 0.08,
+    steps: int = 1000,
+    batch_size: int = 64,
     lr: float = 3e-3,
+    **config_overrides: Any,
 ) -> Path:
-    """The quickstart's starting point: a tiny checkpoint that knows the *format* of the
-    arithmetic task but not the arithmetic.
+    """The quickstart's starting point: a tiny checkpoint that knows the task's *format* and
+    roughly where each answer lies, but is rarely exactly right.
 
     A DAPO run needs a base model whose samples are sometimes right (a group with no correct
     sample carries no signal). A randomly initialised model writes random bytes and is never
-    right, so this warms :func:`make_tiny_checkpoint` with a short supervised pass on prompts
-    of the built-in task paired with *random* answers drawn from the task's answer set: the
-    model learns to write a number and stop, not which number. Its accuracy is then about
-    ``1 / len(answers)`` (about 5% for one-digit sums), and RL has to teach the rest.
+    right, so this warms :func:`make_tiny_checkpoint` with a short supervised pass ("pre-training")
+    on every problem of the task paired with a *noisy* answer: with probability ``exact_frac``
+    the true answer ``t``, otherwise a value drawn uniformly from the window
+    ``{max(0, t - noise), ..., t + noise}`` (``t`` included; negatives only for tasks that have
+    them). The target distribution gives ``t`` a probability of about
+    ``exact_frac + (1 - exact_frac) / (2 * noise + 1)`` (0.18 with the defaults) and every other
+    window value about 0.10: the model learns to write a number near the answer and stop, the
+    exact answer is its mode but it is exactly right well under 20% of the time, and RL has to
+    sharpen it. Because the warm-up covers every problem of the task (held-out ones included,
+    with noisy answers only), what RL learns on the training problems can carry over to
+    problems RL never sees. Measured on one-digit sums (seed 0): sampled accuracy 0.09 on 20
+    held-out problems, 0.11 on the 80 others; about 20 s on 2 idle cores, 160 s under load.
 
     Args:
         path: Folder to write (same layout as :func:`make_tiny_checkpoint`).
-        seed: Seeds the weights, the task and the warm-up.
+        seed: Seeds the weights and the warm-up sampling.
         level: Arithmetic level of the task (see :mod:`dapo_lightning.data.arithmetic`).
         num_prompts: Problems of the task seen in the warm-up (all of level 1 is 100).
+        operand_range: The task's operand range override (as in ``make_arithmetic_rows``).
+        ops: The task's operator override (as in ``make_arithmetic_rows``).
+        task_seed: Seed of the task's problem list (the data module's ``seed``); default ``seed``.
         apply_chat_template: Encode prompts with the chat template, as the data module will.
+        noise: Half-width of the answer-noise window; 0 teaches the exact answers.
+        exact_frac: Share of warm-up answers that are exact (the rest are drawn from the window);
+            it makes the true answer the mode, which RL's sharpening can then find.
         steps: Warm-up optimizer steps.
         batch_size: Sequences per warm-up step.
         lr: AdamW learning rate of the warm-up.
+        **config_overrides: Model shape overrides passed to :func:`make_tiny_checkpoint`.
     """
     import random
 
@@ -213,24 +234,42 @@ def make_quickstart_checkpoint(
     from dapo_lightning.data.arithmetic import make_arithmetic_rows
     from dapo_lightning.data.sources import encode_prompt
 
-    path = make_tiny_checkpoint(path, seed=seed)
+    if noise < 0:
+        raise ValueError(f"noise must be >= 0 (half-width of the answer noise), got {noise}.")
+    if not 0.0 <= exact_frac <= 1.0:
+        raise ValueError(
+            f"exact_frac must be in [0, 1] (share of exact answers), got {exact_frac}."
+        )
+    path = make_tiny_checkpoint(path, seed=seed, **config_overrides)
     tokenizer = make_tiny_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(path)
     model.train()
-    rows = make_arithmetic_rows(num_prompts, level=level, seed=seed)
-    answers = sorted({r["answer"] for r in rows})
+    rows = make_arithmetic_rows(
+        num_prompts,
+        level=level,
+        seed=seed if task_seed is None else task_seed,
+        operand_range=operand_range,
+        ops=ops,
+    )
     prompts = [encode_prompt(tokenizer, r["prompt"], apply_chat_template) for r in rows]
+    truths = [int(r["answer"]) for r in rows]
+    nonneg = all(t >= 0 for t in truths)
     rng = random.Random(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         for _ in range(steps):
             seqs, targets = [], []
-            for prompt in rng.choices(prompts, k=batch_size):
-                answer = tokenizer(rng.choice(answers), add_special_tokens=False)["input_ids"]
+            for i in rng.choices(range(len(rows)), k=batch_size):
+                value = truths[i]
+                if rng.random() >= exact_frac:
+                    low = max(0, value - noise) if nonneg else value - noise
+                    value = rng.randint(low, value + noise)
+                text = str(value)
+                answer = tokenizer(text, add_special_tokens=False)["input_ids"]
                 answer = answer + [tokenizer.eos_token_id]
-                seqs.append(prompt + answer)
-                targets.append([-100] * len(prompt) + answer)
+                seqs.append(prompts[i] + answer)
+                targets.append([-100] * len(prompts[i]) + answer)
             width = max(len(s) for s in seqs)
             ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in seqs])
             labels = torch.tensor([t + [-100] * (width - len(t)) for t in targets])

@@ -1,0 +1,299 @@
+"""The quickstart's learning curve: ``dapo-lightning fit --config configs/quickstart.yaml`` for
+several seeds through the real command line, on this machine's CPU.
+
+For each seed the script writes an override YAML moving every path of the run into
+``benchmarks/out/quickstart_curve/seed<S>/`` (a fresh run directory, so the tiny checkpoint's
+warm-up is part of the measured time), runs the CLI, then reads the run's CSVLogger
+``metrics.csv``. Wall-clock times come from :class:`WallClock`, a callback the override adds:
+at every validation it appends ``{"step", "val_acc", "wall_s"}`` to ``wall_clock.jsonl``, where
+``wall_s`` counts from the moment the script launched the CLI (so it includes Python start-up,
+the checkpoint warm-up and every validation). The sanity validation before the first update
+gives the initial ``val/acc`` (Lightning does not write sanity metrics to ``metrics.csv``).
+
+It prints one row per seed (initial val/acc, optimizer updates and seconds to reach the
+target, final val/acc, total seconds) and writes ``benchmarks/out/quickstart_curve.png``:
+val/acc against optimizer updates and against wall-clock seconds.
+
+Usage::
+
+    .venv/bin/python benchmarks/quickstart_curve.py                # seeds 0 1 2, the full config
+    .venv/bin/python benchmarks/quickstart_curve.py --quick        # smoke: 1 seed, 2 updates
+    .venv/bin/python benchmarks/quickstart_curve.py --seeds 3 4 --max-steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO_ROOT, out_dir, print_table  # noqa: E402
+
+#: The learning target of issue 8: val/acc the quickstart must reach.
+TARGET = 0.9
+#: The wall-clock budget of issue 8 for the whole command (seconds, 2 cores).
+BUDGET_S = 300.0
+#: Environment variable carrying the launch time (``time.time()``) into the CLI process.
+T0_ENV = "QUICKSTART_CURVE_T0"
+
+
+class WallClock(pl.Callback):
+    """Appends ``{"step", "val_acc", "wall_s", "sanity"}`` to ``path`` at every validation end.
+
+    Args:
+        path: JSON-lines file to append to.
+
+    ``wall_s`` is seconds since the ``QUICKSTART_CURVE_T0`` environment variable's time (the
+    launch of the command), or since this callback was built when it is unset.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.t0 = float(os.environ.get(T0_ENV, time.time()))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: D102
+        if not trainer.is_global_zero:
+            return
+        acc = trainer.callback_metrics.get("val/acc")
+        row = {
+            "step": int(trainer.global_step),
+            "val_acc": None if acc is None else float(acc),
+            "wall_s": time.time() - self.t0,
+            "sanity": bool(trainer.sanity_checking),
+        }
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def write_override(run_dir: Path, *, quick: bool, model_dir: Path | None = None) -> Path:
+    """The second ``--config`` of one seed's run: every path under ``run_dir``, the wall clock.
+
+    Lists (``trainer.callbacks``) are replaced whole, so quickstart.yaml's list is repeated here
+    with :class:`WallClock` added.
+    """
+    path = run_dir / "override.yaml"
+    checkpoint_every = 1 if quick else 20
+    val_every = "\n  val_check_interval: 1" if quick else ""
+    path.write_text(
+        f"""trainer:
+  default_root_dir: {run_dir}{val_every}
+  logger:
+    class_path: lightning.pytorch.loggers.CSVLogger
+    init_args:
+      save_dir: {run_dir}
+      name: logs
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: {run_dir}/checkpoints
+        save_last: true
+        every_n_train_steps: {checkpoint_every}
+        save_top_k: 0
+    - class_path: dapo_lightning.callbacks.OverlongRewardShaping
+      init_args:
+        buffer_length: 2
+    - class_path: dapo_lightning.callbacks.CollapseDetector
+    - class_path: quickstart_curve.WallClock
+      init_args:
+        path: {run_dir}/wall_clock.jsonl
+model:
+  init_args:
+    model_name_or_path: {model_dir or run_dir / "model"}
+"""
+    )
+    return path
+
+
+def read_val_curve(run_dir: Path) -> list[tuple[int, float]]:
+    """``(optimizer updates, val/acc)`` rows of the run's CSVLogger ``metrics.csv``.
+
+    Lightning logs validation at ``step = global_step - 1`` of the update it followed (the
+    row's ``step`` column); the update count is that plus one.
+    """
+    files = sorted((run_dir / "logs").glob("version_*/metrics.csv"))
+    if not files:
+        raise FileNotFoundError(f"no metrics.csv under {run_dir / 'logs'}: did the run start?")
+    curve = []
+    with open(files[-1]) as f:
+        for row in csv.DictReader(f):
+            if row.get("val/acc"):
+                curve.append((int(row["step"]) + 1, float(row["val/acc"])))
+    return curve
+
+
+def read_wall_clock(run_dir: Path) -> list[dict[str, Any]]:
+    """The :class:`WallClock` rows of a run (empty if it wrote none)."""
+    path = run_dir / "wall_clock.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_seed(
+    seed: int,
+    *,
+    quick: bool,
+    max_steps: int | None,
+    extra: list[str],
+    model_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Run the quickstart for one seed in a fresh directory; return its curve and summary.
+
+    ``model_dir`` reuses an existing checkpoint instead of warming one up in the run directory
+    (its time is then not counted)."""
+    run_dir = (
+        out_dir() / ("quickstart_curve_quick" if quick else "quickstart_curve") / f"seed{seed}"
+    )
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    override = write_override(run_dir, quick=quick, model_dir=model_dir)
+    cmd = [
+        str(Path(sys.executable).with_name("dapo-lightning")),
+        "fit",
+        "--config",
+        str(REPO_ROOT / "configs" / "quickstart.yaml"),
+        "--config",
+        str(override),
+        "--seed_everything",
+        str(seed),
+    ]
+    if max_steps is not None:
+        cmd += ["--trainer.max_steps", str(max_steps)]
+    cmd += extra
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
+    ).rstrip(os.pathsep)
+    t0 = time.time()
+    env[T0_ENV] = repr(t0)
+    with open(run_dir / "fit.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    total_s = time.time() - t0
+    if proc.returncode != 0:
+        tail = (run_dir / "fit.log").read_text()[-3000:]
+        raise RuntimeError(f"seed {seed}: the fit exited with {proc.returncode}:\n{tail}")
+    curve = read_val_curve(run_dir)
+    clock = read_wall_clock(run_dir)
+    sanity = [r for r in clock if r["sanity"]]
+    wall_by_update = {r["step"]: r["wall_s"] for r in clock if not r["sanity"]}
+    timed = [(u, acc, wall_by_update.get(u)) for u, acc in curve]
+    hit = next(((u, w) for u, acc, w in timed if acc >= TARGET), (None, None))
+    return {
+        "seed": seed,
+        "initial": sanity[0]["val_acc"] if sanity else None,
+        "initial_wall_s": sanity[0]["wall_s"] if sanity else None,
+        "curve": timed,
+        "updates_to_target": hit[0],
+        "seconds_to_target": hit[1],
+        "final": curve[-1][1] if curve else None,
+        "total_s": total_s,
+        "run_dir": str(run_dir),
+    }
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """val/acc against optimizer updates (left) and wall-clock seconds (right), one line a seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_u, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        pts = [(0, r["initial"], r["initial_wall_s"])] if r["initial"] is not None else []
+        pts += [p for p in r["curve"] if p[2] is not None or True]
+        ax_u.plot(
+            [p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=f"seed {r['seed']}"
+        )
+        tp = [p for p in pts if p[2] is not None]
+        ax_t.plot(
+            [p[2] for p in tp], [p[1] for p in tp], marker="o", ms=3, label=f"seed {r['seed']}"
+        )
+    for ax, xlabel in ((ax_u, "optimizer updates"), (ax_t, "wall-clock seconds (whole command)")):
+        ax.axhline(TARGET, color="grey", ls="--", lw=1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("val/acc")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax_t.axvline(BUDGET_S, color="red", ls=":", lw=1)
+    fig.suptitle("DAPO quickstart (configs/quickstart.yaml) on CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--max-steps", type=int, default=None, help="override trainer.max_steps")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: the first seed, 2 updates, validate each"
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="use this existing checkpoint (no warm-up in the run; its time is not counted)",
+    )
+    args, extra = parser.parse_known_args(argv)
+    seeds = args.seeds[:1] if args.quick else args.seeds
+    max_steps = 2 if args.quick else args.max_steps
+    results = []
+    for seed in seeds:
+        print(f"seed {seed}: running the quickstart ...", flush=True)
+        results.append(
+            run_seed(
+                seed, quick=args.quick, max_steps=max_steps, extra=extra, model_dir=args.model_dir
+            )
+        )
+    rows = [
+        [
+            r["seed"],
+            r["initial"],
+            r["updates_to_target"] if r["updates_to_target"] is not None else "not reached",
+            r["seconds_to_target"] if r["seconds_to_target"] is not None else "-",
+            r["final"],
+            r["total_s"],
+        ]
+        for r in results
+    ]
+    print_table(
+        f"quickstart: val/acc (target {TARGET}, budget {BUDGET_S:.0f} s)",
+        [
+            "seed",
+            "initial val/acc",
+            f"updates to {TARGET}",
+            f"seconds to {TARGET}",
+            "final val/acc",
+            "total s",
+        ],
+        rows,
+    )
+    name = "quickstart_curve_quick" if args.quick else "quickstart_curve"
+    png = out_dir() / f"{name}.png"
+    plot(results, png)
+    (out_dir() / f"{name}.json").write_text(json.dumps(results, indent=1))
+    print(f"wrote {png}")
+    try:
+        load = os.getloadavg()
+        print(f"load average at the end (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    except OSError:
+        pass
+    return results
+
+
+if __name__ == "__main__":
+    main()
