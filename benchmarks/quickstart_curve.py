@@ -9,6 +9,9 @@ at every validation it appends ``{"step", "val_acc", "wall_s"}`` to ``wall_clock
 ``wall_s`` counts from the moment the script launched the CLI (so it includes Python start-up,
 the checkpoint warm-up and every validation). The sanity validation before the first update
 gives the initial ``val/acc`` (Lightning does not write sanity metrics to ``metrics.csv``).
+The override also adds an ``EarlyStopping`` on ``val/acc`` >= 0.95 (not in quickstart.yaml):
+once the task is solved nearly every group is all-right and dynamic sampling would run dry.
+A run that exits with an error is still reported (its exit code is a column).
 
 It prints one row per seed (initial val/acc, optimizer updates and seconds to reach the
 target, final val/acc, total seconds) and writes ``benchmarks/out/quickstart_curve.png``:
@@ -102,6 +105,13 @@ def write_override(run_dir: Path, *, quick: bool, model_dir: Path | None = None)
       init_args:
         buffer_length: 2
     - class_path: dapo_lightning.callbacks.CollapseDetector
+    - class_path: lightning.pytorch.callbacks.EarlyStopping
+      init_args:
+        monitor: val/acc
+        mode: max
+        stopping_threshold: 0.95
+        patience: 1000
+        check_on_train_epoch_end: false
     - class_path: quickstart_curve.WallClock
       init_args:
         path: {run_dir}/wall_clock.jsonl
@@ -181,9 +191,9 @@ def run_seed(
     with open(run_dir / "fit.log", "w") as log:
         proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     total_s = time.time() - t0
-    if proc.returncode != 0:
-        tail = (run_dir / "fit.log").read_text()[-3000:]
-        raise RuntimeError(f"seed {seed}: the fit exited with {proc.returncode}:\n{tail}")
+    if proc.returncode != 0:  # report what it logged, and the error
+        tail = (run_dir / "fit.log").read_text()[-1500:]
+        print(f"seed {seed}: the fit exited with {proc.returncode}:\n{tail}", file=sys.stderr)
     curve = read_val_curve(run_dir)
     clock = read_wall_clock(run_dir)
     sanity = [r for r in clock if r["sanity"]]
@@ -199,6 +209,7 @@ def run_seed(
         "seconds_to_target": hit[1],
         "final": curve[-1][1] if curve else None,
         "total_s": total_s,
+        "exit_code": proc.returncode,
         "run_dir": str(run_dir),
     }
 
@@ -267,6 +278,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
             r["seconds_to_target"] if r["seconds_to_target"] is not None else "-",
             r["final"],
             r["total_s"],
+            r["exit_code"],
         ]
         for r in results
     ]
@@ -279,6 +291,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
             f"seconds to {TARGET}",
             "final val/acc",
             "total s",
+            "exit",
         ],
         rows,
     )
