@@ -97,7 +97,8 @@ class DAPOLightningCLI(LightningCLI):
             from dapo_lightning.testing import make_quickstart_checkpoint, make_tiny_checkpoint
 
             seed = config.get("seed_everything")
-            seed = 0 if seed in (None, True, False) else int(seed)
+            # not `seed in (None, True, False)`: 1 == True would map seed 1 to 0
+            seed = 0 if seed is None or isinstance(seed, bool) else int(seed)
             if kind == "tiny":
                 make_tiny_checkpoint(path, seed=seed)
             else:
