@@ -52,10 +52,16 @@ class Curve:
 
 
 def run_fit(
-    configs: tuple[str, ...], run_dir: Path, seed: int, max_steps: int, val_every: int | None = None
+    configs: tuple[str, ...],
+    run_dir: Path,
+    seed: int,
+    max_steps: int,
+    model_dir: Path,
+    val_every: int | None = None,
 ) -> float:
     """Run ``dapo-lightning fit`` with ``configs`` plus an override that puts every output in
-    ``run_dir``; returns the wall-clock seconds."""
+    ``run_dir``; returns the wall-clock seconds. ``model_dir`` holds the starting checkpoint,
+    written by the first run of a seed and shared by both methods (same start, one warm-up)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     # The method's own callbacks (the last config that sets them wins), minus checkpointing.
@@ -81,7 +87,7 @@ def run_fit(
                     "callbacks": callbacks,
                     **({"val_check_interval": val_every} if val_every else {}),
                 },
-                "model": {"init_args": {"model_name_or_path": str(run_dir / "model")}},
+                "model": {"init_args": {"model_name_or_path": str(model_dir)}},
             }
         )
     )
@@ -149,11 +155,15 @@ def main(argv: list[str] | None = None) -> list[Curve]:
     seeds = [0] if args.quick else args.seeds
     max_steps = 4 if args.quick else (args.max_steps or 200)
     root = out_dir() / ("learning_quick" if args.quick else "learning")
+    shutil.rmtree(root, ignore_errors=True)
     curves = []
     for seed in seeds:
         for method, configs in METHODS.items():
             run_dir = root / f"{method.split()[0].lower()}_seed{seed}"
-            seconds = run_fit(configs, run_dir, seed, max_steps, 2 if args.quick else None)
+            model_dir = root / f"model_seed{seed}"
+            seconds = run_fit(
+                configs, run_dir, seed, max_steps, model_dir, 2 if args.quick else None
+            )
             curves.append(read_curve(method, seed, seconds, run_dir, args.group_size))
             print(f"{method} seed {seed}: {seconds:.0f} s, val/acc {curves[-1].points}", flush=True)
     rows = []
