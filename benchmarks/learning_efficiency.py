@@ -103,6 +103,17 @@ def run_fit(
     return seconds
 
 
+def group_size(configs: tuple[str, ...]) -> int:
+    """``data.init_args.n`` of the configs (the last one that sets it wins)."""
+    n = None
+    for cfg in configs:
+        data = (yaml.safe_load((REPO_ROOT / cfg).read_text()).get("data") or {}).get("init_args")
+        n = (data or {}).get("n", n)
+    if n is None:
+        raise ValueError(f"none of {configs} sets data.init_args.n")
+    return int(n)
+
+
 def read_curve(method: str, seed: int, seconds: float, run_dir: Path, group_size: int) -> Curve:
     """val/acc per validation with the updates and generated samples before it."""
     (metrics,) = run_dir.glob("logs/version_*/metrics.csv")
@@ -149,7 +160,6 @@ def main(argv: list[str] | None = None) -> list[Curve]:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--max-steps", type=int, default=None, help="updates per run")
     parser.add_argument("--target", type=float, default=0.9, help="val/acc to reach")
-    parser.add_argument("--group-size", type=int, default=8, help="data.n of the configs")
     parser.add_argument("--quick", action="store_true", help="1 seed, 4 updates (smoke test)")
     args = parser.parse_args(argv)
     seeds = [0] if args.quick else args.seeds
@@ -164,7 +174,7 @@ def main(argv: list[str] | None = None) -> list[Curve]:
             seconds = run_fit(
                 configs, run_dir, seed, max_steps, model_dir, 2 if args.quick else None
             )
-            curves.append(read_curve(method, seed, seconds, run_dir, args.group_size))
+            curves.append(read_curve(method, seed, seconds, run_dir, group_size(configs)))
             print(f"{method} seed {seed}: {seconds:.0f} s, val/acc {curves[-1].points}", flush=True)
     rows = []
     for method in METHODS:
