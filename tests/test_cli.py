@@ -295,3 +295,38 @@ def test_fit_end_to_end_vllm(base_run, tmp_path):
     assert gaps and max(gaps) < 1e-4, gaps
     saved = next(run_dir.rglob("config.yaml")).read_text()
     assert "engine: vllm" in saved
+
+
+def test_create_model_if_missing_uses_the_run_seed(tmp_path):
+    """Regression: seed_everything 1 once wrote the seed-0 checkpoint (1 == True)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from dapo_lightning.cli import DAPOLightningCLI
+    from dapo_lightning.data.datamodule import DAPODataModule
+    from dapo_lightning.module import DAPOModule
+    from dapo_lightning.testing import make_tiny_checkpoint
+
+    model_dir = tmp_path / "model"
+    DAPOLightningCLI(
+        DAPOModule,
+        DAPODataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        auto_configure_optimizers=False,
+        run=False,
+        args=[
+            "--config", QUICKSTART,
+            "--seed_everything", "1",
+            "--create_model_if_missing", "tiny",
+            "--model.init_args.model_name_or_path", str(model_dir),
+            "--trainer.logger", "false",
+            "--trainer.callbacks", "[]",
+        ],
+    )  # fmt: skip
+    written = load_file(model_dir / "model.safetensors")
+    seed1 = load_file(make_tiny_checkpoint(tmp_path / "s1", seed=1) / "model.safetensors")
+    seed0 = load_file(make_tiny_checkpoint(tmp_path / "s0", seed=0) / "model.safetensors")
+    name = "model.embed_tokens.weight"
+    assert torch.equal(written[name], seed1[name])
+    assert not torch.equal(written[name], seed0[name])
