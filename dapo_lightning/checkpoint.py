@@ -24,6 +24,7 @@ config::
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,8 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
     except OSError:  # e.g. a platform without directory file descriptors
         return
     try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on a directory
+            os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
@@ -95,13 +95,11 @@ def collect_rng_states() -> dict[str, Any]:
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
     }
-    try:
+    with contextlib.suppress(ImportError):  # numpy is optional
         import numpy as np
 
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
         state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
-    except ImportError:  # numpy is optional
-        pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

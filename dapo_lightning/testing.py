@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM,
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.rollout.base import Completion
 
 #: Special tokens, in id order (ids 0..2).
 PAD_TOKEN = "<|pad|>"
@@ -281,3 +282,24 @@ def make_quickstart_checkpoint(
             optimizer.step()
     model.save_pretrained(path)
     return path
+
+
+def completions_to_batch(
+    prompts: list[list[int]], completions: list[list[Completion]], pad_token_id: int = 0
+) -> RolloutBatch:
+    """Pad an engine's ``generate`` output exactly as the data module does (rewards zero):
+    what parity checks compare the trainer's forward against."""
+    n = len(completions[0])
+    flat = [c for group in completions for c in group]
+    rollouts = ScoredRollouts(
+        prompt_ids=[list(p) for p in prompts for _ in range(n)],
+        response_ids=[c.token_ids for c in flat],
+        rollout_log_probs=[c.log_probs for c in flat],
+        finish_reason=[c.finish_reason for c in flat],
+        group_index=torch.arange(len(prompts)).repeat_interleave(n),
+        prompt_uid=[str(i) for i in range(len(flat))],
+        score=torch.zeros(len(flat)),
+        acc=torch.zeros(len(flat)),
+        max_response_length=max(len(c.token_ids) for c in flat),
+    )
+    return RolloutBatch.from_rollouts(rollouts, group_size=n, pad_token_id=pad_token_id)

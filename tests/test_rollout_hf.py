@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.rollout import HFRolloutEngine, RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.hf import process_logits
 from dapo_lightning.rollout.parity import ParityMonitor, logprob_parity
+from dapo_lightning.testing import completions_to_batch
 
 
 @pytest.fixture(scope="module")
@@ -28,25 +28,6 @@ def _prompts(tokenizer, texts):
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-def _trainer_logp(model, prompts, completions, pad_id):
-    """Pad exactly as the data module does and score with the training forward."""
-    flat = [c for group in completions for c in group]
-    n = len(completions[0])
-    rollouts = ScoredRollouts(
-        prompt_ids=[p for p in prompts for _ in range(n)],
-        response_ids=[c.token_ids for c in flat],
-        rollout_log_probs=[c.log_probs for c in flat],
-        finish_reason=[c.finish_reason for c in flat],
-        group_index=torch.arange(len(prompts)).repeat_interleave(n),
-        prompt_uid=[str(i) for i in range(len(flat))],
-        score=torch.zeros(len(flat)),
-        acc=torch.zeros(len(flat)),
-        max_response_length=max(len(c.token_ids) for c in flat),
-    )
-    batch = RolloutBatch.from_rollouts(rollouts, group_size=n, pad_token_id=pad_id)
-    return batch, rollouts
-
-
 def test_is_a_rollout_engine(model, tokenizer):
     assert isinstance(HFRolloutEngine(model, tokenizer, seed=0), RolloutEngine)
 
@@ -58,7 +39,7 @@ def test_logprobs_match_training_forward_with_left_padding(model, tokenizer, tem
     sampling = SamplingConfig(max_tokens=12, temperature=temperature)
     completions = engine.generate(prompts, n=3, sampling=sampling)
     assert [len(g) for g in completions] == [3, 3, 3]
-    batch, _ = _trainer_logp(model, prompts, completions, tokenizer.pad_token_id)
+    batch = completions_to_batch(prompts, completions, tokenizer.pad_token_id)
     with torch.no_grad():
         logp, _ = response_log_probs(
             model,
@@ -149,7 +130,7 @@ def test_chunking_restores_train_mode_and_shapes(model, tokenizer):
         out = engine.generate(prompts, 2, SamplingConfig(max_tokens=4))
         assert model.training
         assert [len(g) for g in out] == [2, 2, 2, 2]
-        batch, _ = _trainer_logp(model, prompts, out, tokenizer.pad_token_id)
+        batch = completions_to_batch(prompts, out, tokenizer.pad_token_id)
         model.eval()
         with torch.no_grad():
             logp, _ = response_log_probs(
@@ -220,7 +201,7 @@ def test_parity_monitor_schedule_and_on_real_rollouts(model, tokenizer):
     engine = HFRolloutEngine(model, tokenizer, seed=8)
     prompts = _prompts(tokenizer, ["one", "three"])
     out = engine.generate(prompts, 2, SamplingConfig(max_tokens=8))
-    batch, _ = _trainer_logp(model, prompts, out, tokenizer.pad_token_id)
+    batch = completions_to_batch(prompts, out, tokenizer.pad_token_id)
     with torch.no_grad():
         logp, _ = response_log_probs(
             model, batch.input_ids, batch.attention_mask, batch.response_width

@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.rollout import RolloutEngine, SamplingConfig, create_engine
 from dapo_lightning.rollout.vllm import (
@@ -23,6 +22,7 @@ from dapo_lightning.rollout.vllm import (
     gather_full_state_dict,
     strip_wrapper_prefixes,
 )
+from dapo_lightning.testing import completions_to_batch
 
 PROMPTS = [[2, 90, 75, 10, 40], [2, 71, 80], [2, 50, 51, 52, 53, 54, 55, 56, 57]]
 
@@ -58,20 +58,7 @@ def _perturbed(hf_model, scale=0.05, seed=0):
 
 def _max_logprob_gap(model, completions, prompts) -> float:
     """Max |engine logp - trainer logp| over sampled tokens, padded as the data module pads."""
-    n = len(completions[0])
-    flat = [c for group in completions for c in group]
-    rollouts = ScoredRollouts(
-        prompt_ids=[p for p in prompts for _ in range(n)],
-        response_ids=[c.token_ids for c in flat],
-        rollout_log_probs=[c.log_probs for c in flat],
-        finish_reason=[c.finish_reason for c in flat],
-        group_index=torch.arange(len(prompts)).repeat_interleave(n),
-        prompt_uid=[str(i) for i in range(len(flat))],
-        score=torch.zeros(len(flat)),
-        acc=torch.zeros(len(flat)),
-        max_response_length=max(len(c.token_ids) for c in flat),
-    )
-    batch = RolloutBatch.from_rollouts(rollouts, group_size=n, pad_token_id=0)
+    batch = completions_to_batch(prompts, completions, pad_token_id=0)
     with torch.no_grad():
         logp, _ = response_log_probs(
             model, batch.input_ids, batch.attention_mask, batch.response_width

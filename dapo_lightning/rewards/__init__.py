@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from dapo_lightning.rewards.arithmetic import ArithmeticReward
@@ -48,10 +49,8 @@ def get_reward(name_or_obj: Any, **kwargs: Any) -> Any:
     if kwargs:
         raise ValueError("reward_kwargs only apply to a reward given by name.")
     if not hasattr(name_or_obj, "failure_score"):
-        try:
+        with contextlib.suppress(AttributeError):  # objects with __slots__ keep the default
             name_or_obj.failure_score = -1.0
-        except AttributeError:
-            pass
     return name_or_obj
 
 

@@ -14,6 +14,7 @@ returns the wrong number of results or a non-finite score is a bug, not a failur
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
 import time
@@ -235,10 +236,8 @@ class RewardRunner:
     def close(self) -> None:
         """Stop the worker processes."""
         for w in self._workers:
-            try:
+            with contextlib.suppress(OSError):  # the worker may already be gone
                 w.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
             w.proc.join(2)
             if w.proc.is_alive():
                 w.proc.kill()
@@ -247,10 +246,8 @@ class RewardRunner:
         self._workers = []
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: best effort
             self.close()
-        except Exception:  # noqa: BLE001
-            pass
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
