@@ -146,6 +146,22 @@ class DAPOLightningCLI(LightningCLI):
         )
 
 
+def build_cli(args: list[str] | None = None, *, run: bool = True) -> DAPOLightningCLI:
+    """The project's LightningCLI: DAPOModule / DAPODataModule in subclass mode, manual
+    optimization (no auto-configured optimizers), the saved config overwritten on a requeue.
+    ``run=False`` only parses and instantiates (tests use it to check the parser)."""
+    return DAPOLightningCLI(
+        DAPOModule,
+        DAPODataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        auto_configure_optimizers=False,
+        save_config_kwargs={"overwrite": True},
+        run=run,
+        args=args,
+    )
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``dapo-lightning`` console script."""
     argv = sys.argv[1:] if args is None else args
@@ -154,15 +170,7 @@ def main(args: list[str] | None = None) -> None:
 
         plot_main(argv[1:])
         return
-    DAPOLightningCLI(
-        DAPOModule,
-        DAPODataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        auto_configure_optimizers=False,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+    build_cli(args)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dapo_lightning import DAPODataModule, DAPOModule
-from dapo_lightning.cli import DAPOLightningCLI
+from dapo_lightning.cli import build_cli
 from dapo_lightning.data.buffer import DynamicSamplingError  # noqa: F401 - documented error type
 from dapo_lightning.data.sources import PromptDataError
 from dapo_lightning.rewards import (
@@ -43,15 +43,7 @@ def _clean_argv(monkeypatch: pytest.MonkeyPatch) -> None:
 def _cli(args: list[str], capsys: pytest.CaptureFixture) -> str:
     """Parse ``args`` with the real CLI (no fit); returns the error text it exits with."""
     with pytest.raises(SystemExit) as exc:
-        DAPOLightningCLI(
-            DAPOModule,
-            DAPODataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            auto_configure_optimizers=False,
-            run=False,
-            args=args,
-        )
+        build_cli(args, run=False)
     assert exc.value.code not in (0, None)
     return capsys.readouterr().err
 
@@ -104,15 +96,7 @@ def test_cli_bad_choice_torch_dtype(capsys):
 
 def test_cli_eps_high_below_eps_low(capsys):
     with pytest.raises(ValueError, match="clip_ratio_high .* < clip_ratio_low"):
-        DAPOLightningCLI(
-            DAPOModule,
-            DAPODataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            auto_configure_optimizers=False,
-            run=False,
-            args=[*BASE, "--model.clip_ratio_low=0.3", "--model.clip_ratio_high=0.2"],
-        )
+        build_cli([*BASE, "--model.clip_ratio_low=0.3", "--model.clip_ratio_high=0.2"], run=False)
 
 
 # ----------------------------------------------------------------------------- DAPOModule args

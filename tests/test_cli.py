@@ -302,28 +302,19 @@ def test_create_model_if_missing_uses_the_run_seed(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from dapo_lightning.cli import DAPOLightningCLI
-    from dapo_lightning.data.datamodule import DAPODataModule
-    from dapo_lightning.module import DAPOModule
+    from dapo_lightning.cli import build_cli
     from dapo_lightning.testing import make_tiny_checkpoint
 
     model_dir = tmp_path / "model"
-    DAPOLightningCLI(
-        DAPOModule,
-        DAPODataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        auto_configure_optimizers=False,
-        run=False,
-        args=[
-            "--config", QUICKSTART,
-            "--seed_everything", "1",
-            "--create_model_if_missing", "tiny",
-            "--model.init_args.model_name_or_path", str(model_dir),
-            "--trainer.logger", "false",
-            "--trainer.callbacks", "[]",
-        ],
-    )  # fmt: skip
+    args = [
+        "--config", QUICKSTART,
+        "--seed_everything", "1",
+        "--create_model_if_missing", "tiny",
+        "--model.init_args.model_name_or_path", str(model_dir),
+        "--trainer.logger", "false",
+        "--trainer.callbacks", "[]",
+    ]  # fmt: skip
+    build_cli(args, run=False)
     written = load_file(model_dir / "model.safetensors")
     seed1 = load_file(make_tiny_checkpoint(tmp_path / "s1", seed=1) / "model.safetensors")
     seed0 = load_file(make_tiny_checkpoint(tmp_path / "s0", seed=0) / "model.safetensors")
