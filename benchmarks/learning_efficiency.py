@@ -14,7 +14,6 @@ final val/acc. The PNG shows every seed's curve against both x-axes.
 from __future__ import annotations
 
 import argparse
-import csv
 import shutil
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks._common import REPO_ROOT, out_dir, print_table
+from dapo_lightning.plot import find_metrics_csv, read_metrics
 
 #: Method name -> config files given to the CLI in order (later ones override).
 METHODS: dict[str, tuple[str, ...]] = {
@@ -115,16 +115,17 @@ def group_size(configs: tuple[str, ...]) -> int:
 
 
 def read_curve(method: str, seed: int, seconds: float, run_dir: Path, group_size: int) -> Curve:
-    """val/acc per validation with the updates and generated samples before it."""
-    (metrics,) = run_dir.glob("logs/version_*/metrics.csv")
-    rows = list(csv.DictReader(open(metrics, newline="")))
+    """val/acc per validation with the updates and generated samples before it.
+
+    Lightning logs a validation at ``step = global_step - 1`` of the update it followed, so
+    the update count is the row's step plus one (as in ``quickstart_curve``).
+    """
+    series = read_metrics(find_metrics_csv(run_dir / "logs"))
+    generated = sorted(series.get("data/generated_groups", []))
     curve = Curve(method, seed, seconds)
-    samples = 0
-    for row in sorted(rows, key=lambda r: int(r.get("step") or 0)):
-        if row.get("data/generated_groups"):
-            samples += int(float(row["data/generated_groups"])) * group_size
-        if row.get("val/acc"):
-            curve.points.append((int(row.get("step") or 0), samples, float(row["val/acc"])))
+    for step, acc in sorted(series.get("val/acc", [])):
+        samples = sum(int(groups) * group_size for s, groups in generated if s <= step)
+        curve.points.append((int(step) + 1, samples, acc))
     return curve
 
 

@@ -27,7 +27,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+
+from dapo_lightning.plot import find_metrics_csv, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO_ROOT, out_dir, print_table  # noqa: E402
@@ -129,15 +130,8 @@ def read_val_curve(run_dir: Path) -> list[tuple[int, float]]:
     Lightning logs validation at ``step = global_step - 1`` of the update it followed (the
     row's ``step`` column); the update count is that plus one.
     """
-    files = sorted((run_dir / "logs").glob("version_*/metrics.csv"))
-    if not files:
-        raise FileNotFoundError(f"no metrics.csv under {run_dir / 'logs'}: did the run start?")
-    curve = []
-    with open(files[-1]) as f:
-        for row in csv.DictReader(f):
-            if row.get("val/acc"):
-                curve.append((int(row["step"]) + 1, float(row["val/acc"])))
-    return curve
+    series = read_metrics(find_metrics_csv(run_dir / "logs"))
+    return [(int(step) + 1, acc) for step, acc in sorted(series.get("val/acc", []))]
 
 
 def read_wall_clock(run_dir: Path) -> list[dict[str, Any]]:
