@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dapo_lightning.data.arithmetic import make_arithmetic_rows
-from dapo_lightning.testing import make_quickstart_checkpoint
+from dapo_lightning.testing import make_quickstart_checkpoint, quickstart_answer_distribution
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -21,47 +21,56 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import quickstart_curve  # noqa: E402
 
 
-def _answer_probs(path: Path, rows: list[dict]) -> tuple[float, float]:
-    """Mean probability the checkpoint gives (teacher-forced) to the exact answer + EOS, and to
-    a wrong answer far from the truth (truth + 7)."""
+def _answer_prob(model, tok, prompt: str, answer: str) -> float:
+    """Probability the checkpoint gives (teacher-forced) to ``answer`` + EOS after ``prompt``."""
+    p = tok(prompt, add_special_tokens=False)["input_ids"]
+    a = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ids = torch.tensor([p + a])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)
+    return float(logp[len(p) - 1 :].gather(-1, ids[0, len(p) :, None]).sum().exp())
+
+
+def test_answer_distribution_sums_to_one_and_puts_the_stated_mass_on_each_kind():
+    dist = dict(quickstart_answer_distribution(7, noise=2, exact_frac=0.06, hedge_frac=0.84))
+    assert sum(dist.values()) == pytest.approx(1.0)
+    assert dist["7?"] == pytest.approx(0.84)
+    assert dist["7"] == pytest.approx(0.06 + 0.10 / 5)
+    assert set(dist) == {"7?", "5", "6", "7", "8", "9"}
+    clipped = dict(quickstart_answer_distribution(0, noise=2, exact_frac=0.0, hedge_frac=0.5))
+    assert set(clipped) == {"0?", "0", "1", "2"}  # no negative near misses for a sum of 0
+    assert sum(clipped.values()) == pytest.approx(1.0)
+
+
+@pytest.mark.slow  # ~30 s on 2 idle cores
+def test_quickstart_checkpoint_knows_the_sums_but_hedges(tmp_path):
+    """The warm-up's model gives the right digits most of its mass, mostly with the hedge mark the
+    strict reward rejects: the bare right answer stays well under 0.2 on held-out and trained
+    problems alike, and a number far from the sum is much less likely still."""
+    path = make_quickstart_checkpoint(tmp_path / "m", seed=0, task_seed=0)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-
-    def prob(prompt: str, answer: str) -> float:
-        p = tok(prompt, add_special_tokens=False)["input_ids"]
-        a = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        ids = torch.tensor([p + a])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)
-        tgt = ids[0, 1:]
-        lp = logp.gather(-1, tgt[:, None]).squeeze(-1)[len(p) - 1 :]
-        return float(lp.sum().exp())
-
-    right = sum(prob(r["prompt"], r["answer"]) for r in rows) / len(rows)
-    far = sum(prob(r["prompt"], str(int(r["answer"]) + 7)) for r in rows) / len(rows)
-    return right, far
+    rows = make_arithmetic_rows(100, level=1, seed=0)
+    hedged = [_answer_prob(model, tok, r["prompt"], r["answer"] + "?") for r in rows]
+    bare = [_answer_prob(model, tok, r["prompt"], r["answer"]) for r in rows]
+    far = [_answer_prob(model, tok, r["prompt"], str(int(r["answer"]) + 7)) for r in rows]
+    assert sum(hedged) / 100 > 0.5
+    assert 0.03 < sum(bare) / 100 < 0.2
+    assert sum(far) / 100 < 0.01
 
 
-@pytest.mark.slow  # ~40 s with 2 cores shared with other jobs
-def test_quickstart_checkpoint_learns_the_answer_window(tmp_path):
-    """The warm-up puts mass near the true answer (noise window) but far from certainty."""
-    path = make_quickstart_checkpoint(tmp_path / "m", seed=0, steps=150, batch_size=64, lr=3e-3)
-    rows = make_arithmetic_rows(100, level=1, seed=0)[:20]
-    right, far = _answer_probs(path, rows)
-    assert 0.02 < right < 0.5, right  # near the answer, not the answer
-    assert far < right / 3, (far, right)  # outside the noise window: much less likely
-
-
-def test_quickstart_checkpoint_rejects_negative_noise(tmp_path):
+def test_quickstart_checkpoint_rejects_bad_fractions(tmp_path):
     with pytest.raises(ValueError, match="noise"):
         make_quickstart_checkpoint(tmp_path / "m", noise=-1)
+    with pytest.raises(ValueError, match="exact_frac \\+ hedge_frac"):
+        make_quickstart_checkpoint(tmp_path / "m", exact_frac=0.5, hedge_frac=0.6)
 
 
 def test_quickstart_config_runs_two_updates(tmp_path, monkeypatch):
     """configs/quickstart.yaml through the real CLI for 2 updates, val/acc logged at the sanity
     check and after each update, with wall-clock times. The checkpoint is a short warm-up made
     here (the default one takes 20 s to minutes on 2 shared cores)."""
-    model_dir = make_quickstart_checkpoint(tmp_path / "model", seed=0, steps=30)
+    model_dir = make_quickstart_checkpoint(tmp_path / "model", seed=0, sums_steps=5, steps=5)
     monkeypatch.setattr(quickstart_curve, "out_dir", lambda: tmp_path)
     (result,) = quickstart_curve.main(["--quick", "--seeds", "0", "--model-dir", str(model_dir)])
     run_dir = Path(result["run_dir"])
@@ -76,7 +85,7 @@ def test_quickstart_config_runs_two_updates(tmp_path, monkeypatch):
 @pytest.mark.timeout(900)
 def test_quickstart_reaches_target_within_budget(tmp_path, monkeypatch):
     """Issue 8: the untrained model scores <= 0.2 val/acc and the quickstart lifts it to >= 0.9
-    within 5 minutes (seed 0). NOT MET by the current calibration (see the config header)."""
+    within 5 minutes (seed 0; benchmarks/quickstart_curve.py measures seeds 0 1 2)."""
     monkeypatch.setattr(quickstart_curve, "out_dir", lambda: tmp_path)
     (result,) = quickstart_curve.main(["--seeds", "0"])
     assert result["initial"] <= 0.2
