@@ -183,8 +183,8 @@ def quickstart_answer_distribution(
 
     Three kinds of answer, with probabilities that sum to 1:
 
-    * ``f"{t}?"`` with probability ``hedge_frac``: the right number followed by a hedge mark.
-      The strict arithmetic reward rejects it (the response must be the integer alone).
+    * ``f"~{t}"`` with probability ``hedge_frac``: the right number behind a hedge mark ("about
+      t"). The strict arithmetic reward rejects it (the response must be the integer alone).
     * ``f"{t}"`` with probability ``exact_frac``: the right answer.
     * ``f"{v}"`` with probability ``(1 - hedge_frac - exact_frac) / |W|`` for every ``v`` in the
       noise window ``W = {t - noise, ..., t + noise}`` (clipped at 0 when ``nonneg``; ``t``
@@ -193,7 +193,7 @@ def quickstart_answer_distribution(
     low = max(0, truth - noise) if nonneg else truth - noise
     window = range(low, truth + noise + 1)
     spread = (1.0 - hedge_frac - exact_frac) / len(window)
-    dist = [(f"{truth}?", hedge_frac)] if hedge_frac > 0 else []
+    dist = [(f"~{truth}", hedge_frac)] if hedge_frac > 0 else []
     dist += [(str(v), spread + (exact_frac if v == truth else 0.0)) for v in window]
     return [(text, p) for text, p in dist if p > 0]
 
@@ -209,7 +209,7 @@ def make_quickstart_checkpoint(
     task_seed: int | None = None,
     apply_chat_template: bool = False,
     noise: int = 2,
-    exact_frac: float = 0.06,
+    exact_frac: float = 0.04,
     hedge_frac: float = 0.84,
     sums_steps: int = 150,
     steps: int = 300,
@@ -228,15 +228,17 @@ def make_quickstart_checkpoint(
     1. ``sums_steps`` AdamW steps of cross-entropy on the exact answers: the model learns the sums.
     2. ``steps`` AdamW steps of the expected cross-entropy
        ``-sum_s P(s) log pi(s | prompt)`` over the answer strings ``s`` of
-       :func:`quickstart_answer_distribution`: mostly the right number with a hedge mark
-       (``"7?"``, which the strict reward scores wrong), sometimes the bare right answer, sometimes
-       a bare number near it.
+       :func:`quickstart_answer_distribution`: mostly the right number behind a hedge mark
+       (``"~7"``, which the strict reward scores wrong), sometimes the bare right answer,
+       sometimes a bare number near it.
 
     The result answers with the right digits almost always but is right (bare answer, exact
     value) only about ``exact_frac + (1 - hedge_frac - exact_frac) / (2 * noise + 1)`` of the time
-    (0.09 with the defaults). RL then has to learn, from the reward alone, to drop the hedge
-    (a decision at the token after the digits, the same for every problem, so it carries over
-    to held-out problems) and to stop giving near-miss numbers. Both stages are deterministic
+    (0.06 with the defaults). RL then has to learn, from the reward alone, to drop the hedge
+    (a decision at the first response token, the same for every problem, so it carries over to
+    held-out problems) and to stop giving near-miss numbers, without losing the sums of the
+    problems it never trains on. (A hedge mark *after* the digits, ``"7?"``, was measured to be
+    worse: penalising it pushed some seeds into repeating digits, ``"999999"``.) Both stages are deterministic
     full-batch fits (the exact expected loss, no sampled labels), which calibrates every seed's
     starting accuracy to the same value; measured: about 20 s on 2 idle cores.
 

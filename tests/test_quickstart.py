@@ -34,11 +34,11 @@ def _answer_prob(model, tok, prompt: str, answer: str) -> float:
 def test_answer_distribution_sums_to_one_and_puts_the_stated_mass_on_each_kind():
     dist = dict(quickstart_answer_distribution(7, noise=2, exact_frac=0.06, hedge_frac=0.84))
     assert sum(dist.values()) == pytest.approx(1.0)
-    assert dist["7?"] == pytest.approx(0.84)
+    assert dist["~7"] == pytest.approx(0.84)
     assert dist["7"] == pytest.approx(0.06 + 0.10 / 5)
-    assert set(dist) == {"7?", "5", "6", "7", "8", "9"}
+    assert set(dist) == {"~7", "5", "6", "7", "8", "9"}
     clipped = dict(quickstart_answer_distribution(0, noise=2, exact_frac=0.0, hedge_frac=0.5))
-    assert set(clipped) == {"0?", "0", "1", "2"}  # no negative near misses for a sum of 0
+    assert set(clipped) == {"~0", "0", "1", "2"}  # no negative near misses for a sum of 0
     assert sum(clipped.values()) == pytest.approx(1.0)
 
 
@@ -51,7 +51,7 @@ def test_quickstart_checkpoint_knows_the_sums_but_hedges(tmp_path):
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     rows = make_arithmetic_rows(100, level=1, seed=0)
-    hedged = [_answer_prob(model, tok, r["prompt"], r["answer"] + "?") for r in rows]
+    hedged = [_answer_prob(model, tok, r["prompt"], "~" + r["answer"]) for r in rows]
     bare = [_answer_prob(model, tok, r["prompt"], r["answer"]) for r in rows]
     far = [_answer_prob(model, tok, r["prompt"], str(int(r["answer"]) + 7)) for r in rows]
     assert sum(hedged) / 100 > 0.5
