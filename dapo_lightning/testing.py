@@ -232,15 +232,16 @@ def make_quickstart_checkpoint(
        (``"~7"``, which the strict reward scores wrong), sometimes the bare right answer,
        sometimes a bare number near it.
 
-    The result answers with the right digits almost always but is right (bare answer, exact
-    value) only about ``exact_frac + (1 - hedge_frac - exact_frac) / (2 * noise + 1)`` of the time
-    (0.06 with the defaults). RL then has to learn, from the reward alone, to drop the hedge
-    (a decision at the first response token, the same for every problem, so it carries over to
-    held-out problems) and to stop giving near-miss numbers, without losing the sums of the
-    problems it never trains on. (A hedge mark *after* the digits, ``"7?"``, was measured to be
-    worse: penalising it pushed some seeds into repeating digits, ``"999999"``.) Both stages are deterministic
-    full-batch fits (the exact expected loss, no sampled labels), which calibrates every seed's
-    starting accuracy to the same value; measured: about 20 s on 2 idle cores.
+    The target is right (bare answer, exact value) ``exact_frac + (1 - hedge_frac - exact_frac)
+    / (2 * noise + 1)`` of the time (0.06 with the defaults); the fitted model's sampled
+    held-out accuracy was measured at 0.04-0.06 for five seeds. RL then has to learn, from the
+    reward alone, to drop the hedge (a decision at the first response token, the same for
+    every problem, so it carries over to held-out problems) and to stop giving near misses,
+    without losing the sums of the problems it never trains on. (A hedge mark *after* the
+    digits, ``"7?"``, was measured to be worse: penalising it pushed a seed into repeating
+    digits, ``"999999"``.) Both stages are deterministic full-batch fits (the exact expected
+    loss, no sampled labels), so every seed starts from about the same accuracy; about 25 s
+    on 2 idle cores.
 
     Args:
         path: Folder to write (same layout as :func:`make_tiny_checkpoint`).
