@@ -39,6 +39,20 @@ def out_dir() -> Path:
     return OUT_DIR
 
 
+def config_callbacks(configs: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """``trainer.callbacks`` of CLI config files given in order (the last one that sets the list
+    wins, as in LightningCLI: lists are replaced whole, never merged). Relative paths are read
+    from :data:`REPO_ROOT`."""
+    import yaml
+
+    callbacks: list[dict[str, Any]] = []
+    for cfg in configs:
+        trainer = yaml.safe_load((REPO_ROOT / cfg).read_text()).get("trainer") or {}
+        if trainer.get("callbacks") is not None:
+            callbacks = trainer["callbacks"]
+    return callbacks
+
+
 # ----------------------------------------------------------------------------- timing
 def median_time(
     fn: Callable[[], Any], *, repeats: int = 3, warmup: int = 1

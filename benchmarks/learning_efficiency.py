@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks._common import REPO_ROOT, out_dir, print_table
+from benchmarks._common import REPO_ROOT, config_callbacks, out_dir, print_table
 from dapo_lightning.plot import find_metrics_csv, read_metrics
 
 #: Method name -> config files given to the CLI in order (later ones override).
@@ -64,14 +64,8 @@ def run_fit(
     written by the first run of a seed and shared by both methods (same start, one warm-up)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    # The method's own callbacks (the last config that sets them wins), minus checkpointing.
-    callbacks = []
-    for cfg in configs:
-        listed = (yaml.safe_load((REPO_ROOT / cfg).read_text()).get("trainer") or {}).get(
-            "callbacks"
-        )
-        if listed is not None:
-            callbacks = [c for c in listed if "ModelCheckpoint" not in c["class_path"]]
+    # The method's own callbacks, minus checkpointing.
+    callbacks = [c for c in config_callbacks(configs) if "ModelCheckpoint" not in c["class_path"]]
     override = run_dir / "override.yaml"
     override.write_text(
         yaml.safe_dump(

@@ -27,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -36,12 +37,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import yaml
 
 from dapo_lightning.plot import find_metrics_csv, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO_ROOT, out_dir, print_table  # noqa: E402
+from _common import REPO_ROOT, config_callbacks, out_dir, print_table  # noqa: E402
 
+#: The command's config file (relative to the repository root).
+QUICKSTART = "configs/quickstart.yaml"
 #: The learning target of issue 8: val/acc the quickstart must reach.
 TARGET = 0.9
 #: The wall-clock budget of issue 8 for the whole command (seconds, 2 cores).
@@ -81,45 +85,39 @@ class WallClock(pl.Callback):
 def write_override(run_dir: Path, *, quick: bool, model_dir: Path | None = None) -> Path:
     """The second ``--config`` of one seed's run: every path under ``run_dir``, the wall clock.
 
-    Lists (``trainer.callbacks``) are replaced whole, so quickstart.yaml's list is repeated here
-    with :class:`WallClock` added.
+    Lists (``trainer.callbacks``) are replaced whole, so quickstart.yaml's own list is read and
+    repeated here, its checkpoints moved into ``run_dir``, with :class:`WallClock` appended.
     """
+    callbacks = copy.deepcopy(config_callbacks([QUICKSTART]))
+    for callback in callbacks:
+        if callback["class_path"].endswith(".ModelCheckpoint"):
+            args = callback.setdefault("init_args", {})
+            args["dirpath"] = str(run_dir / "checkpoints")
+            if quick:
+                args["every_n_train_steps"] = 1
+    callbacks.append(
+        {
+            "class_path": "quickstart_curve.WallClock",
+            "init_args": {"path": str(run_dir / "wall_clock.jsonl")},
+        }
+    )
+    trainer: dict[str, Any] = {
+        "default_root_dir": str(run_dir),
+        "logger": {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": str(run_dir), "name": "logs"},
+        },
+        "callbacks": callbacks,
+    }
+    if quick:
+        trainer["val_check_interval"] = 1
+    model_path = model_dir or run_dir / "model"
     path = run_dir / "override.yaml"
-    checkpoint_every = 1 if quick else 20
-    val_every = "\n  val_check_interval: 1" if quick else ""
     path.write_text(
-        f"""trainer:
-  default_root_dir: {run_dir}{val_every}
-  logger:
-    class_path: lightning.pytorch.loggers.CSVLogger
-    init_args:
-      save_dir: {run_dir}
-      name: logs
-  callbacks:
-    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
-      init_args:
-        dirpath: {run_dir}/checkpoints
-        save_last: true
-        every_n_train_steps: {checkpoint_every}
-        save_top_k: 0
-    - class_path: dapo_lightning.callbacks.OverlongRewardShaping
-      init_args:
-        buffer_length: 2
-    - class_path: dapo_lightning.callbacks.CollapseDetector
-    - class_path: lightning.pytorch.callbacks.EarlyStopping
-      init_args:
-        monitor: val/acc
-        mode: max
-        stopping_threshold: {TARGET}
-        patience: 1000
-        check_on_train_epoch_end: false
-    - class_path: quickstart_curve.WallClock
-      init_args:
-        path: {run_dir}/wall_clock.jsonl
-model:
-  init_args:
-    model_name_or_path: {model_dir or run_dir / "model"}
-"""
+        yaml.safe_dump(
+            {"trainer": trainer, "model": {"init_args": {"model_name_or_path": str(model_path)}}},
+            sort_keys=False,
+        )
     )
     return path
 
@@ -167,7 +165,7 @@ def run_seed(
         str(Path(sys.executable).with_name("dapo-lightning")),
         "fit",
         "--config",
-        str(REPO_ROOT / "configs" / "quickstart.yaml"),
+        str(REPO_ROOT / QUICKSTART),
         "--config",
         str(override),
         "--seed_everything",
