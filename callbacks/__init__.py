@@ -11,21 +11,27 @@ callback that defines them:
 from dapo_lightning.callbacks.collapse import (
     CollapseDetector,
     Detector,
+    SignalState,
     default_detectors,
     ema_update,
+    judge,
     ngram_repetition,
 )
 from dapo_lightning.callbacks.entropy import EntropyScheduler, adaptive_coef, schedule_value
 from dapo_lightning.callbacks.overlong import OverlongRewardShaping, overlong_penalty
+from dapo_lightning.callbacks.snapshot import TrainingSnapshot
 
 __all__ = [
     "CollapseDetector",
     "Detector",
     "EntropyScheduler",
     "OverlongRewardShaping",
+    "SignalState",
+    "TrainingSnapshot",
     "adaptive_coef",
     "default_detectors",
     "ema_update",
+    "judge",
     "ngram_repetition",
     "overlong_penalty",
     "schedule_value",

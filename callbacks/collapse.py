@@ -3,24 +3,33 @@
 RL fine-tuning of language models fails in recognisable ways: the policy's entropy
 collapses, responses degenerate into repetition, the answer format disappears, every group
 gets the same reward (dynamic sampling then has to generate ever more), lengths collapse or
-blow up, gradient norm or KL spike, or the loss becomes non-finite. :class:`CollapseDetector`
-watches one signal per :class:`Detector` and acts once a signal stays bad for ``patience``
-consecutive observations.
+blow up, gradient norm or KL spike, or the loss becomes non-finite.
+
+The file reads top-down, in the shape of Lightning's ``EarlyStopping``:
+
+* :data:`SIGNALS`, one row per signal: where it is observed, which reading it compares, in
+  which direction it is bad (:data:`BAD_WHEN`, like ``EarlyStopping.mode_dict``) and whether
+  it is judged relative to its own moving average.
+* :class:`Detector`, the user's settings for one signal, and :func:`default_detectors`.
+* :func:`judge`, pure: (settings, observed value, running :class:`SignalState`) -> (new
+  state, fired, reason); :func:`update_readings` / :func:`step_readings` build the observed
+  values.
+* :class:`CollapseDetector`, the thin callback: it feeds the judge, agrees over ranks and
+  acts in one place (``_act``). Rollback snapshots live in :mod:`.snapshot`.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
-from lightning.pytorch.callbacks.callback import Callback
+from dapo_lightning.callbacks.base import DAPOCallback
+from dapo_lightning.callbacks.snapshot import TrainingSnapshot
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import Tensor
 from typing_extensions import override
 
 from dapo_lightning.data.batch import ScoredRollouts
@@ -40,23 +49,7 @@ Signal = Literal[
     "nonfinite",
 ]
 Action = Literal["warn", "stop", "rollback"]
-
-# Signals observed after every optimizer update (on_dapo_update) ...
-UPDATE_SIGNALS = ("entropy", "entropy_drop", "grad_norm_spike", "kl_spike", "nonfinite")
-# ... and once per rollout step (on_train_batch_end).
-STEP_SIGNALS = (
-    "repetition",
-    "format",
-    "zero_variance",
-    "oversampling",
-    "length_low",
-    "length_high",
-    "truncation",
-)
-# Signals judged against their own moving average (they need `warmup` observations first).
-EMA_SIGNALS = ("entropy_drop", "grad_norm_spike", "kl_spike")
-# Signals that are bad when the value is BELOW the threshold (all others: above).
-LOW_SIGNALS = ("entropy", "length_low")
+Source = Literal["update", "step"]
 
 
 def ngram_repetition(tokens: Iterable[int], n: int = 4) -> float:
@@ -97,6 +90,48 @@ def spike_ratio(value: float, reference: float, eps: float = 1e-12) -> float:
     return value / max(reference, eps)
 
 
+@dataclass(frozen=True)
+class SignalSpec:
+    """How one signal is observed and judged (a row of :data:`SIGNALS`).
+
+    Args:
+        source: ``"update"``: after every optimizer update, from the ``on_dapo_update``
+            metrics (:func:`update_readings`); ``"step"``: once per rollout step, at
+            ``on_train_batch_end`` (:func:`step_readings`).
+        reading: Key of the observed value among the source's readings (``{name}`` is
+            replaced by the detector's name).
+        bad_when: ``"below"`` or ``"above"`` the threshold (a key of :data:`BAD_WHEN`).
+        relative: If set, the judged value is ``relative(reading, EMA of reading)``.
+        floor: The reading itself must also exceed ``Detector.min_value`` to count as bad.
+    """
+
+    source: Source
+    reading: str
+    bad_when: Literal["below", "above"]
+    relative: Callable[[float, float], float] | None = None
+    floor: bool = False
+
+
+#: Comparison of the judged value with the threshold that makes it bad.
+BAD_WHEN: dict[str, Callable[[float, float], bool]] = {"below": operator.lt, "above": operator.gt}
+
+#: Every signal a :class:`Detector` can watch (the table in its docstring, as data).
+SIGNALS: dict[str, SignalSpec] = {
+    "entropy": SignalSpec("update", "entropy", "below"),
+    "entropy_drop": SignalSpec("update", "entropy", "above", relative=relative_drop),
+    "grad_norm_spike": SignalSpec("update", "grad_norm", "above", spike_ratio, floor=True),
+    "kl_spike": SignalSpec("update", "approx_kl_k3", "above", spike_ratio, floor=True),
+    "nonfinite": SignalSpec("update", "skipped_nonfinite", "above"),
+    "repetition": SignalSpec("step", "repetitive_share/{name}", "above"),
+    "format": SignalSpec("step", "no_answer_share", "above"),
+    "zero_variance": SignalSpec("step", "zero_variance_frac", "above"),
+    "oversampling": SignalSpec("step", "oversampling", "above"),
+    "length_low": SignalSpec("step", "response_length_mean", "below"),
+    "length_high": SignalSpec("step", "response_length_mean", "above"),
+    "truncation": SignalSpec("step", "truncated_share", "above"),
+}
+
+
 @dataclass
 class Detector:
     """One watched signal: when it is bad for ``patience`` consecutive observations, act.
@@ -106,8 +141,8 @@ class Detector:
     ==================  =========================================================  ==========
     entropy             ``metrics["entropy"]`` (bad below ``threshold``)           per update
     entropy_drop        ``1 - H / EMA(H)``, fractional fall (above ``threshold``)  per update
-    grad_norm_spike     ``grad_norm / EMA(grad_norm)`` (above ``threshold``)        per update
-    kl_spike            ``kl_k3 / EMA(kl_k3)`` (above ``threshold``)                per update
+    grad_norm_spike     ``grad_norm / EMA(grad_norm)`` (above ``threshold``)       per update
+    kl_spike            ``approx_kl_k3 / EMA(approx_kl_k3)`` (above)               per update
     nonfinite           ``metrics["skipped_nonfinite"]`` (above ``threshold``)     per update
     repetition          share of responses with ``ngram_repetition(ids, ngram) >   per step
                         max_repeat`` (above ``threshold``)
@@ -119,14 +154,15 @@ class Detector:
     truncation          share of truncated responses (above ``threshold``)         per step
     ==================  =========================================================  ==========
 
-    "per update" signals come from the ``on_dapo_update`` hook after every optimizer update;
+    "per update" signals come from the ``on_dapo_update`` hook after every optimizer update
+    (non-finite metrics are not judged: the nonfinite detector covers those updates);
     "per step" signals once per rollout step (repetition and format over every response
     generated for the step, including groups dynamic sampling dropped; the others from the
     training batch). EMA signals are judged only after ``warmup`` observations, and their EMA
     is updated with healthy observations only, so a sustained spike keeps counting as bad.
 
     Args:
-        signal: What to watch (table above).
+        signal: What to watch (table above; :data:`SIGNALS` holds it as data).
         threshold: Bound the value is compared against (see the table for the direction).
         patience: Consecutive bad observations before the action fires (then the count restarts).
         action: ``"warn"`` (rank-zero warning), ``"stop"`` (``trainer.should_stop``) or
@@ -138,6 +174,13 @@ class Detector:
             ~0 on the first update of each step, so tiny EMAs make large ratios meaningless).
         ngram: Repetition: n-gram size.
         max_repeat: Repetition: a response with repeated n-gram ratio above this is repetitive.
+
+    Raises:
+        ValueError: A field is out of range (the message names it).
+
+    Example::
+
+        Detector("kl_spike", threshold=20.0, patience=3, min_value=1e-3, action="rollback")
     """
 
     signal: Signal
@@ -152,33 +195,32 @@ class Detector:
     max_repeat: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.signal not in UPDATE_SIGNALS + STEP_SIGNALS:
-            raise ValueError(
-                f"Detector.signal must be one of {UPDATE_SIGNALS + STEP_SIGNALS}, got {self.signal!r}."
-            )
-        if self.action not in ("warn", "stop", "rollback"):
-            raise ValueError(
-                f"Detector.action must be 'warn', 'stop' or 'rollback', got {self.action!r} "
-                f"(detector {self.signal!r})."
-            )
-        if not math.isfinite(self.threshold):
-            raise ValueError(f"Detector.threshold must be finite, got {self.threshold}.")
-        if self.patience < 1:
-            raise ValueError(f"Detector.patience must be >= 1, got {self.patience}.")
-        if not 0 <= self.ema_decay < 1:
-            raise ValueError(f"Detector.ema_decay must be in [0, 1), got {self.ema_decay}.")
-        if self.warmup < 0:
-            raise ValueError(f"Detector.warmup must be >= 0, got {self.warmup}.")
-        if self.ngram < 1:
-            raise ValueError(f"Detector.ngram must be >= 1, got {self.ngram}.")
+        checks = (
+            ("signal", self.signal in SIGNALS, f"one of {tuple(SIGNALS)}"),
+            ("action", self.action in ("warn", "stop", "rollback"), "'warn', 'stop' or 'rollback'"),
+            ("threshold", math.isfinite(self.threshold), "finite"),
+            ("patience", self.patience >= 1, ">= 1"),
+            ("ema_decay", 0 <= self.ema_decay < 1, "in [0, 1)"),
+            ("warmup", self.warmup >= 0, ">= 0"),
+            ("ngram", self.ngram >= 1, ">= 1"),
+        )
+        for field, ok, must in checks:
+            if not ok:
+                raise ValueError(
+                    f"Detector.{field} must be {must}, got {getattr(self, field)!r} "
+                    f"(detector {self.signal!r})."
+                )
         if self.name is None:
             self.name = self.signal
 
+    @property
+    def spec(self) -> SignalSpec:
+        """This detector's row of :data:`SIGNALS`."""
+        return SIGNALS[self.signal]
+
     def is_bad(self, value: float) -> bool:
-        """Whether ``value`` crosses ``threshold`` (below for entropy/length_low, else above)."""
-        if self.signal in LOW_SIGNALS:
-            return value < self.threshold
-        return value > self.threshold
+        """Whether ``value`` crosses ``threshold`` in the signal's bad direction."""
+        return BAD_WHEN[self.spec.bad_when](value, self.threshold)
 
 
 def default_detectors() -> list[Detector]:
@@ -196,73 +238,196 @@ def default_detectors() -> list[Detector]:
     ]
 
 
-def _cpu_copy(obj: Any) -> Any:
-    """Deep copy with every tensor cloned to CPU (a snapshot shares no storage)."""
-    if isinstance(obj, Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, Mapping):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_cpu_copy(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_cpu_copy(v) for v in obj)
-    return copy.deepcopy(obj)
+# ------------------------------------------------------------------------ the pure judge
 
 
-class CollapseDetector(Callback):
+@dataclass(frozen=True)
+class SignalState:
+    """Running state of one detector.
+
+    Args:
+        ema: EMA signals: moving average of the healthy readings (None before the first).
+        seen: EMA signals: readings observed so far (warm-up ends at ``Detector.warmup``).
+        streak: Consecutive bad observations since the last healthy one or the last firing.
+    """
+
+    ema: float | None = None
+    seen: int = 0
+    streak: int = 0
+
+
+def judged_value(det: Detector, raw: float | None, state: SignalState) -> float | None:
+    """The value compared with ``det.threshold``: ``raw``, or ``relative(raw, EMA)`` for EMA
+    signals; None when there is nothing to judge (no reading, or EMA warm-up)."""
+    relative = det.spec.relative
+    if raw is None or relative is None:
+        return raw
+    if state.ema is None or state.seen < det.warmup:
+        return None
+    return relative(raw, state.ema)
+
+
+def bad_here(det: Detector, raw: float | None, state: SignalState) -> bool:
+    """Whether this reading is bad (value past the threshold and, for spikes, raw past
+    ``min_value``)."""
+    value = judged_value(det, raw, state)
+    if value is None or not det.is_bad(value):
+        return False
+    return not det.spec.floor or raw > det.min_value
+
+
+def judge(
+    det: Detector, raw: float | None, state: SignalState, bad_elsewhere: bool = False
+) -> tuple[SignalState, bool, str | None]:
+    """Judge one observation: the new state, whether the detector fires, and why.
+
+    A bad observation (here, or on another rank: ``bad_elsewhere``) extends the streak; the
+    detector fires when the streak reaches ``patience``, and the streak restarts. A healthy
+    observation ends the streak; no observation (``raw`` None, EMA warm-up) leaves it. EMA
+    signals feed every reading to the EMA except bad ones.
+
+    Args:
+        det: The detector's settings.
+        raw: This rank's reading for the signal (None: not observed).
+        state: The detector's state before this observation.
+        bad_elsewhere: The observation is bad on some rank (the ranks' agreement).
+
+    Example::
+
+        >>> det = Detector("entropy", threshold=0.1, patience=2)
+        >>> judge(det, 0.05, SignalState())
+        (SignalState(ema=None, seen=0, streak=1), False, None)
+    """
+    value = judged_value(det, raw, state)
+    local_bad = bad_here(det, raw, state)
+    ema, seen = state.ema, state.seen
+    if raw is not None and det.spec.relative is not None:
+        seen += 1
+        if not local_bad:
+            ema = ema_update(ema, raw, det.ema_decay)
+    bad = local_bad or bad_elsewhere
+    streak = state.streak + 1 if bad else (0 if value is not None else state.streak)
+    if not bad or streak < det.patience:
+        return SignalState(ema, seen, streak), False, None
+    seen_as = f"value {value!r}" if local_bad else f"value {value!r} here, bad on another rank"
+    reason = (
+        f"{det.name} fired ({seen_as}, threshold {det.threshold}, "
+        f"{det.patience} consecutive bad observations)."
+    )
+    return SignalState(ema, seen, 0), True, reason
+
+
+def update_readings(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The finite numeric values of one update's metrics (non-finite ones are not judged)."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out[key] = float(value)
+    return out
+
+
+def tally_rollouts(
+    pending: Mapping[str, float], rollouts: ScoredRollouts, detectors: Sequence[Detector]
+) -> dict[str, float]:
+    """``pending`` plus this round's response counts: all, repetitive per repetition detector
+    (``repetitive/<name>``), with answer-format information, without an answer."""
+    out = {**pending, "responses": pending.get("responses", 0.0) + len(rollouts)}
+    for det in (d for d in detectors if d.signal == "repetition"):
+        key = f"repetitive/{det.name}"
+        hits = sum(
+            ngram_repetition(ids, det.ngram) > det.max_repeat for ids in rollouts.response_ids
+        )
+        out[key] = out.get(key, 0.0) + hits
+    has_answer = rollouts.extra.get("has_answer")
+    if has_answer is not None:
+        out["format_seen"] = out.get("format_seen", 0.0) + len(has_answer)
+        out["no_answer"] = out.get("no_answer", 0.0) + sum(not bool(h) for h in has_answer)
+    return out
+
+
+def step_readings(batch: Any, pending: Mapping[str, float]) -> dict[str, float]:
+    """The per-step readings (only those this step has) from the training batch and the
+    step's counts from :func:`tally_rollouts`."""
+    out: dict[str, float] = {}
+    stats = getattr(batch, "stats", None) or {}
+    zero_variance = _stat(stats, "zero_variance_frac")
+    if zero_variance is not None:
+        out["zero_variance_frac"] = float(zero_variance)
+    generated, kept = _stat(stats, "generated_groups"), _stat(stats, "kept_groups")
+    if generated is not None and kept is not None:
+        out["oversampling"] = float(generated) / float(kept) if kept > 0 else math.inf
+    for key, attribute in (
+        ("response_length_mean", "response_length"),
+        ("truncated_share", "truncated"),
+    ):
+        values = getattr(batch, attribute, None)
+        if values is not None and len(values) > 0:
+            out[key] = float(values.float().mean())
+    if pending.get("format_seen", 0.0) > 0:
+        out["no_answer_share"] = pending["no_answer"] / pending["format_seen"]
+    responses = pending.get("responses", 0.0)
+    if responses > 0:
+        for key, count in pending.items():
+            if key.startswith("repetitive/"):
+                out[f"repetitive_share/{key.removeprefix('repetitive/')}"] = count / responses
+    return out
+
+
+def _stat(stats: Mapping[str, Any], key: str) -> Any:
+    """``stats[key]`` under its logged name ``data/<key>`` or its bare name; None if absent."""
+    return stats.get(f"data/{key}", stats.get(key))
+
+
+# ---------------------------------------------------------------------------- callback
+
+
+class CollapseDetector(DAPOCallback):
     """Watches training-health signals and warns, stops or rolls back on collapse.
 
-    Each :class:`Detector` observes one signal (see its table), counts consecutive bad
-    observations and fires its action after ``patience`` of them:
+    Each :class:`Detector` watches one signal; :func:`judge` fires it after ``patience``
+    consecutive bad observations, and ``_act`` carries out its action:
 
     * ``warn``: rank-zero warning (``collapse/fired_<name>`` counts it in the logs).
     * ``stop``: ``trainer.should_stop = True``; the reason is kept in ``self.stop_reason``.
-    * ``rollback``: restore the last healthy snapshot of the policy weights, optimizer state
-      and LR-scheduler state, bit-exactly, then multiply the learning rate by
-      ``rollback_lr_scale``. The restored (rescaled) state becomes the new snapshot, so
-      repeated rollbacks compound the LR scale. After ``max_rollbacks`` rollbacks a rollback
-      detector stops training instead.
+    * ``rollback``: restore the last healthy :class:`~.snapshot.TrainingSnapshot` (policy,
+      optimizer and scheduler state, bit-exactly), scale the learning rate by
+      ``rollback_lr_scale`` (the rescaled state becomes the snapshot: scales compound) and
+      bump ``pl_module.policy_version`` (so the restored weights reach the rollout engine).
+      After ``max_rollbacks`` rollbacks, or with no snapshot, it stops training instead.
 
-    Snapshots (CPU deep copies) are taken at train start and then after every
-    ``snapshot_every`` healthy updates (an update is healthy when no detector fired on it or
-    has an open run of bad observations, and the update was not skipped as non-finite). Only policy, optimizer
-    and scheduler are restored: the trainer's step counters and the data stream go on. With a
-    rollout engine that keeps its own weights copy (vLLM) the restored weights reach it at the
-    module's next weight push. Per-update detectors roll back inside ``on_dapo_update`` (the
-    step's remaining updates continue from the restored weights); per-step ones in
-    ``on_train_batch_end``.
+    Snapshots are taken at train start, then after every ``snapshot_every`` healthy updates
+    (none fired, no open streak, not skipped as non-finite). Step counters and the data
+    stream go on. Per-update detectors act inside ``on_dapo_update`` (the step's remaining
+    updates continue from the restored weights), per-step ones in ``on_train_batch_end``.
 
-    Under data-parallel training the bad/healthy decisions are all-reduced (bad on any rank
-    = bad, also for a signal this rank did not observe), so every rank fires and rolls back
-    together. Observed values and EMAs stay rank-local.
+    Ranks agree through ``trainer.strategy.reduce_boolean_decision(bad, all=False)`` (bad on
+    any rank = bad): one call per detector of the hook's source, on every rank, observed
+    there or not, so the ranks fire together and never hang. Readings and EMAs stay local.
 
-    Logs ``collapse/<name>`` (the observed value) when observed and ``collapse/fired_<name>``
+    Logs ``collapse/<name>`` (the judged value) when observed and ``collapse/fired_<name>``
     (cumulative count) every rollout step. ``state_dict`` keeps EMAs, counters and the stop
-    reason; the snapshot itself only with ``snapshot_in_checkpoint=True`` (it is a full copy of
-    model and optimizer; on resume without it the first snapshot is retaken at train start).
+    reason, and the snapshot only with ``snapshot_in_checkpoint=True`` (without it the first
+    snapshot is retaken at train start after a resume).
 
     Args:
         detectors: The detectors (dataclasses or dicts of their fields, as from YAML).
             ``None`` uses :func:`default_detectors`.
         snapshot_every: Healthy updates between rollback snapshots (only taken when some
             detector's action is ``"rollback"``).
-        rollback_lr_scale: Factor in (0, 1] applied to the optimizer's and the scheduler's
-            learning rates after each rollback (1.0 keeps them).
+        rollback_lr_scale: Factor in (0, 1] applied to the learning rate after each rollback.
         max_rollbacks: Rollbacks allowed before a rollback detector stops training instead.
         snapshot_in_checkpoint: Also save the rollback snapshot in checkpoints.
 
-    Example::
+    Raises:
+        ValueError: Two detectors share a name, or an argument is out of range.
 
-        from lightning.pytorch import Trainer
-        from dapo_lightning.callbacks import CollapseDetector, Detector
+    Example::
 
         detector = CollapseDetector(
             detectors=[
                 Detector("entropy", threshold=0.05, patience=5, action="stop"),
                 Detector("grad_norm_spike", threshold=10.0, patience=2, action="rollback"),
-                Detector("repetition", threshold=0.3, ngram=4, max_repeat=0.5),
             ],
-            snapshot_every=10,
             rollback_lr_scale=0.5,
         )
         trainer = Trainer(callbacks=[detector])
@@ -287,52 +452,32 @@ class CollapseDetector(Callback):
         snapshot_in_checkpoint: bool = False,
     ) -> None:
         super().__init__()
-        if detectors is None:
-            detectors = default_detectors()
-        self.detectors: list[Detector] = [
-            d if isinstance(d, Detector) else Detector(**d) for d in detectors
-        ]
+        self.detectors = _checked(detectors, snapshot_every, rollback_lr_scale, max_rollbacks)
         names = [d.name for d in self.detectors]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(
-                f"CollapseDetector detector names must be unique, got duplicates {duplicates}; "
-                "give each detector of the same signal its own `name`."
-            )
-        if snapshot_every < 1:
-            raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}.")
-        if not 0 < rollback_lr_scale <= 1:
-            raise ValueError(f"rollback_lr_scale must be in (0, 1], got {rollback_lr_scale}.")
-        if max_rollbacks < 0:
-            raise ValueError(f"max_rollbacks must be >= 0, got {max_rollbacks}.")
         self.snapshot_every = snapshot_every
         self.rollback_lr_scale = rollback_lr_scale
         self.max_rollbacks = max_rollbacks
         self.snapshot_in_checkpoint = snapshot_in_checkpoint
         self._uses_rollback = any(d.action == "rollback" for d in self.detectors)
-
-        self.streak: dict[str, int] = dict.fromkeys(names, 0)
+        self.states: dict[str, SignalState] = {n: SignalState() for n in names}
         self.fired: dict[str, int] = dict.fromkeys(names, 0)
-        self.observations: dict[str, int] = dict.fromkeys(names, 0)
-        self.ema: dict[str, float | None] = dict.fromkeys(names, None)
         self.last_value: dict[str, float] = {}
-        self._raw: dict[str, float] = {}  # raw metric behind each EMA-relative value
         self.stop_reason: str | None = None
         self.rollbacks = 0
         self.healthy_updates = 0  # healthy updates since the last snapshot
-        self.snapshot: dict[str, Any] | None = None
-        # per-response counts from on_rollouts_scored, consumed at on_train_batch_end
-        self._pending = self._zero_pending()
+        self.snapshot: TrainingSnapshot | None = None
+        self._pending = self._zero_pending()  # this step's counts from on_rollouts_scored
 
     @property
     @override
     def state_key(self) -> str:
         return self._generate_state_key(detectors=[d.name for d in self.detectors])
 
-    @staticmethod
-    def _zero_pending() -> dict[str, float]:
-        # plus "repetitive/<name>" per repetition detector
-        return {"responses": 0.0, "format_seen": 0.0, "no_answer": 0.0}
+    def _zero_pending(self) -> dict[str, float]:
+        repetitive = {
+            f"repetitive/{d.name}": 0.0 for d in self.detectors if d.signal == "repetition"
+        }
+        return {"responses": 0.0, "format_seen": 0.0, "no_answer": 0.0, **repetitive}
 
     # ------------------------------------------------------------------ hooks
 
@@ -341,42 +486,20 @@ class CollapseDetector(Callback):
         if self._uses_rollback and self.snapshot is None:
             self.take_snapshot(trainer, pl_module)
 
+    @override
     def on_rollouts_scored(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, rollouts: ScoredRollouts
     ) -> None:
-        """DAPO hook: count repetitive and answer-less responses (logged at batch end)."""
-        p = self._pending
-        p["responses"] += len(rollouts)
-        for det in self.detectors:
-            if det.signal == "repetition":
-                key = f"repetitive/{det.name}"
-                p[key] = p.get(key, 0.0) + sum(
-                    ngram_repetition(ids, det.ngram) > det.max_repeat
-                    for ids in rollouts.response_ids
-                )
-        has_answer = rollouts.extra.get("has_answer")
-        if has_answer is not None:
-            p["format_seen"] += len(has_answer)
-            p["no_answer"] += sum(not bool(h) for h in has_answer)
+        """Count repetitive and answer-less responses (judged at batch end)."""
+        self._pending = tally_rollouts(self._pending, rollouts, self.detectors)
 
+    @override
     def on_dapo_update(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float]
     ) -> None:
-        """DAPO hook: judge the per-update signals after an optimizer update."""
-        values: dict[str, float] = {}
-        for det in self.detectors:
-            if det.signal not in UPDATE_SIGNALS:
-                continue
-            value = self._update_value(det, metrics)
-            if value is not None:
-                values[det.name] = value
-        fired = self._observe(trainer, pl_module, UPDATE_SIGNALS, values)
-        skipped = float(metrics.get("skipped_nonfinite", 0.0)) > 0
-        healthy = not skipped and not fired and all(s == 0 for s in self.streak.values())
-        if healthy:
-            self.healthy_updates += 1
-            if self._uses_rollback and self.healthy_updates >= self.snapshot_every:
-                self.take_snapshot(trainer, pl_module)
+        """Judge the per-update signals after an optimizer update."""
+        fired = self._judge(trainer, pl_module, "update", update_readings(metrics))
+        self._count_healthy(trainer, pl_module, metrics.get("skipped_nonfinite", 0.0) > 0, fired)
         self._act(trainer, pl_module, fired)
 
     @override
@@ -388,211 +511,100 @@ class CollapseDetector(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        values: dict[str, float] = {}
-        for det in self.detectors:
-            if det.signal not in STEP_SIGNALS:
-                continue
-            value = self._step_value(det, batch)
-            if value is not None:
-                values[det.name] = value
-        self._pending = self._zero_pending()
-        fired = self._observe(trainer, pl_module, STEP_SIGNALS, values)
-        self._act(trainer, pl_module, fired)
+        readings, self._pending = step_readings(batch, self._pending), self._zero_pending()
+        self._act(trainer, pl_module, self._judge(trainer, pl_module, "step", readings))
         for name, count in self.fired.items():
-            pl_module.log(
-                f"collapse/fired_{name}", float(count), on_step=True, on_epoch=False, batch_size=1
-            )
+            _log(pl_module, f"collapse/fired_{name}", float(count))
 
-    # ------------------------------------------------------------ observation
+    # ------------------------------------------------------- judging and acting
 
-    def _update_value(self, det: Detector, metrics: Mapping[str, float]) -> float | None:
-        sig = det.signal
-        if sig == "nonfinite":
-            return float(metrics.get("skipped_nonfinite", 0.0))
-        key = {"entropy": "entropy", "entropy_drop": "entropy"}.get(sig)
-        key = key or {"grad_norm_spike": "grad_norm", "kl_spike": "kl_k3"}[sig]
-        if key not in metrics:
-            return None
-        raw = float(metrics[key])
-        self._raw[det.name] = raw
-        if not math.isfinite(raw):
-            return None  # the nonfinite detector covers these
-        if sig == "entropy":
-            return raw
-        # EMA signals: value relative to the moving average of earlier healthy observations
-        ema = self.ema[det.name]
-        if ema is None or self.observations[det.name] < det.warmup:
-            self.ema[det.name] = ema_update(ema, raw, det.ema_decay)
-            self.observations[det.name] += 1
-            return None
-        if sig == "entropy_drop":
-            value = relative_drop(raw, ema)
-            bad = det.is_bad(value)
-        else:
-            value = spike_ratio(raw, ema)
-            bad = det.is_bad(value) and raw > det.min_value
-        if not bad:
-            self.ema[det.name] = ema_update(ema, raw, det.ema_decay)
-        self.observations[det.name] += 1
-        return value
-
-    def _step_value(self, det: Detector, batch: Any) -> float | None:
-        sig = det.signal
-        p = self._pending
-        if sig == "repetition":
-            n = p["responses"]
-            return p.get(f"repetitive/{det.name}", 0.0) / n if n > 0 else None
-        if sig == "format":
-            n = p["format_seen"]
-            return p["no_answer"] / n if n > 0 else None
-        stats = getattr(batch, "stats", None) or {}
-        if sig == "zero_variance":
-            v = stats.get("zero_variance_frac")
-            return None if v is None else float(v)
-        if sig == "oversampling":
-            gen, kept = stats.get("generated_groups"), stats.get("kept_groups")
-            if gen is None or kept is None:
-                return None
-            return float(gen) / float(kept) if kept > 0 else math.inf
-        if sig in ("length_low", "length_high"):
-            lengths = getattr(batch, "response_length", None)
-            return None if lengths is None or len(lengths) == 0 else float(lengths.float().mean())
-        truncated = getattr(batch, "truncated", None)  # sig == "truncation"
-        return None if truncated is None or len(truncated) == 0 else float(truncated.float().mean())
-
-    def _observe(
+    def _judge(
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
-        signals: tuple[str, ...],
-        values: dict[str, float],
-    ) -> list[Detector]:
-        """Update the streaks of the detectors watching ``signals`` with this observation
-        (``values``: the ones observed on this rank); return those whose patience ran out."""
-        dets = [d for d in self.detectors if d.signal in signals]
-        if not dets:
-            return []
-        bad = []
-        for det in dets:
-            value = values.get(det.name)
-            b = value is not None and det.is_bad(value)
-            if det.signal in ("grad_norm_spike", "kl_spike"):  # also raw value above min_value
-                b = b and self._raw.get(det.name, math.inf) > det.min_value
-            bad.append(b)
-        # same-length flags on every rank, even with nothing observed here: no collective hangs
-        bad = self._any_rank(trainer, pl_module, bad)
+        source: Source,
+        readings: Mapping[str, float],
+    ) -> list[tuple[Detector, str]]:
+        """Judge every detector of ``source`` on ``readings``; return the fired ones and why.
+
+        One ``reduce_boolean_decision`` per detector, in the same order on every rank."""
         fired = []
-        for det, b in zip(dets, bad):
-            n = det.name
-            if n in values:
-                self.last_value[n] = values[n]
-                if math.isfinite(values[n]):
-                    pl_module.log(
-                        f"collapse/{n}", values[n], on_step=True, on_epoch=False, batch_size=1
-                    )
-            if b:
-                self.streak[n] += 1
-                if self.streak[n] >= det.patience:
-                    self.streak[n] = 0
-                    self.fired[n] += 1
-                    fired.append(det)
-            elif n in values:
-                self.streak[n] = 0
+        for det in (d for d in self.detectors if d.spec.source == source):
+            raw = readings.get(det.spec.reading.format(name=det.name))
+            state = self.states[det.name]
+            value = judged_value(det, raw, state)
+            anywhere = trainer.strategy.reduce_boolean_decision(
+                bad_here(det, raw, state), all=False
+            )
+            self.states[det.name], did_fire, reason = judge(det, raw, state, anywhere)
+            if value is not None:
+                self.last_value[det.name] = value
+                if math.isfinite(value):
+                    _log(pl_module, f"collapse/{det.name}", value)
+            if did_fire:
+                self.fired[det.name] += 1
+                fired.append((det, reason))
         return fired
 
-    @staticmethod
-    def _any_rank(trainer: Any, pl_module: Any, bad: list[bool]) -> list[bool]:
-        """Bad on any rank counts as bad (one MAX all-reduce per hook call when a
-        ``torch.distributed`` process group with more than one rank is running)."""
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return bad
-        device = getattr(pl_module, "device", None)
-        if not isinstance(device, torch.device):
-            device = torch.device("cpu")
-        flags = torch.tensor([float(b) for b in bad], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return [bool(f > 0) for f in flags.tolist()]
-
-    # ---------------------------------------------------------------- actions
+    def _count_healthy(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, skipped: bool, fired: list
+    ) -> None:
+        """Count a healthy update; take a snapshot every ``snapshot_every`` of them."""
+        if skipped or fired or any(s.streak for s in self.states.values()):
+            return
+        self.healthy_updates += 1
+        if self._uses_rollback and self.healthy_updates >= self.snapshot_every:
+            self.take_snapshot(trainer, pl_module)
 
     def _act(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, fired: list[Detector]
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, fired: list[tuple[Detector, str]]
     ) -> None:
+        """The one place that acts on fired detectors (at most one rollback per observation)."""
         rolled_back = False
-        for det in fired:
-            msg = (
-                f"CollapseDetector: {det.name} fired (value {self.last_value.get(det.name)!r}, "
-                f"threshold {det.threshold}, {det.patience} consecutive bad observations)."
-            )
-            action = det.action
+        for det, reason in fired:
+            message, action = f"CollapseDetector: {reason}", det.action
             if action == "rollback" and self.rollbacks >= self.max_rollbacks:
-                msg += f" max_rollbacks={self.max_rollbacks} reached; stopping instead."
-                action = "stop"
+                message, action = f"{message} max_rollbacks={self.max_rollbacks} reached.", "stop"
+            elif action == "rollback" and self.snapshot is None:
+                message, action = f"{message} No healthy snapshot to roll back to.", "stop"
             if action == "warn":
-                rank_zero_warn(msg)
+                rank_zero_warn(message)
             elif action == "stop":
-                self.stop_reason = msg
-                trainer.should_stop = True
-                rank_zero_warn(msg + " Stopping training.")
+                self.stop_reason, trainer.should_stop = message, True
+                rank_zero_warn(f"{message} Stopping training.")
             elif not rolled_back:
-                if self.snapshot is None:
-                    self.stop_reason = msg + " No healthy snapshot to roll back to; stopping."
-                    trainer.should_stop = True
-                    rank_zero_warn(self.stop_reason)
-                    continue
                 self.rollback(trainer, pl_module)
                 rolled_back = True
                 rank_zero_info(
-                    msg + f" Rolled back to the last healthy snapshot (rollback {self.rollbacks})."
+                    f"{message} Rolled back to the last healthy snapshot (rollback {self.rollbacks})."
                 )
 
+    # -------------------------------------------------------------- snapshots
+
     def take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Keep CPU deep copies of policy weights, optimizer and scheduler state."""
-        scheduler = self._scheduler(trainer)
-        optimizers = getattr(trainer, "optimizers", None) or []
-        self.snapshot = {
-            "policy": _cpu_copy(pl_module.policy.state_dict()),
-            "optimizer": _cpu_copy(optimizers[0].state_dict()) if optimizers else None,
-            "scheduler": _cpu_copy(scheduler.state_dict()) if scheduler is not None else None,
-        }
+        """Keep CPU copies of policy weights, optimizer and scheduler state."""
+        self.snapshot = TrainingSnapshot.take(pl_module.policy, *_optimizer_and_scheduler(trainer))
         self.healthy_updates = 0
 
     def rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Restore the snapshot bit-exactly, then scale the learning rate by ``rollback_lr_scale``."""
+        """Restore the snapshot bit-exactly, scale the learning rate by ``rollback_lr_scale``,
+        bump ``pl_module.policy_version`` and clear every streak.
+
+        Raises:
+            RuntimeError: No snapshot has been taken yet.
+        """
         if self.snapshot is None:
             raise RuntimeError("CollapseDetector.rollback: no snapshot has been taken yet.")
-        snap = self.snapshot
-        pl_module.policy.load_state_dict(snap["policy"])
-        optimizers = getattr(trainer, "optimizers", None) or []
-        if optimizers and snap["optimizer"] is not None:
-            # a fresh copy: load_state_dict may keep the given tensors as the live state
-            optimizers[0].load_state_dict(_cpu_copy(snap["optimizer"]))
-        scheduler = self._scheduler(trainer)
-        if scheduler is not None and snap["scheduler"] is not None:
-            scheduler.load_state_dict(_cpu_copy(snap["scheduler"]))
-        if self.rollback_lr_scale != 1.0:
-            for opt in optimizers:
-                for group in opt.param_groups:
-                    group["lr"] = group["lr"] * self.rollback_lr_scale
-            if scheduler is not None and hasattr(scheduler, "base_lrs"):
-                scheduler.base_lrs = [lr * self.rollback_lr_scale for lr in scheduler.base_lrs]
-            if scheduler is not None and hasattr(scheduler, "_last_lr"):
-                scheduler._last_lr = [g["lr"] for g in optimizers[0].param_groups]
+        optimizer, scheduler = _optimizer_and_scheduler(trainer)
+        self.snapshot.restore(pl_module.policy, optimizer, scheduler, self.rollback_lr_scale)
         self.rollbacks += 1
         if hasattr(pl_module, "policy_version"):
-            # The weights changed: a new version makes the data module push them to the
-            # rollout engine before it samples again.
-            pl_module.policy_version += 1
-        for n in self.streak:
-            self.streak[n] = 0
-        # the restored (rescaled) state is the new snapshot: repeated rollbacks compound
-        self.take_snapshot(trainer, pl_module)
-
-    @staticmethod
-    def _scheduler(trainer: Any) -> Any:
-        configs = getattr(trainer, "lr_scheduler_configs", None) or []
-        return configs[0].scheduler if configs else None
+            pl_module.policy_version += 1  # new weights: pushed to the engine before sampling
+        self.states = {n: replace(s, streak=0) for n, s in self.states.items()}
+        if self.rollback_lr_scale != 1.0:
+            self.take_snapshot(trainer, pl_module)  # the rescaled state: scales compound
+        else:
+            self.healthy_updates = 0  # the snapshot equals the restored state already
 
     # ------------------------------------------------------------------ state
 
@@ -600,10 +612,10 @@ class CollapseDetector(Callback):
     def state_dict(self) -> dict[str, Any]:
         state = {
             "detectors": [asdict(d) for d in self.detectors],
-            "streak": dict(self.streak),
+            "streak": {n: s.streak for n, s in self.states.items()},
             "fired": dict(self.fired),
-            "observations": dict(self.observations),
-            "ema": dict(self.ema),
+            "observations": {n: s.seen for n, s in self.states.items()},
+            "ema": {n: s.ema for n, s in self.states.items()},
             "last_value": dict(self.last_value),
             "stop_reason": self.stop_reason,
             "rollbacks": self.rollbacks,
@@ -611,19 +623,59 @@ class CollapseDetector(Callback):
             "pending": dict(self._pending),
         }
         if self.snapshot_in_checkpoint and self.snapshot is not None:
-            state["snapshot"] = self.snapshot
+            state["snapshot"] = self.snapshot.state_dict()
         return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        names = set(self.streak)
-        for key in ("streak", "fired", "observations", "ema"):
-            saved = state_dict.get(key, {})
-            getattr(self, key).update({k: v for k, v in saved.items() if k in names})
+        saved = {k: state_dict.get(k, {}) for k in ("streak", "observations", "ema", "fired")}
+        for n, s in self.states.items():
+            self.states[n] = SignalState(
+                ema=saved["ema"].get(n, s.ema),
+                seen=int(saved["observations"].get(n, s.seen)),
+                streak=int(saved["streak"].get(n, s.streak)),
+            )
+            self.fired[n] = int(saved["fired"].get(n, self.fired[n]))
         self.last_value = dict(state_dict.get("last_value", {}))
         self.stop_reason = state_dict.get("stop_reason")
         self.rollbacks = int(state_dict.get("rollbacks", 0))
         self.healthy_updates = int(state_dict.get("healthy_updates", 0))
         self._pending = {**self._zero_pending(), **state_dict.get("pending", {})}
         if "snapshot" in state_dict:
-            self.snapshot = _cpu_copy(state_dict["snapshot"])
+            self.snapshot = TrainingSnapshot.from_state_dict(state_dict["snapshot"])
+
+
+def _optimizer_and_scheduler(trainer: Any) -> tuple[Any, Any]:
+    """The trainer's (first) optimizer and LR scheduler, None where it has none."""
+    optimizers = getattr(trainer, "optimizers", None) or []
+    configs = getattr(trainer, "lr_scheduler_configs", None) or []
+    return (optimizers[0] if optimizers else None), (configs[0].scheduler if configs else None)
+
+
+def _checked(
+    detectors: Sequence[Detector | Mapping[str, Any]] | None,
+    snapshot_every: int,
+    rollback_lr_scale: float,
+    max_rollbacks: int,
+) -> list[Detector]:
+    """:class:`CollapseDetector`'s arguments, checked; its detectors as dataclasses."""
+    dets = default_detectors() if detectors is None else detectors
+    dets = [d if isinstance(d, Detector) else Detector(**d) for d in dets]
+    names = [d.name for d in dets]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(
+            f"CollapseDetector: detector names must be unique, got {duplicates} twice; "
+            "give each detector of the same signal its own `name`."
+        )
+    if snapshot_every < 1:
+        raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}.")
+    if not 0 < rollback_lr_scale <= 1:
+        raise ValueError(f"rollback_lr_scale must be in (0, 1], got {rollback_lr_scale}.")
+    if max_rollbacks < 0:
+        raise ValueError(f"max_rollbacks must be >= 0, got {max_rollbacks}.")
+    return dets
+
+
+def _log(pl_module: pl.LightningModule, name: str, value: float) -> None:
+    pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)

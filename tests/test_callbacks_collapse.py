@@ -1,8 +1,9 @@
-"""Tests for dapo_lightning.callbacks.collapse: detectors, actions, rollback, state.
+"""Tests for dapo_lightning.callbacks.collapse: the pure judge, detectors, actions, rollback,
+state.
 
 The hooks are driven directly. ``trainer`` is a SimpleNamespace stand-in (the hooks only read
-``optimizers``, ``lr_scheduler_configs`` and set ``should_stop``); the optimizer, scheduler
-and model in it are real. ``pl_module`` is a small stand-in holding a real ``policy`` and
+``optimizers``, ``lr_scheduler_configs`` and ``strategy``, and set ``should_stop``); the
+optimizer, scheduler, strategy and model in it are real. ``pl_module`` is a small stand-in holding a real ``policy`` and
 recording ``log`` calls, because Lightning refuses ``log`` outside a running loop.
 """
 
@@ -15,16 +16,26 @@ from typing import Any
 
 import pytest
 import torch
+from dapo_lightning.callbacks.base import DAPOCallback, call_dapo_hook
 from dapo_lightning.callbacks.collapse import (
+    SIGNALS,
     CollapseDetector,
     Detector,
+    SignalState,
+    bad_here,
     ema_update,
+    judge,
+    judged_value,
     ngram_repetition,
     relative_drop,
     spike_ratio,
+    step_readings,
+    tally_rollouts,
 )
+from dapo_lightning.callbacks.snapshot import TrainingSnapshot, scale_lr
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader
 
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
@@ -39,10 +50,11 @@ class RecordingModule:
         self.logged.setdefault(name, []).append(float(value))
 
 
-def make_trainer(optimizer=None, scheduler=None) -> SimpleNamespace:
+def make_trainer(optimizer=None, scheduler=None, strategy=None) -> SimpleNamespace:
     return SimpleNamespace(
         optimizers=[optimizer] if optimizer is not None else [],
         lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)] if scheduler else [],
+        strategy=strategy or SingleDeviceStrategy(torch.device("cpu")),
         should_stop=False,
     )
 
@@ -83,7 +95,7 @@ def drive(cb: CollapseDetector, trainer, module, stream: list) -> None:
 
 
 def updates(key: str, values: list[float]) -> list:
-    base = {"entropy": 0.7, "grad_norm": 1.0, "kl_k3": 0.01, "skipped_nonfinite": 0.0}
+    base = {"entropy": 0.7, "grad_norm": 1.0, "approx_kl_k3": 0.01, "skipped_nonfinite": 0.0}
     return [
         ("update", {**base, key: v, "update": float(i + 1), "loss": 0.1})
         for i, v in enumerate(values)
@@ -121,8 +133,8 @@ CASES = {
     "kl_spike": (
         Detector("kl_spike", threshold=10.0, patience=2, warmup=2, min_value=1e-3),
         # KL is ~0 on the first update of each step: tiny values must not count as spikes
-        updates("kl_k3", [0.0, 0.01, 0.0, 0.012, 1e-9, 0.0005, 0.02, 0.0]),
-        updates("kl_k3", [0.0, 0.01, 0.0, 0.012, 0.5, 0.8]),
+        updates("approx_kl_k3", [0.0, 0.01, 0.0, 0.012, 1e-9, 0.0005, 0.02, 0.0]),
+        updates("approx_kl_k3", [0.0, 0.01, 0.0, 0.012, 0.5, 0.8]),
     ),
     "nonfinite": (
         Detector("nonfinite", threshold=0.5, patience=3),
@@ -173,7 +185,7 @@ def test_every_signal_has_a_case() -> None:
 
     from dapo_lightning.callbacks.collapse import Signal
 
-    assert set(CASES) == set(get_args(Signal))
+    assert set(CASES) == set(get_args(Signal)) == set(SIGNALS)
 
 
 @pytest.mark.parametrize("signal", sorted(CASES))
@@ -232,6 +244,160 @@ def test_pure_functions() -> None:
     assert spike_ratio(10.0, 2.0) == 5.0 and math.isfinite(spike_ratio(1.0, 0.0))
 
 
+# ------------------------------------------------------------------- the pure judge
+
+
+def test_signal_table_holds_sources_directions_and_ema() -> None:
+    assert {s for s, spec in SIGNALS.items() if spec.source == "update"} == {
+        "entropy",
+        "entropy_drop",
+        "grad_norm_spike",
+        "kl_spike",
+        "nonfinite",
+    }
+    assert {s for s, spec in SIGNALS.items() if spec.bad_when == "below"} == {
+        "entropy",
+        "length_low",
+    }
+    assert {s for s, spec in SIGNALS.items() if spec.relative is not None} == {
+        "entropy_drop",
+        "grad_norm_spike",
+        "kl_spike",
+    }
+    assert SIGNALS["kl_spike"].reading == "approx_kl_k3"
+
+
+def test_judge_bad_below_and_above_the_threshold() -> None:
+    low = Detector("entropy", threshold=0.1, patience=2)
+    assert judge(low, 0.05, SignalState()) == (SignalState(streak=1), False, None)
+    assert judge(low, 0.1, SignalState(streak=1)) == (SignalState(streak=0), False, None)
+    assert judge(low, 0.5, SignalState(streak=1)) == (SignalState(streak=0), False, None)
+    high = Detector("length_high", threshold=50.0)
+    assert judge(high, 40.0, SignalState()) == (SignalState(), False, None)
+    assert judge(high, 60.0, SignalState()) == (
+        SignalState(streak=0),
+        True,
+        "length_high fired (value 60.0, threshold 50.0, 1 consecutive bad observations).",
+    )
+
+
+def test_judge_patience_counts_consecutive_bad_observations() -> None:
+    det = Detector("truncation", threshold=0.5, patience=3)
+    state, streaks, fired = SignalState(), [], []
+    # bad, bad, not observed (leaves the streak), bad: fires; bad again starts a new streak
+    for raw in (0.9, 0.8, None, 0.7, 0.9, 0.1):
+        state, did_fire, _ = judge(det, raw, state)
+        streaks.append(state.streak)
+        fired.append(did_fire)
+    assert streaks == [1, 2, 2, 0, 1, 0]
+    assert fired == [False, False, False, True, False, False]
+
+
+def test_judge_ema_warm_up_then_relative_to_healthy_ema() -> None:
+    det = Detector("grad_norm_spike", threshold=5.0, warmup=2, ema_decay=0.5)
+    s1, fired, _ = judge(det, 1.0, SignalState())
+    assert (s1, fired) == (SignalState(ema=1.0, seen=1), False)
+    assert judged_value(det, 100.0, s1) is None  # still warming up: never bad
+    s2, fired, _ = judge(det, 3.0, s1)
+    assert (s2, fired) == (SignalState(ema=2.0, seen=2), False)
+    assert judged_value(det, 4.0, s2) == 2.0
+    assert judge(det, 4.0, s2)[:2] == (SignalState(ema=3.0, seen=3), False)
+    spiked, fired, reason = judge(det, 20.0, s2)  # ratio 10: bad, and kept out of the EMA
+    assert (spiked, fired) == (SignalState(ema=2.0, seen=3), True)
+    assert reason.startswith("grad_norm_spike fired (value 10.0, threshold 5.0")
+    assert judge(det, None, s2) == (s2, False, None)
+
+    drop = Detector("entropy_drop", threshold=0.5, warmup=0, ema_decay=0.9)
+    d1 = judge(drop, 1.0, SignalState())[0]  # the first reading only starts the EMA
+    assert d1 == SignalState(ema=1.0, seen=1)
+    assert judged_value(drop, 0.4, d1) == pytest.approx(0.6)
+    assert judge(drop, 0.4, d1)[1] is True
+    d2, fired, _ = judge(drop, 0.8, d1)
+    assert not fired and d2.ema == pytest.approx(0.98) and d2.seen == 2
+
+
+def test_judge_min_value_floors_spikes_only() -> None:
+    kl = Detector("kl_spike", threshold=10.0, warmup=1, min_value=1e-3)
+    state = SignalState(ema=1e-6, seen=1)
+    assert judged_value(kl, 5e-4, state) == pytest.approx(500.0)
+    assert not bad_here(kl, 5e-4, state)  # a large ratio of a tiny KL is not a spike
+    healthy, fired, _ = judge(kl, 5e-4, state)
+    assert not fired and healthy.ema == pytest.approx(0.9e-6 + 0.1 * 5e-4)
+    assert judge(kl, 0.01, state)[:2] == (SignalState(ema=1e-6, seen=2), True)
+    entropy = Detector("entropy", threshold=0.1, min_value=1.0)  # no floor for entropy
+    assert bad_here(entropy, 0.05, SignalState())
+
+
+def test_judge_counts_a_bad_observation_on_another_rank() -> None:
+    det = Detector("format", threshold=0.5, patience=2)
+    state, fired, _ = judge(det, None, SignalState(), bad_elsewhere=True)
+    assert (state, fired) == (SignalState(streak=1), False)
+    state, fired, reason = judge(det, 0.1, state, bad_elsewhere=True)
+    assert (state, fired) == (SignalState(streak=0), True)
+    assert "value 0.1 here, bad on another rank" in reason
+
+
+def test_step_readings_from_batch_and_tallied_rollouts() -> None:
+    rollouts, batch = make_step(
+        distinct(1) + looping(3),
+        truncated=[True, False, False, False],
+        has_answer=[True, False, True, False],
+        stats=STEP_STATS,
+    )
+    pending = tally_rollouts({}, rollouts, [Detector("repetition", 0.5, ngram=3, name="rep")])
+    assert pending == {"responses": 4, "repetitive/rep": 3, "format_seen": 4, "no_answer": 2}
+    assert step_readings(batch, pending) == {
+        "zero_variance_frac": pytest.approx(0.33),
+        "oversampling": 1.5,
+        "response_length_mean": 24.0,
+        "truncated_share": 0.25,
+        "no_answer_share": 0.5,
+        "repetitive_share/rep": 0.75,
+    }
+    _, starved = make_step(distinct(), stats={"generated_groups": 3.0, "kept_groups": 0.0})
+    assert step_readings(starved, {})["oversampling"] == math.inf
+
+
+class CountingStrategy:
+    """Records each ``reduce_boolean_decision`` call; ``others_bad`` plays another rank."""
+
+    def __init__(self, others_bad: bool = False) -> None:
+        self.calls: list[bool] = []
+        self.others_bad = others_bad
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        assert all is False  # any rank bad = bad
+        self.calls.append(decision)
+        return decision or self.others_bad
+
+
+def test_every_rank_agrees_once_per_detector_even_with_nothing_observed() -> None:
+    dets = [
+        Detector("entropy", threshold=0.1),
+        Detector("grad_norm_spike", threshold=5.0),
+        Detector("format", threshold=0.5, action="stop"),
+        Detector("length_high", threshold=50.0),
+    ]
+    cb, quiet = CollapseDetector(copy.deepcopy(dets)), CountingStrategy()
+    module = RecordingModule()
+    cb.on_dapo_update(make_trainer(strategy=quiet), module, {"update": 1.0})  # no readings
+    cb.on_train_batch_end(make_trainer(strategy=quiet), module, None, SimpleNamespace(), 0)
+    assert quiet.calls == [False, False, False, False]
+    assert sum(cb.fired.values()) == 0
+
+    other = CollapseDetector(copy.deepcopy(dets))
+    trainer = make_trainer(strategy=CountingStrategy(others_bad=True))
+    with pytest.warns(UserWarning, match="bad on another rank"):
+        other.on_dapo_update(trainer, module, {"update": 1.0})
+        other.on_train_batch_end(trainer, module, None, SimpleNamespace(), 0)
+    assert other.fired == {"entropy": 1, "grad_norm_spike": 1, "format": 1, "length_high": 1}
+    assert trainer.should_stop and "format fired" in other.stop_reason
+
+
+def test_collapse_detector_receives_the_dapo_hooks() -> None:
+    assert isinstance(CollapseDetector(), DAPOCallback)
+
+
 def test_detector_config_errors_name_the_field() -> None:
     with pytest.raises(ValueError, match="Detector.signal"):
         Detector("entropyy", threshold=0.1)
@@ -286,13 +452,60 @@ def _state(policy, opt, sched) -> dict:
     )
 
 
+def test_snapshot_restores_bit_exactly_and_shares_no_storage() -> None:
+    policy, opt, sched = _tiny_setup()
+    for _ in range(2):
+        _train_update(policy, opt, sched)
+    snap, taken = TrainingSnapshot.take(policy, opt, sched), _state(policy, opt, sched)
+    for _ in range(2):
+        _train_update(policy, opt, sched)
+    snap.restore(policy, opt, sched)
+    assert_same(_state(policy, opt, sched), taken)
+    _train_update(policy, opt, sched)  # training on must not change the snapshot
+    TrainingSnapshot.from_state_dict(snap.state_dict()).restore(policy, opt, sched, lr_scale=0.5)
+    got = _state(policy, opt, sched)
+    assert_same(got["policy"], taken["policy"])
+    assert_same(got["opt"]["state"], taken["opt"]["state"])
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * taken["opt"]["param_groups"][0]["lr"])
+    assert sched.base_lrs == [pytest.approx(0.05)]
+    with pytest.raises(ValueError, match="lr_scale"):
+        snap.restore(policy, opt, sched, lr_scale=0.0)
+
+
+def test_scale_lr_scales_optimizer_and_scheduler_for_good() -> None:
+    policy, opt, sched = _tiny_setup()
+    scale_lr(opt, sched, 0.25)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert sched.get_last_lr() == [pytest.approx(0.025)]
+    _train_update(policy, opt, sched)  # LambdaLR: base_lr / (1 + step)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025 / 2)
+
+
+def test_rollback_bumps_policy_version_so_the_engine_gets_the_weights() -> None:
+    policy, opt, sched = _tiny_setup()
+    module, trainer = RecordingModule(policy), make_trainer(opt, sched)
+    module.policy_version = 7
+    cb = CollapseDetector([Detector("nonfinite", threshold=0.5, action="rollback")])
+    cb.on_train_start(trainer, module)
+    drive(cb, trainer, module, updates("skipped_nonfinite", [1.0]))
+    assert cb.rollbacks == 1 and module.policy_version == 8
+
+
+def test_rollback_without_snapshot_stops() -> None:
+    cb = CollapseDetector([Detector("nonfinite", threshold=0.5, action="rollback")])
+    trainer = make_trainer()
+    with pytest.warns(UserWarning, match="No healthy snapshot"):
+        drive(cb, trainer, RecordingModule(), updates("skipped_nonfinite", [1.0]))
+    assert trainer.should_stop and cb.rollbacks == 0
+
+
 def test_rollback_restores_weights_and_optimizer_bit_exactly() -> None:
     policy, opt, sched = _tiny_setup()
     module, trainer = RecordingModule(policy), make_trainer(opt, sched)
     det = Detector("grad_norm_spike", threshold=5.0, patience=2, warmup=2, action="rollback")
     cb = CollapseDetector([det], snapshot_every=2, rollback_lr_scale=0.5)
     cb.on_train_start(trainer, module)
-    healthy = {"grad_norm": 1.0, "entropy": 0.5, "kl_k3": 0.0, "skipped_nonfinite": 0.0}
+    healthy = {"grad_norm": 1.0, "entropy": 0.5, "approx_kl_k3": 0.0, "skipped_nonfinite": 0.0}
     for k in range(1, 6):  # 5 healthy updates: snapshots after updates 2 and 4
         _train_update(policy, opt, sched)
         cb.on_dapo_update(trainer, module, {**healthy, "update": float(k)})
@@ -415,7 +628,7 @@ def test_snapshot_kept_in_checkpoint_only_when_asked() -> None:
     assert "snapshot" not in small.state_dict()
     restored = CollapseDetector([det], snapshot_in_checkpoint=True)
     restored.load_state_dict(full.state_dict())
-    assert_same(restored.snapshot["policy"], full.snapshot["policy"])
+    assert_same(restored.snapshot.policy, full.snapshot.policy)
 
 
 def test_built_from_yaml_by_jsonargparse() -> None:
@@ -465,9 +678,7 @@ class SpikyDAPOLike(LightningModule):
         self.updates += 1
         grad_norm = 100.0 if self.updates >= self.spike_from else 1.0
         metrics = {"update": float(self.updates), "grad_norm": grad_norm, "entropy": 0.5}
-        for cb in self.trainer.callbacks:
-            if hasattr(cb, "on_dapo_update"):
-                cb.on_dapo_update(self.trainer, self, metrics)
+        call_dapo_hook(self.trainer, "on_dapo_update", metrics)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.policy.parameters(), lr=0.01)
@@ -509,8 +720,21 @@ def test_real_trainer_rolls_back_logs_and_checkpoints_state(tmp_path) -> None:
 
 
 def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
+    import os
 
+    import torch.distributed as dist
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies import DDPStrategy
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    env = LightningEnvironment()
+    env.set_world_size(2)
+    env.set_global_rank(rank)
+    strategy = DDPStrategy(
+        parallel_devices=[torch.device("cpu")] * 2,
+        cluster_environment=env,
+        process_group_backend="gloo",
+    )
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         cb = CollapseDetector(
@@ -519,7 +743,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
                 Detector("format", threshold=0.5, patience=1, action="stop"),
             ]
         )
-        trainer, module = make_trainer(), RecordingModule()
+        trainer, module = make_trainer(strategy=strategy), RecordingModule()
         # only rank 0 sees the entropy collapse
         entropy = [0.01, 0.01] if rank == 0 else [0.5, 0.5]
         drive(cb, trainer, module, updates("entropy", entropy))
