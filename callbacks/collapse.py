@@ -309,7 +309,8 @@ def judge(
     streak = state.streak + 1 if bad else (0 if value is not None else state.streak)
     if not bad or streak < det.patience:
         return SignalState(ema, seen, streak), False, None
-    seen_as = f"value {value!r}" if local_bad else f"value {value!r} here, bad on another rank"
+    here = "not observed here" if value is None else f"value {value!r} here"
+    seen_as = f"value {value!r}" if local_bad else f"{here}, bad on another rank"
     reason = (
         f"{det.name} fired ({seen_as}, threshold {det.threshold}, "
         f"{det.patience} consecutive bad observations)."

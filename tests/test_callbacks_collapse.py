@@ -332,6 +332,7 @@ def test_judge_counts_a_bad_observation_on_another_rank() -> None:
     det = Detector("format", threshold=0.5, patience=2)
     state, fired, _ = judge(det, None, SignalState(), bad_elsewhere=True)
     assert (state, fired) == (SignalState(streak=1), False)
+    assert "not observed here, bad on another rank" in judge(det, None, state, True)[2]
     state, fired, reason = judge(det, 0.1, state, bad_elsewhere=True)
     assert (state, fired) == (SignalState(streak=0), True)
     assert "value 0.1 here, bad on another rank" in reason
@@ -356,6 +357,8 @@ def test_step_readings_from_batch_and_tallied_rollouts() -> None:
     }
     _, starved = make_step(distinct(), stats={"generated_groups": 3.0, "kept_groups": 0.0})
     assert step_readings(starved, {})["oversampling"] == math.inf
+    logged_names = SimpleNamespace(stats={"data/zero_variance_frac": 0.5, "data/kept_groups": 2})
+    assert step_readings(logged_names, {}) == {"zero_variance_frac": 0.5}
 
 
 class CountingStrategy:
