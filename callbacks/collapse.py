@@ -576,9 +576,7 @@ class CollapseDetector(DAPOCallback):
             elif not rolled_back:
                 self.rollback(trainer, pl_module)
                 rolled_back = True
-                rank_zero_info(
-                    f"{message} Rolled back to the last healthy snapshot (rollback {self.rollbacks})."
-                )
+                rank_zero_info(f"{message} Rolled back (rollback {self.rollbacks}).")
 
     # -------------------------------------------------------------- snapshots
 

@@ -3,8 +3,9 @@ state.
 
 The hooks are driven directly. ``trainer`` is a SimpleNamespace stand-in (the hooks only read
 ``optimizers``, ``lr_scheduler_configs`` and ``strategy``, and set ``should_stop``); the
-optimizer, scheduler, strategy and model in it are real. ``pl_module`` is a small stand-in holding a real ``policy`` and
-recording ``log`` calls, because Lightning refuses ``log`` outside a running loop.
+optimizer, scheduler, strategy and model in it are real. ``pl_module`` is a small stand-in
+holding a real ``policy`` and recording ``log`` calls, because Lightning refuses ``log``
+outside a running loop.
 """
 
 from __future__ import annotations
@@ -762,7 +763,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # two spawned interpreters importing torch + lightning: ~30 s on a busy 2-core box
+@pytest.mark.slow  # two spawned interpreters importing torch + lightning: ~30 s on 2 busy cores
 def test_ranks_fire_together(tmp_path) -> None:
     import socket
 
