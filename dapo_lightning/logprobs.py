@@ -1,9 +1,27 @@
-"""Token log-probabilities and entropies of a causal LM on ``[prompt | response]`` rows."""
+"""Token log-probabilities and entropies of a causal LM on ``[prompt | response]`` rows.
+
+Two paths compute the same numbers:
+
+* **fused** (default): the model's output head is applied chunk by chunk of response positions
+  inside :class:`LinearLogProbs`, which keeps only per-row statistics and recomputes each chunk's
+  logits in backward, so no ``[B, T, V]`` tensor is ever held (see :func:`response_log_probs`
+  for the memory formula);
+* **naive** (``chunk_size=None``): the model returns float logits for the response positions
+  and ``log_softmax`` over them is kept for backward.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any, Literal
+
 import torch
 from torch import Tensor, nn
+
+#: Target size of one chunk's float32 logits in the fused path (``chunk_size="auto"``).
+AUTO_CHUNK_BYTES = 32 * 2**20
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -17,41 +35,252 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
 
-def response_log_probs(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    response_width: int,
+def auto_chunk_rows(vocab_size: int, chunk_bytes: int = AUTO_CHUNK_BYTES) -> int:
+    """Rows per chunk so that one chunk's float32 logits ``[rows, V]`` take ``chunk_bytes``:
+    ``max(1, chunk_bytes // (4 * V))`` (170 rows for V = 49152 and 32 MiB)."""
+    return max(1, chunk_bytes // (4 * vocab_size))
+
+
+# ============================================================================ fused head
+def _chunk_logits(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, acc: torch.dtype
+) -> Tensor:
+    """One chunk's tempered logits ``z = (h W^T + b) / temperature`` as a fresh ``acc`` tensor.
+
+    ``h W^T`` runs in ``weight``'s dtype (the compute dtype, as the model's own head would run
+    it, e.g. bf16 under autocast) and is upcast to ``acc`` (float32, or float64 for float64
+    inputs) before the bias, the temperature and every softmax statistic.
+    """
+    z = (hidden.to(weight.dtype) @ weight.T).to(acc)
+    if bias is not None:
+        z += bias.to(acc)
+    if temperature != 1.0:
+        z /= temperature
+    return z
+
+
+class LinearLogProbs(torch.autograd.Function):
+    """Fused ``linear -> log_softmax -> gather (+ entropy)`` over rows, in chunks of rows.
+
+    For row ``i`` with hidden state ``h_i``, target ``y_i`` and ``z_i = (W h_i + b) / tau``::
+
+        lse_i   = log sum_v exp(z_iv)
+        logp_i  = z_i[y_i] - lse_i
+        H_i     = -sum_v p_iv log p_iv,          p_iv = exp(z_iv - lse_i)
+
+    Backward, with upstream gradients ``g_i = dL/dlogp_i`` and ``e_i = dL/dH_i``::
+
+        dL/dz_iv = g_i (1[v = y_i] - p_iv) - e_i p_iv (log p_iv + H_i)
+        dL/dh_i  = W^T dL/dz_i / tau,   dL/dW = sum_i dL/dz_i h_i^T / tau,   dL/db = sum_i ...
+
+    Only ``hidden``, ``weight``, ``bias``, ``targets``, ``lse`` and ``H`` are saved; each chunk's
+    logits are recomputed in backward. ``dL/dW`` is accumulated over chunks in float32.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
+        compute_dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor]:
+        acc = torch.promote_types(compute_dtype, torch.float32)
+        n = hidden.shape[0]
+        logp = hidden.new_empty(n, dtype=acc)
+        lse = hidden.new_empty(n, dtype=acc)
+        entropy = hidden.new_zeros(n, dtype=acc)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            for s in range(0, n, chunk_size):
+                e = min(n, s + chunk_size)
+                z = _chunk_logits(hidden[s:e], w, bias, temperature, acc)
+                lse_c = torch.logsumexp(z, dim=-1)
+                lse[s:e] = lse_c
+                logp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - lse_c
+                if with_entropy:
+                    z -= lse_c[:, None]  # log p
+                    entropy[s:e] = -(z.exp() * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.temperature, ctx.chunk_size, ctx.compute_dtype = temperature, chunk_size, compute_dtype
+        ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None) -> tuple[Any, ...]:
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        tau, cd = ctx.temperature, ctx.compute_dtype
+        acc = lse.dtype
+        n = hidden.shape[0]
+        if g_logp is None:
+            g_logp = lse.new_zeros(n)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(cd)
+            for s in range(0, n, ctx.chunk_size):
+                e = min(n, s + ctx.chunk_size)
+                h = hidden[s:e].to(cd)
+                z = _chunk_logits(h, w, bias, tau, acc)
+                z -= lse[s:e, None]  # log p
+                p = z.exp()
+                g = g_logp[s:e, None].to(acc)
+                if g_ent is not None:  # p * (g + e (log p + H)), in place on z
+                    coef = z.add_(entropy[s:e, None]).mul_(g_ent[s:e, None].to(acc)).add_(g)
+                    dz = p.mul_(coef).neg_()
+                else:
+                    dz = p.mul_(-g)
+                dz.scatter_add_(-1, targets[s:e, None], g)
+                if tau != 1.0:
+                    dz /= tau
+                dz = dz.to(cd)
+                if grad_h is not None:
+                    grad_h[s:e] = dz @ w
+                if grad_w is not None:
+                    if grad_w.dtype == cd:
+                        grad_w.addmm_(dz.T, h)
+                    else:
+                        grad_w += dz.T @ h
+                if grad_b is not None:
+                    grad_b += dz.sum(0)
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def fused_linear_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
     *,
     temperature: float = 1.0,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
-    entropy_grad: bool = True,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Log-probabilities of the response tokens under ``model`` at ``temperature``.
+    """Per-row ``log_softmax((W h + b) / temperature)[y]`` and entropy, without ``[N, V]`` logits.
 
-    For row b and response position t (token ``y_t = input_ids[b, P + t]``)::
-
-        logp[b, t] = log_softmax(logits[b, P + t - 1] / temperature)[y_t]
-
-    where ``P = input_ids.shape[1] - response_width``. Only the last ``response_width + 1``
-    positions' logits are turned into distributions, so a long prompt costs no vocab-sized
-    memory. ``entropy_grad=False`` computes the entropy without building a graph (for metrics).
+    Args:
+        hidden: ``[N, H]`` hidden states (the inputs of the output head).
+        weight: ``[V, H]`` output-embedding weight; ``bias``: ``[V]`` or None.
+        targets: ``[N]`` token ids.
+        temperature: Logits are divided by it before the softmax.
+        chunk_size: Rows per chunk (default :func:`auto_chunk_rows`).
+        with_entropy: Also return the entropies (differentiable).
+        compute_dtype: Dtype of the matmuls (default: the autocast dtype when autocast is on for
+            ``hidden``'s device, else ``promote(hidden, weight)``). Softmax statistics run in
+            ``promote(compute_dtype, float32)``.
 
     Returns:
-        ``(logp [B, T], entropy [B, T] or None)``, float32.
+        ``(logp [N], entropy [N] or None)`` in float32 (float64 for float64 inputs). See
+        :class:`LinearLogProbs` for the formulas and the gradients.
     """
-    P = input_ids.shape[1] - response_width
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-        logits_to_keep=response_width + 1,
+    if compute_dtype is None:
+        dev = hidden.device.type
+        if torch.is_autocast_enabled(dev):
+            compute_dtype = torch.get_autocast_dtype(dev)
+        else:
+            compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    rows = chunk_size if chunk_size is not None else auto_chunk_rows(weight.shape[0])
+    if rows < 1:
+        raise ValueError(f"chunk_size must be >= 1 rows, got {rows}.")
+    logp, entropy = LinearLogProbs.apply(
+        hidden, weight, bias, targets, float(temperature), rows, with_entropy, compute_dtype
     )
-    logits = out.logits[:, -response_width - 1 : -1].float()
+    return logp, entropy if with_entropy else None
+
+
+# ============================================================================ model plumbing
+def output_head(model: nn.Module) -> nn.Linear | None:
+    """The causal LM's output embedding (``get_output_embeddings()``) if it is an ``nn.Linear``,
+    looking through wrappers that hold the model as ``.module`` (DDP, Lightning, DeepSpeed);
+    None otherwise (then only the naive path applies)."""
+    m: Any = model
+    for _ in range(8):
+        get = getattr(m, "get_output_embeddings", None)
+        if callable(get):
+            head = get()
+            return head if isinstance(head, nn.Linear) else None
+        m = getattr(m, "module", None)
+        if not isinstance(m, nn.Module):
+            return None
+    return None
+
+
+def _is_plain(t: Tensor) -> bool:
+    """Not a tensor subclass (a DTensor of tensor parallelism, a quantised weight, ...)."""
+    return type(t) in (Tensor, nn.Parameter)
+
+
+@contextlib.contextmanager
+def _fused_head(
+    head: nn.Linear,
+    targets: Tensor,
+    state: dict[str, Tensor],
+    *,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> Iterator[None]:
+    """While active, ``head``'s forward turns its input ``[B, K, H]`` (K >= T + 1 last positions)
+    into ``[B, T, 2]`` = stacked ``(logp, entropy)`` of ``targets [B, T]`` instead of logits, and
+    records that tensor in ``state["packed"]``.
+
+    Only ``forward`` is replaced, so ``head.__call__`` and every wrapper's hooks still run (FSDP2
+    unshards the weight around it and registers its backward hooks on the returned tensor;
+    DeepSpeed ZeRO-3 gathers it). An input it cannot handle goes to the original forward.
+    """
+    B, T = targets.shape
+    original = head.forward
+
+    def forward(hidden_states: Tensor) -> Tensor:
+        shape_ok = hidden_states.dim() == 3 and hidden_states.shape[0] == B
+        if not (shape_ok and hidden_states.shape[1] > T and _is_plain(head.weight)):
+            return original(hidden_states)
+        h = hidden_states[:, -T - 1 : -1].reshape(B * T, -1)
+        logp, ent = fused_linear_log_probs(
+            h,
+            head.weight,
+            targets.reshape(-1),
+            head.bias,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+        )
+        if ent is None:
+            ent = torch.zeros_like(logp)
+        elif not entropy_grad:
+            ent = ent.detach()
+        # stacked from [B, T] views so that the result is not itself a view (FSDP2 hooks it)
+        state["packed"] = torch.stack([logp.view(B, T), ent.view(B, T)], dim=-1)
+        return state["packed"]
+
+    head.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del head.forward  # the class's forward again
+
+
+def _from_logits(
+    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The naive path on the model's logits ``[B, >= T + 1, V]``: float32, tempered, gathered."""
+    T = targets.shape[1]
+    logits = logits[:, -T - 1 : -1].float()
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, P:]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
@@ -61,3 +290,88 @@ def response_log_probs(
             with torch.no_grad():
                 entropy = entropy_from_logits(logits.detach())
     return logp, entropy
+
+
+def response_log_probs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_width: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    chunk_size: int | Literal["auto"] | None = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probabilities of the response tokens under ``model`` at ``temperature``.
+
+    For row b and response position t (token ``y_t = input_ids[b, P + t]``)::
+
+        logp[b, t] = log_softmax(logits[b, P + t - 1] / temperature)[y_t]
+
+    where ``P = input_ids.shape[1] - response_width``. The model runs with
+    ``logits_to_keep=response_width + 1``, so a long prompt costs no vocab-sized memory.
+    ``entropy_grad=False`` returns the entropy without a graph (for metrics).
+
+    Memory of the vocabulary-sized part, with ``N = B * T`` response positions, vocabulary ``V``,
+    hidden size ``H`` and ``c`` rows per chunk:
+
+    * fused (``chunk_size`` = rows, or ``"auto"`` = :func:`auto_chunk_rows`, ~32 MiB chunks):
+      kept for backward ``N * H`` hidden states (model dtype) + ``3 * N`` floats; transient
+      ``~3 * c * V * 4`` bytes per chunk. The output head's own forward is replaced for the
+      call (:func:`_fused_head`), so wrappers' hooks (FSDP2, DDP, ZeRO-3) still run and tied
+      embeddings get both gradient contributions.
+    * naive (``chunk_size=None``): ``N * V * 4`` bytes of float32 logits per saved copy, about
+      ``2`` copies for ``logp`` and ``3`` more for a differentiable entropy (plus the model-dtype
+      logits ``B * (T + 1) * V``).
+
+    Models without an ``nn.Linear`` output head use the naive path; a model that changes its
+    head's output (logit soft-capping or scaling) is detected and recomputed on the naive path.
+    The fused path requires the head to run once per forward, not under a checkpoint of the
+    whole model (per-layer gradient checkpointing is fine).
+
+    Returns:
+        ``(logp [B, T], entropy [B, T] or None)``, float32.
+    """
+    targets = input_ids[:, input_ids.shape[1] - response_width :]
+    head = output_head(model) if chunk_size is not None else None
+    if head is not None and "forward" in vars(head):  # e.g. accelerate's offload hook: keep it
+        head = None
+
+    def run() -> Any:
+        return model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+            logits_to_keep=response_width + 1,
+        )
+
+    if head is None:
+        return _from_logits(run().logits, targets, temperature, with_entropy, entropy_grad)
+    rows = auto_chunk_rows(head.out_features) if chunk_size == "auto" else int(chunk_size)
+    state: dict[str, Tensor] = {}
+    with _fused_head(
+        head,
+        targets,
+        state,
+        temperature=temperature,
+        chunk_size=rows,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    ):
+        logits = run().logits
+    packed = state.get("packed")
+    if packed is None:  # the head fell back to its own forward: these are logits
+        return _from_logits(logits, targets, temperature, with_entropy, entropy_grad)
+    if logits is not packed:  # the model post-processes its head's output
+        warnings.warn(
+            f"{type(model).__name__} transforms its output head's result (e.g. logit "
+            "soft-capping); recomputing on the naive path. Pass chunk_size=None to skip the "
+            "fused attempt.",
+            stacklevel=2,
+        )
+        return _from_logits(run().logits, targets, temperature, with_entropy, entropy_grad)
+    if not with_entropy:
+        return packed[..., 0], None
+    return packed[..., 0], packed[..., 1] if entropy_grad else packed[..., 1].detach()

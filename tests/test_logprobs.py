@@ -1,0 +1,317 @@
+"""The fused chunked log-prob / entropy head against the naive float32-logits path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dapo_lightning.logprobs import (
+    LinearLogProbs,
+    auto_chunk_rows,
+    fused_linear_log_probs,
+    output_head,
+    response_log_probs,
+)
+from dapo_lightning.testing import make_tiny_checkpoint
+
+B, L, T = 3, 24, 14
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    m = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    assert m.lm_head.weight is m.model.embed_tokens.weight  # tied, as the brief asks
+    return m.train()
+
+
+def _batch(seed: int = 0, vocab: int = 259) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, L), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    mask[1, -4:] = 0  # right padding in the response
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def _reference(logits: torch.Tensor, targets: torch.Tensor, tau: float):
+    """Independent float64 computation: explicit softmax, ``H = -sum p log p``."""
+    z = logits.double() / tau
+    logq = z - z.exp().sum(-1, keepdim=True).log()
+    return logq.gather(-1, targets[..., None]).squeeze(-1), -(logq.exp() * logq).sum(-1)
+
+
+def _assert_grads_close(got: dict, ref: dict, prefix: str = "") -> None:
+    """Float32 rounding scales with each tensor's magnitude: atol = 1e-6 * max |grad|."""
+    assert ref
+    for name, g in ref.items():
+        other = got[prefix + name]
+        other = other.full_tensor() if hasattr(other, "full_tensor") else other
+        atol = 1e-6 * float(g.abs().max())
+        torch.testing.assert_close(other, g, atol=atol, rtol=1e-4, msg=name)
+
+
+def _loss_grads(model, ids, mask, w1, w2, **kw):
+    model.zero_grad(set_to_none=True)
+    logp, ent = response_log_probs(model, ids, mask, T, with_entropy=True, **kw)
+    (w1 * logp + w2 * ent).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logp.detach(), ent.detach(), grads
+
+
+# ---------------------------------------------------------------- forward values
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", ["auto", 1, 5])
+def test_forward_equals_naive_and_reference(model, tau, chunk_size):
+    ids, mask = _batch()
+    with torch.no_grad():
+        naive = response_log_probs(
+            model, ids, mask, T, temperature=tau, with_entropy=True, chunk_size=None
+        )
+        fused = response_log_probs(
+            model, ids, mask, T, temperature=tau, with_entropy=True, chunk_size=chunk_size
+        )
+        from dapo_lightning.logprobs import position_ids_from_mask
+
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)
+        ).logits[:, L - T - 1 : -1]
+    ref_logp, ref_ent = _reference(logits, ids[:, L - T :], tau)
+    for got in (naive, fused):
+        assert got[0].dtype == got[1].dtype == torch.float32
+        assert got[0].shape == got[1].shape == (B, T)
+        torch.testing.assert_close(got[0].double(), ref_logp, atol=2e-5, rtol=0)
+        torch.testing.assert_close(got[1].double(), ref_ent, atol=2e-5, rtol=0)
+    torch.testing.assert_close(fused[0], naive[0], atol=5e-6, rtol=0)
+    assert "forward" not in vars(model.lm_head)  # the head's forward is restored
+
+
+@pytest.mark.parametrize("n,h,v,chunk", [(1, 3, 5, 1), (17, 8, 33, 4), (64, 16, 1000, 7)])
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+def test_function_random_shapes_match_reference(n, h, v, chunk, tau):
+    gen = torch.Generator().manual_seed(n + v)
+    hidden = torch.randn(n, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen)
+    bias = torch.randn(v, generator=gen)
+    y = torch.randint(0, v, (n,), generator=gen)
+    logp, ent = fused_linear_log_probs(
+        hidden, weight, y, bias, temperature=tau, chunk_size=chunk, with_entropy=True
+    )
+    ref_logp, ref_ent = _reference(hidden.double() @ weight.double().T + bias.double(), y, tau)
+    torch.testing.assert_close(logp.double(), ref_logp, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-4, rtol=1e-5)
+    logp_only, none = fused_linear_log_probs(hidden, weight, y, bias, temperature=tau)
+    assert none is None
+    torch.testing.assert_close(logp_only, logp)
+
+
+def test_auto_chunk_rows():
+    assert auto_chunk_rows(49152) == 170  # 32 MiB / (4 * 49152)
+    assert auto_chunk_rows(10**9) == 1
+    with pytest.raises(ValueError, match="chunk_size"):
+        fused_linear_log_probs(
+            torch.ones(2, 2), torch.ones(3, 2), torch.zeros(2).long(), chunk_size=0
+        )
+
+
+# ---------------------------------------------------------------- gradients
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+def test_gradcheck_float64(tau):
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(7, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(11, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = torch.randn(11, dtype=torch.float64, generator=gen, requires_grad=True)
+    y = torch.randint(0, 11, (7,), generator=gen)
+
+    def both(h, w, b):
+        return LinearLogProbs.apply(h, w, b, y, tau, 3, True, torch.float64)
+
+    def logp_only(h, w, b):
+        return LinearLogProbs.apply(h, w, b, y, tau, 2, False, torch.float64)[0]
+
+    def entropy_only(h, w, b):
+        return LinearLogProbs.apply(h, w, b, y, tau, 5, True, torch.float64)[1]
+
+    for fn in (both, logp_only, entropy_only):
+        assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
+    with pytest.raises(RuntimeError):  # once_differentiable: no double backward
+        out = both(hidden, weight, bias)[0].sum()
+        (g,) = torch.autograd.grad(out, hidden, create_graph=True)
+        g.sum().backward()
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+def test_parameter_grads_equal_naive_tied_qwen2(model, tau):
+    ids, mask = _batch(1)
+    gen = torch.Generator().manual_seed(2)
+    w1, w2 = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)
+    naive = _loss_grads(model, ids, mask, w1, w2, temperature=tau, chunk_size=None)
+    fused = _loss_grads(model, ids, mask, w1, w2, temperature=tau, chunk_size=4)
+    torch.testing.assert_close(fused[0], naive[0], atol=5e-6, rtol=0)
+    torch.testing.assert_close(fused[1], naive[1], atol=5e-6, rtol=0)
+    assert naive[2].keys() == fused[2].keys()
+    _assert_grads_close(fused[2], naive[2])
+    # the tied matrix gets the head's contribution too: the input embedding alone touches only
+    # the rows of tokens in the batch, the head touches every row
+    emb = fused[2]["model.embed_tokens.weight"]
+    unused = torch.ones(emb.shape[0], dtype=torch.bool)
+    unused[ids.unique()] = False
+    assert emb[unused].abs().sum() > 0
+
+
+def test_entropy_without_grad_and_logp_only(model):
+    ids, mask = _batch(2)
+    gen = torch.Generator().manual_seed(4)
+    w1 = torch.randn(B, T, generator=gen)
+    grads = []
+    for cs in (None, 3):
+        model.zero_grad(set_to_none=True)
+        logp, ent = response_log_probs(
+            model, ids, mask, T, with_entropy=True, entropy_grad=False, chunk_size=cs
+        )
+        assert not ent.requires_grad and logp.requires_grad
+        (w1 * logp).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        logp2, none = response_log_probs(model, ids, mask, T, chunk_size=cs)
+        assert none is None
+        torch.testing.assert_close(logp2, logp)
+    _assert_grads_close(grads[1], grads[0])
+
+
+# ---------------------------------------------------------------- bf16
+def test_bf16_weights_and_autocast_close_to_float32(model, tiny_checkpoint):
+    ids, mask = _batch(3)
+    with torch.no_grad():
+        ref_logp, ref_ent = response_log_probs(
+            model, ids, mask, T, with_entropy=True, chunk_size=None
+        )
+    bf16 = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16).train()
+    gen = torch.Generator().manual_seed(5)
+    w1, w2 = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)
+    runs = {}
+    for cs in (None, 4):
+        bf16.zero_grad(set_to_none=True)
+        logp, ent = response_log_probs(bf16, ids, mask, T, with_entropy=True, chunk_size=cs)
+        assert logp.dtype == ent.dtype == torch.float32
+        (w1 * logp + w2 * ent).sum().backward()
+        runs[cs] = (logp.detach(), ent.detach(), bf16.lm_head.weight.grad.float())
+        assert bf16.lm_head.weight.grad.dtype == torch.bfloat16
+    for logp, ent, _ in runs.values():
+        torch.testing.assert_close(logp, ref_logp, atol=0.1, rtol=0)
+        torch.testing.assert_close(ent, ref_ent, atol=0.1, rtol=0)
+    torch.testing.assert_close(runs[4][0], runs[None][0], atol=1e-5, rtol=0)  # same bf16 logits
+    torch.testing.assert_close(runs[4][1], runs[None][1], atol=1e-4, rtol=0)
+    g_fused, g_naive = runs[4][2], runs[None][2]
+    assert (g_fused - g_naive).norm() / g_naive.norm() < 0.02
+
+    # bf16 autocast over float32 weights (the benchmark's bf16-mixed): head matmul in bf16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = [
+            response_log_probs(model, ids, mask, T, with_entropy=True, chunk_size=cs)
+            for cs in (None, 4)
+        ]
+    torch.testing.assert_close(auto[1][0], auto[0][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(auto[1][1], auto[0][1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(auto[1][0], ref_logp, atol=0.1, rtol=0)
+
+
+# ---------------------------------------------------------------- memory
+def _saved_bytes(fn, exclude: set[int]) -> int:
+    """Bytes of distinct storages autograd saves for backward while ``fn`` runs (parameters
+    excluded: both paths keep the same ones)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in exclude:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+def test_fused_saves_far_less_than_naive_32k_vocab(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "v32k", vocab_size=32768, num_hidden_layers=1)
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    ids = torch.randint(3, 32768, (4, 16 + 256))
+    mask = torch.ones_like(ids)
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+
+    def run(cs):
+        return lambda: response_log_probs(m, ids, mask, 256, with_entropy=True, chunk_size=cs)
+
+    # the decoder's own activations: the same forward with one position's logits
+    body = _saved_bytes(lambda: m(input_ids=ids, attention_mask=mask, logits_to_keep=1), params)
+    naive, fused = _saved_bytes(run(None), params), _saved_bytes(run("auto"), params)
+    logits_bytes = 4 * 256 * 32768 * 4  # one float32 [4, 256, V] tensor: 128 MiB
+    assert naive - body >= 3 * logits_bytes  # log_softmax out, softmax out, logits (entropy)
+    # fused extra: the [1024, 128] hidden states and 3 per-row vectors, nothing of size V
+    assert fused - body <= 4 * 256 * (128 + 3) * 4 + 4 * 257 * 128 * 4
+    assert fused < naive / 10
+
+
+# ---------------------------------------------------------------- wrappers and fallbacks
+def test_output_head_through_wrappers_and_fallback_on_postprocessed_logits(model):
+    assert output_head(model) is model.lm_head
+    assert output_head(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kw):
+            return self.module(**kw)
+
+    assert output_head(Wrapper(Wrapper(model))) is model.lm_head
+
+    ids, mask = _batch(4)
+    with torch.no_grad():
+        naive = response_log_probs(model, ids, mask, T, with_entropy=True, chunk_size=None)
+        handle = model.register_forward_hook(
+            lambda mod, args, out: out.__setitem__("logits", out["logits"] * 1.0) or out
+        )  # a model that transforms its head's output (like logit soft-capping)
+        try:
+            with pytest.warns(UserWarning, match="naive path"):
+                got = response_log_probs(model, ids, mask, T, with_entropy=True)
+        finally:
+            handle.remove()
+    torch.testing.assert_close(got[0], naive[0])
+    torch.testing.assert_close(got[1], naive[1])
+
+
+def test_grads_under_ddp_and_fsdp2_equal_naive(tiny_checkpoint, tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    ids, mask = _batch(5)
+    gen = torch.Generator().manual_seed(6)
+    w1, w2 = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)
+
+    def fresh():
+        return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).train()
+
+    _, _, ref = _loss_grads(fresh(), ids, mask, w1, w2, temperature=0.7, chunk_size=None)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(fresh())
+        _, _, got = _loss_grads(ddp, ids, mask, w1, w2, temperature=0.7, chunk_size=4)
+        _assert_grads_close(got, ref, prefix="module.")
+
+        sharded = fresh()
+        for layer in sharded.model.layers:
+            fully_shard(layer)
+        fully_shard(sharded)
+        _, _, got = _loss_grads(sharded, ids, mask, w1, w2, temperature=0.7, chunk_size=4)
+        assert isinstance(
+            got["lm_head.weight" if "lm_head.weight" in got else "model.embed_tokens.weight"],
+            DTensor,
+        )
+        _assert_grads_close(got, ref)
+    finally:
+        dist.destroy_process_group()
