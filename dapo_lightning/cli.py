@@ -94,7 +94,8 @@ class DAPOLightningCLI(LightningCLI):
         kind = config.get("create_model_if_missing")
         path = config.model.init_args.get("model_name_or_path")
         if kind and path and not Path(path).exists():
-            from dapo_lightning.testing import make_quickstart_checkpoint, make_tiny_checkpoint
+            from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
+            from dapo_lightning.testing import make_tiny_checkpoint
 
             seed = config.get("seed_everything")
             # not `seed in (None, True, False)`: 1 == True would map seed 1 to 0

@@ -11,12 +11,12 @@ import zlib
 import pytest
 import torch
 
-from dapo_lightning.data.arithmetic import make_arithmetic_rows
 from dapo_lightning.data.buffer import STAT_KEYS, DynamicSamplingBuffer, DynamicSamplingError
 from dapo_lightning.data.difficulty import DifficultyTracker, subsample_keep_variance
 from dapo_lightning.data.sources import FieldMap, records_from_rows, tokenize_records
-from dapo_lightning.rewards import ArithmeticReward, RewardRunner
+from dapo_lightning.rewards import RewardRunner
 from dapo_lightning.rollout.base import Completion, SamplingConfig
+from dapo_lightning.tasks.arithmetic import ArithmeticReward, make_arithmetic_rows
 from dapo_lightning.testing import make_tiny_tokenizer
 
 TOK = make_tiny_tokenizer()

@@ -12,8 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dapo_lightning.data.arithmetic import make_arithmetic_rows
-from dapo_lightning.testing import make_quickstart_checkpoint, quickstart_answer_distribution
+from dapo_lightning.tasks.arithmetic import make_arithmetic_rows
+from dapo_lightning.tasks.arithmetic_warmup import (
+    make_quickstart_checkpoint,
+    quickstart_answer_distribution,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))

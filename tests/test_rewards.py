@@ -10,7 +10,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from dapo_lightning.rewards import (
-    ArithmeticReward,
     DAPOAnswerReward,
     MathVerifyReward,
     RewardFailureError,
@@ -20,6 +19,7 @@ from dapo_lightning.rewards import (
     get_reward,
     normalize_answer,
 )
+from dapo_lightning.tasks.arithmetic import ArithmeticReward
 
 AIME = "/work/shared/data/aime-2024.parquet"
 

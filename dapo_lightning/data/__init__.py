@@ -1,6 +1,5 @@
 """Data: prompt sources, the arithmetic task, the dynamic-sampling buffer and the DataModule."""
 
-from dapo_lightning.data.arithmetic import LEVELS, make_arithmetic_rows
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.data.buffer import (
     STAT_KEYS,
@@ -24,6 +23,7 @@ from dapo_lightning.data.sources import (
     split_train_val,
     tokenize_records,
 )
+from dapo_lightning.tasks.arithmetic import LEVELS, make_arithmetic_rows
 
 __all__ = [
     "LEVELS",

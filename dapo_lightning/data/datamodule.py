@@ -22,7 +22,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, IterableDataset
 
-from dapo_lightning.data.arithmetic import make_arithmetic_rows
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.data.buffer import DynamicSamplingBuffer
 from dapo_lightning.data.difficulty import DifficultyTracker
@@ -36,6 +35,7 @@ from dapo_lightning.data.sources import (
 )
 from dapo_lightning.rewards import RewardRunner, get_reward
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
+from dapo_lightning.tasks.arithmetic import make_arithmetic_rows
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,15 @@
 """Reward functions: one batch protocol, run with timeouts and failure accounting.
 
-``get_reward("dapo" | "math_verify" | "arithmetic" | obj)`` returns a reward object.
+``get_reward("dapo" | "math_verify" | "arithmetic" | "last_number" | obj)`` returns a reward
+object. The rewards of the built-in tasks live with their task in :mod:`dapo_lightning.tasks`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Any
 
-from dapo_lightning.rewards.arithmetic import ArithmeticReward
 from dapo_lightning.rewards.base import (
     RewardFailureError,
     RewardFunction,
@@ -19,12 +20,20 @@ from dapo_lightning.rewards.base import (
 from dapo_lightning.rewards.dapo import DAPOAnswerReward, extract_answer_line, normalize_answer
 from dapo_lightning.rewards.mathverify import MathVerifyReward
 
-#: Built-in rewards by name.
-REWARDS: dict[str, type] = {
-    "dapo": DAPOAnswerReward,
-    "math_verify": MathVerifyReward,
-    "arithmetic": ArithmeticReward,
+#: Built-in rewards by name, as ``"module:class"``: imported when asked for, because the task
+#: modules that define some of them import this package.
+REWARDS: dict[str, str] = {
+    "dapo": "dapo_lightning.rewards.dapo:DAPOAnswerReward",
+    "math_verify": "dapo_lightning.rewards.mathverify:MathVerifyReward",
+    "arithmetic": "dapo_lightning.tasks.arithmetic:ArithmeticReward",
+    "last_number": "dapo_lightning.tasks.word_problems:LastNumberReward",
 }
+
+
+def reward_class(name: str) -> type:
+    """The class of the built-in reward ``name`` (a key of :data:`REWARDS`)."""
+    module, _, cls = REWARDS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def get_reward(name_or_obj: Any, **kwargs: Any) -> Any:
@@ -40,7 +49,7 @@ def get_reward(name_or_obj: Any, **kwargs: Any) -> Any:
                 f"{sorted(REWARDS)} or pass a reward object (a callable "
                 "(responses, ground_truths, **kw) -> list[RewardResult])."
             )
-        return REWARDS[name_or_obj](**kwargs)
+        return reward_class(name_or_obj)(**kwargs)
     if not callable(name_or_obj):
         raise TypeError(
             f"reward must be a name in {sorted(REWARDS)} or a callable, got "
@@ -56,7 +65,6 @@ def get_reward(name_or_obj: Any, **kwargs: Any) -> Any:
 
 __all__ = [
     "REWARDS",
-    "ArithmeticReward",
     "DAPOAnswerReward",
     "MathVerifyReward",
     "RewardFailureError",
@@ -67,4 +75,5 @@ __all__ = [
     "extract_answer_line",
     "get_reward",
     "normalize_answer",
+    "reward_class",
 ]

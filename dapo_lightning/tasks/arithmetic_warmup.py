@@ -1,0 +1,219 @@
+"""The quickstart's starting point: a tiny checkpoint warmed up on the arithmetic task
+(:mod:`dapo_lightning.tasks.arithmetic`) so that it knows the sums but rarely answers in the form
+the strict reward accepts.
+
+Used by ``--create_model_if_missing tiny-arithmetic`` (see ``configs/quickstart.yaml``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dapo_lightning.tasks.arithmetic import make_arithmetic_rows
+
+
+def quickstart_answer_distribution(
+    truth: int, *, noise: int, exact_frac: float, hedge_frac: float, nonneg: bool = True
+) -> list[tuple[str, float]]:
+    """The warm-up's target distribution over answer strings for one problem with answer ``t``.
+
+    Three kinds of answer, with probabilities that sum to 1:
+
+    * ``f"~{t}"`` with probability ``hedge_frac``: the right number behind a hedge mark ("about
+      t"). The strict arithmetic reward rejects it (the response must be the integer alone).
+    * ``f"{t}"`` with probability ``exact_frac``: the right answer.
+    * ``f"{v}"`` with probability ``(1 - hedge_frac - exact_frac) / |W|`` for every ``v`` in the
+      noise window ``W = {t - noise, ..., t + noise}`` (clipped at 0 when ``nonneg``; ``t``
+      included, so ``P("t") = exact_frac + (1 - hedge_frac - exact_frac) / |W|``).
+
+    Args:
+        truth: The problem's answer ``t``.
+        noise: Half-width of the near-miss window.
+        exact_frac: Probability of the bare right answer on top of its share of the window.
+        hedge_frac: Probability of the right number behind the hedge mark.
+        nonneg: Clip the window at 0 (no negative near misses).
+
+    Returns:
+        ``(answer string, probability)`` pairs with positive probabilities.
+
+    Example::
+
+        dict(quickstart_answer_distribution(7, noise=2, exact_frac=0.06, hedge_frac=0.84))["~7"]
+        # 0.84
+    """
+    low = max(0, truth - noise) if nonneg else truth - noise
+    window = range(low, truth + noise + 1)
+    spread = (1.0 - hedge_frac - exact_frac) / len(window)
+    dist = [(f"~{truth}", hedge_frac)] if hedge_frac > 0 else []
+    dist += [(str(v), spread + (exact_frac if v == truth else 0.0)) for v in window]
+    return [(text, p) for text, p in dist if p > 0]
+
+
+def _answer_batch(
+    tokenizer: Any, prompts: list[list[int]], targets: list[list[tuple[str, float]]]
+) -> tuple[torch.Tensor, ...]:
+    """Padded (ids, mask, labels, weight) rows: one per (problem, answer string)."""
+    seqs, labels, weights = [], [], []
+    for prompt, answers in zip(prompts, targets):
+        for text, p in answers:
+            answer = tokenizer(text, add_special_tokens=False)["input_ids"]
+            answer = answer + [tokenizer.eos_token_id]
+            seqs.append(prompt + answer)
+            labels.append([-100] * len(prompt) + answer)
+            weights.append(p)
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in seqs])
+    lab = torch.tensor([t + [-100] * (width - len(t)) for t in labels])
+    mask = (torch.arange(width)[None] < torch.tensor([len(s) for s in seqs])[:, None]).long()
+    return ids, mask, lab, torch.tensor(weights)
+
+
+def _fit_expected_nll(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    targets: list[list[tuple[str, float]]],
+    num_steps: int,
+    lr: float,
+) -> None:
+    """Minimise sum_s P(s) * NLL(s), averaged over problems, with full-batch AdamW (10-step
+    warm-up, cosine decay)."""
+    if num_steps <= 0:
+        return
+    ids, mask, lab, weight = _answer_batch(tokenizer, prompts, targets)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / num_steps)),
+    )
+    target = lab[:, 1:]
+    for _ in range(num_steps):
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, target.clamp(min=0)[..., None])
+        nll = -(logp.squeeze(-1) * (target != -100)).sum(-1)
+        loss = (weight * nll).sum() / len(prompts)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+
+
+def make_quickstart_checkpoint(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    level: int = 1,
+    num_prompts: int = 100,
+    operand_range: tuple[int, int] | None = None,
+    ops: list[str] | tuple[str, ...] | None = None,
+    task_seed: int | None = None,
+    apply_chat_template: bool = False,
+    noise: int = 2,
+    exact_frac: float = 0.04,
+    hedge_frac: float = 0.84,
+    sums_steps: int = 150,
+    steps: int = 300,
+    lr: float = 3e-3,
+    **config_overrides: Any,
+) -> Path:
+    """The quickstart's starting point: a tiny checkpoint that knows every answer of the task
+    but rarely gives it in the form the verifier accepts, and is sometimes slightly off.
+
+    A DAPO run needs a base model whose samples are sometimes right (a group with no correct
+    sample carries no signal), and the quickstart measures ``val/acc`` on problems RL never
+    trains on, so what RL teaches must carry over to them. A randomly initialised model writes
+    random bytes, so :func:`~dapo_lightning.testing.make_tiny_checkpoint` is warmed up
+    ("pre-trained") in two full-batch supervised stages on every problem of the task:
+
+    1. ``sums_steps`` AdamW steps of cross-entropy on the exact answers: the model learns the sums.
+    2. ``steps`` AdamW steps of the expected cross-entropy
+       ``-sum_s P(s) log pi(s | prompt)`` over the answer strings ``s`` of
+       :func:`quickstart_answer_distribution`: mostly the right number behind a hedge mark
+       (``"~7"``, which the strict reward scores wrong), sometimes the bare right answer,
+       sometimes a bare number near it.
+
+    The target is right (bare answer, exact value) ``exact_frac + (1 - hedge_frac - exact_frac)
+    / (2 * noise + 1)`` of the time (0.06 with the defaults); the fitted model's sampled
+    held-out accuracy was measured at 0.04-0.06 for five seeds. RL then has to learn, from the
+    reward alone, to drop the hedge (a decision at the first response token, the same for
+    every problem, so it carries over to held-out problems) and to stop giving near misses,
+    without losing the sums of the problems it never trains on. (A hedge mark *after* the
+    digits, ``"7?"``, was measured to be worse: penalising it pushed a seed into repeating
+    digits, ``"999999"``.) Both stages are deterministic full-batch fits (the exact expected
+    loss, no sampled labels), so every seed starts from about the same accuracy; about 25 s
+    on 2 idle cores.
+
+    Args:
+        path: Folder to write (same layout as ``make_tiny_checkpoint``).
+        seed: Seeds the weights.
+        level: Arithmetic level of the task (see :mod:`dapo_lightning.tasks.arithmetic`).
+        num_prompts: Problems of the task in the warm-up (all of level 1 is 100).
+        operand_range: The task's operand range override (as in ``make_arithmetic_rows``).
+        ops: The task's operator override (as in ``make_arithmetic_rows``).
+        task_seed: Seed of the task's problem list (the data module's ``seed``); default ``seed``.
+        apply_chat_template: Encode prompts with the chat template, as the data module will.
+        noise: Half-width of the near-miss window.
+        exact_frac: Probability of the bare right answer on top of its share of the window.
+        hedge_frac: Probability of the right number with the hedge mark.
+        sums_steps: Full-batch steps of stage 1 (exact answers); 0 skips it.
+        steps: Full-batch steps of stage 2 (the answer distribution).
+        lr: AdamW peak learning rate of both stages (10-step warm-up, cosine decay).
+        **config_overrides: Model shape overrides passed to ``make_tiny_checkpoint``.
+
+    Returns:
+        The folder as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: ``noise < 0``, a fraction outside [0, 1], or ``exact_frac + hedge_frac > 1``.
+
+    Example::
+
+        path = make_quickstart_checkpoint("runs/quickstart/model", seed=0)
+    """
+    from transformers import AutoModelForCausalLM
+
+    # Imported here: dapo_lightning.testing imports the data package, which imports this one.
+    from dapo_lightning.data.sources import encode_prompt
+    from dapo_lightning.testing import make_tiny_checkpoint, make_tiny_tokenizer
+
+    if noise < 0:
+        raise ValueError(f"noise must be >= 0 (half-width of the near-miss window), got {noise}.")
+    for name, value in (("exact_frac", exact_frac), ("hedge_frac", hedge_frac)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}.")
+    if exact_frac + hedge_frac > 1.0:
+        raise ValueError(
+            f"exact_frac + hedge_frac must be <= 1 (the rest is near misses), got "
+            f"{exact_frac} + {hedge_frac}."
+        )
+    path = make_tiny_checkpoint(path, seed=seed, **config_overrides)
+    tokenizer = make_tiny_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.train()
+    rows = make_arithmetic_rows(
+        num_prompts,
+        level=level,
+        seed=seed if task_seed is None else task_seed,
+        operand_range=operand_range,
+        ops=ops,
+    )
+    prompts = [encode_prompt(tokenizer, r["prompt"], apply_chat_template) for r in rows]
+    truths = [int(r["answer"]) for r in rows]
+    nonneg = all(t >= 0 for t in truths)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        exact = [[(str(t), 1.0)] for t in truths]
+        _fit_expected_nll(model, tokenizer, prompts, exact, sums_steps, lr)
+        dists = [
+            quickstart_answer_distribution(
+                t, noise=noise, exact_frac=exact_frac, hedge_frac=hedge_frac, nonneg=nonneg
+            )
+            for t in truths
+        ]
+        _fit_expected_nll(model, tokenizer, prompts, dists, steps, lr)
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,245 @@
+"""The built-in word-problem task: seeded two-step word problems with small numbers, scored by
+the last number of the response (:class:`LastNumberReward`, reward name ``"last_number"``).
+
+Each problem combines two operations on operands 1-10 in one of :data:`TEMPLATES` (for example
+multiply-then-subtract: "Tom has 3 boxes with 4 apples each. He eats 2 apples. How many apples
+are left?"). Every answer is a non-negative integer. Rows are::
+
+    {"prompt": [{"role": "user", "content": "<problem> <instruction>"}],
+     "answer": "10", "uid": "wp-mul_sub-3-4-2-tom-apples", "template": "mul_sub"}
+
+The prompt is a list of chat messages, so the data module needs ``apply_chat_template=True``
+(the default). The instruction asks for a short answer ending in the number: a 135M instruct
+model (SmolLM2-135M-Instruct, see :mod:`dapo_lightning.models`) then writes a sentence or two,
+which keeps rollouts short.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from dapo_lightning.rewards.base import RewardResult
+
+#: The instruction appended to every problem (``instruction=`` replaces it).
+INSTRUCTION = "Answer in one short sentence that ends with the number."
+
+#: (name, pronoun) pairs the problems are told about.
+PEOPLE: tuple[tuple[str, str], ...] = (
+    ("Tom", "He"),
+    ("Anna", "She"),
+    ("Ben", "He"),
+    ("Lily", "She"),
+    ("Sam", "He"),
+    ("Mia", "She"),
+    ("Leo", "He"),
+    ("Zoe", "She"),
+)
+
+#: Countable things.
+ITEMS: tuple[str, ...] = (
+    "apples",
+    "pencils",
+    "cookies",
+    "stickers",
+    "marbles",
+    "books",
+    "oranges",
+    "cards",
+)
+
+
+@dataclass(frozen=True)
+class Template:
+    """One kind of two-step problem.
+
+    Args:
+        name: Short id, part of every uid (``"mul_sub"``).
+        text: ``str.format`` text with ``{name} {pron} {item} {a} {b} {c}`` (and ``{ab}`` =
+            a * b for the sharing templates).
+        answer: The answer from ``(a, b, c)``.
+        valid: Which ``(a, b, c)`` give a well-posed problem (for example no more eaten than
+            there are).
+    """
+
+    name: str
+    text: str
+    answer: Callable[[int, int, int], int]
+    valid: Callable[[int, int, int], bool] = lambda a, b, c: True
+
+
+#: The problem kinds (``templates=`` picks a subset by name).
+TEMPLATES: tuple[Template, ...] = (
+    Template(
+        "mul_sub",
+        "{name} has {a} boxes with {b} {item} each. {pron} gives away {c} {item}. "
+        "How many {item} are left?",
+        lambda a, b, c: a * b - c,
+        lambda a, b, c: c <= a * b,
+    ),
+    Template(
+        "mul_add",
+        "{name} has {a} bags with {b} {item} in each bag and {c} more {item} in a pocket. "
+        "How many {item} does {name} have in all?",
+        lambda a, b, c: a * b + c,
+    ),
+    Template(
+        "add_mul",
+        "{name} buys {a} red packs and {b} blue packs. Each pack has {c} {item}. "
+        "How many {item} does {name} buy?",
+        lambda a, b, c: (a + b) * c,
+    ),
+    Template(
+        "sub_mul",
+        "{name} has {a} jars. {b} of them are empty and each of the others holds {c} {item}. "
+        "How many {item} are in the jars?",
+        lambda a, b, c: (a - b) * c,
+        lambda a, b, c: b < a,
+    ),
+    Template(
+        "share_add",
+        "{name} shares {ab} {item} equally among {b} friends. Then one friend finds {c} more "
+        "{item}. How many {item} does that friend have now?",
+        lambda a, b, c: a + c,
+    ),
+    Template(
+        "add_sub",
+        "{name} has {a} {item}. A friend gives {name} {b} more, and then {name} loses {c}. "
+        "How many {item} does {name} have now?",
+        lambda a, b, c: a + b - c,
+        lambda a, b, c: c <= a + b,
+    ),
+)
+
+#: Operands are drawn from this inclusive range.
+NUMBER_RANGE = (1, 10)
+
+
+def _pick_templates(names: Sequence[str] | None) -> list[Template]:
+    if names is None:
+        return list(TEMPLATES)
+    known = {t.name: t for t in TEMPLATES}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(
+            f"word_problems templates={list(names)!r}: give a non-empty subset of {list(known)}."
+        )
+    return [known[n] for n in names]
+
+
+def make_word_problem_rows(
+    num_prompts: int = 256,
+    *,
+    seed: int = 0,
+    templates: Sequence[str] | None = None,
+    instruction: str = INSTRUCTION,
+    system_prompt: str | None = None,
+) -> list[dict[str, Any]]:
+    """Distinct two-step word problems with operands 1-10 and non-negative integer answers.
+
+    Args:
+        num_prompts: How many distinct problems (1 to 20,000).
+        seed: Same seed, same problems in the same order.
+        templates: Names of the :data:`TEMPLATES` to draw from (default all, in turn).
+        instruction: Text appended to each problem (the answer format asked for).
+        system_prompt: A system message put before the problem; None uses the model's default
+            (SmolLM2's chat template adds its own).
+
+    Returns:
+        Rows with ``prompt`` (chat messages), ``answer``, ``uid`` and ``template``.
+
+    Raises:
+        ValueError: ``num_prompts`` out of range or unknown template names.
+
+    Example::
+
+        rows = make_word_problem_rows(64, seed=1)
+        rows[0]["prompt"][-1]["content"]  # "Mia has 7 jars. 2 of them are empty and ..."
+    """
+    if not 1 <= num_prompts <= 20_000:
+        raise ValueError(f"word_problems num_prompts must be in [1, 20000], got {num_prompts}.")
+    kinds = _pick_templates(templates)
+    lo, hi = NUMBER_RANGE
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    while len(rows) < num_prompts:
+        kind = kinds[len(rows) % len(kinds)]
+        a, b, c = (rng.randint(lo, hi) for _ in range(3))
+        (name, pron), item = rng.choice(PEOPLE), rng.choice(ITEMS)
+        uid = f"wp-{kind.name}-{a}-{b}-{c}-{name.lower()}-{item}"
+        if uid in seen or not kind.valid(a, b, c):
+            continue
+        seen.add(uid)
+        text = kind.text.format(name=name, pron=pron, item=item, a=a, b=b, c=c, ab=a * b)
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": f"{text} {instruction}".strip()})
+        rows.append(
+            {
+                "prompt": messages,
+                "answer": str(kind.answer(a, b, c)),
+                "uid": uid,
+                "template": kind.name,
+            }
+        )
+    return rows
+
+
+# A number: "1,234" (thousands separators), "12", "-3", "2.50". Not preceded by a letter or a
+# digit, so "x2" or "H2O" do not count as numbers.
+_NUMBER_RE = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def last_number(text: str) -> Fraction | None:
+    """The value of the last number written in ``text``, or None when there is none.
+
+    Example::
+
+        last_number("3 * 4 = 12, minus 2 is 10.")  # Fraction(10, 1)
+    """
+    found = _NUMBER_RE.findall(text)
+    return Fraction(found[-1].replace(",", "")) if found else None
+
+
+class LastNumberReward:
+    """+1 when the last number of the response equals the answer, else -1 (reward name
+    ``"last_number"``).
+
+    Values are compared, not strings: ``"10.0"`` and ``"10"`` both match an answer of 10.
+
+    Args:
+        correct_score: Score of a correct answer.
+        wrong_score: Score of a wrong answer or of a response with no number; also the failure
+            score.
+
+    Example::
+
+        LastNumberReward()(["3 boxes of 4 is 12, so 10 are left."], ["10"])[0].score  # 1.0
+    """
+
+    def __init__(self, correct_score: float = 1.0, wrong_score: float = -1.0) -> None:
+        self.correct_score = correct_score
+        self.wrong_score = wrong_score
+        self.failure_score = wrong_score
+
+    def score_one(self, response: str, ground_truth: str) -> RewardResult:
+        """Score one response; ``extra`` has ``has_answer`` (a number was found)."""
+        pred = last_number(response)
+        truth = last_number(str(ground_truth))
+        if truth is None:
+            raise ValueError(f"last_number reward: the answer {ground_truth!r} is not a number.")
+        ok = pred is not None and pred == truth
+        return RewardResult(
+            score=self.correct_score if ok else self.wrong_score,
+            acc=ok,
+            extra={"has_answer": pred is not None},
+        )
+
+    def __call__(
+        self, responses: list[str], ground_truths: list[str], **kw: Any
+    ) -> list[RewardResult]:
+        return [self.score_one(r, g) for r, g in zip(responses, ground_truths)]
