@@ -1,12 +1,11 @@
-"""Rewards: the DAPO "Answer:" rule on real AIME ground truths, math-verify, arithmetic, and the
-runner's timeout / failure accounting (real worker processes, real hangs)."""
+"""Rewards: math-verify, arithmetic, the registry, and the runner's timeout / failure accounting
+(real worker processes, real hangs). The DAPO "Answer:" rule is in tests/test_rewards_dapo.py."""
 
 from __future__ import annotations
 
 import math
 import time
 
-import pyarrow.parquet as pq
 import pytest
 
 from dapo_lightning.rewards import (
@@ -17,11 +16,8 @@ from dapo_lightning.rewards import (
     RewardResult,
     RewardRunner,
     get_reward,
-    normalize_answer,
 )
 from dapo_lightning.tasks.arithmetic import ArithmeticReward
-
-AIME = "/work/shared/data/aime-2024.parquet"
 
 
 class HangingReward:
@@ -52,47 +48,6 @@ class ShortReward:
 
     def __call__(self, responses, ground_truths, **kw):
         return [RewardResult(1.0, True)]
-
-
-def _aime_truths() -> list[str]:
-    rows = pq.read_table(AIME).to_pylist()
-    return sorted({r["reward_model"]["ground_truth"] for r in rows})
-
-
-def test_dapo_rule_on_real_aime_ground_truths():
-    reward = DAPOAnswerReward()
-    truths = _aime_truths()
-    assert len(truths) >= 29
-    right = [f"Some work.\nSo the result is clear.\nAnswer: {t}" for t in truths]
-    variants = [f"reasoning...\nAnswer: $\\boxed{{{t}}}$." for t in truths]
-    wrong = [f"Answer: {t}\nWait, no.\nAnswer: {int(t) + 1}" for t in truths]
-    missing = [f"The answer is {t}" for t in truths]
-    for batch, expect in ((right, 1.0), (variants, 1.0), (wrong, -1.0), (missing, -1.0)):
-        res = reward(batch, truths)
-        assert [r.score for r in res] == [expect] * len(truths)
-        assert all(r.acc == (expect > 0) for r in res)
-    assert all(r.extra["has_answer"] for r in reward(wrong, truths))
-    assert not any(r.extra["has_answer"] for r in reward(missing, truths))
-
-
-@pytest.mark.parametrize(
-    "raw,norm",
-    [
-        ("$540$", "540"),
-        ("\\boxed{540}", "540"),
-        ("540.", "540"),
-        ("1,000", "1000"),
-        ("x = 5", "5"),
-        ("30 degrees", "30"),
-        ("30^\\circ", "30"),
-        ("\\dfrac{1}{2}", "\\frac{1}{2}"),
-        ("\\text{(A)}", "(A)"),
-        ("5.0", "5"),
-        ("12 \\%", "12"),
-    ],
-)
-def test_normalize_answer(raw, norm):
-    assert normalize_answer(raw) == norm
 
 
 def test_math_verify_boxed_and_latex():
