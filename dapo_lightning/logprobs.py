@@ -71,7 +71,8 @@ class LinearLogProbs(torch.autograd.Function):
     Backward, with upstream gradients ``g_i = dL/dlogp_i`` and ``e_i = dL/dH_i``::
 
         dL/dz_iv = g_i (1[v = y_i] - p_iv) - e_i p_iv (log p_iv + H_i)
-        dL/dh_i  = W^T dL/dz_i / tau,   dL/dW = sum_i dL/dz_i h_i^T / tau,   dL/db = sum_i ...
+        dL/dh_i  = W^T dL/dz_i / tau,   dL/dW = sum_i dL/dz_i h_i^T / tau,
+        dL/db    = sum_i dL/dz_i / tau
 
     Only ``hidden``, ``weight``, ``bias``, ``targets``, ``lse`` and ``H`` are saved; each chunk's
     logits are recomputed in backward. ``dL/dW`` is accumulated over chunks in float32.
@@ -317,13 +318,16 @@ def response_log_probs(
     hidden size ``H`` and ``c`` rows per chunk:
 
     * fused (``chunk_size`` = rows, or ``"auto"`` = :func:`auto_chunk_rows`, ~32 MiB chunks):
-      kept for backward ``N * H`` hidden states (model dtype) + ``3 * N`` floats; transient
-      ``~3 * c * V * 4`` bytes per chunk. The output head's own forward is replaced for the
-      call (:func:`_fused_head`), so wrappers' hooks (FSDP2, DDP, ZeRO-3) still run and tied
-      embeddings get both gradient contributions.
-    * naive (``chunk_size=None``): ``N * V * 4`` bytes of float32 logits per saved copy, about
-      ``2`` copies for ``logp`` and ``3`` more for a differentiable entropy (plus the model-dtype
-      logits ``B * (T + 1) * V``).
+      kept for backward ``N * H`` hidden states (model dtype) + ``3 * N`` floats (``lse``,
+      entropy, targets); transient ``~3 * c * V * 4`` bytes per chunk, plus in backward one
+      float32 ``[V, H]`` accumulator for the head's weight gradient. The output head's own
+      forward is replaced for the call (:func:`_fused_head`), so wrappers' hooks (FSDP2, DDP,
+      ZeRO-3) still run and tied embeddings get both gradient contributions.
+    * naive (``chunk_size=None``): kept for backward ``N * V * 4`` bytes (the ``log_softmax``
+      output), ``3 * N * V * 4`` with a differentiable entropy (plus the softmax and the
+      logits); transient on top: the model-dtype logits ``B * (T + 1) * V`` and their float32
+      copy. (Measured with ``saved_tensors_hooks`` for N = 1024, V = 32768: 128 / 385 MiB naive,
+      0.2 MiB fused, see ``tests/test_logprobs.py``.)
 
     Models without an ``nn.Linear`` output head use the naive path; a model that changes its
     head's output (logit soft-capping or scaling) is detected and recomputed on the naive path.

@@ -284,6 +284,23 @@ def test_output_head_through_wrappers_and_fallback_on_postprocessed_logits(model
     torch.testing.assert_close(got[1], naive[1])
 
 
+def test_naive_path_when_no_linear_head_or_head_forward_is_hooked(model, monkeypatch):
+    ids, mask = _batch(6)
+    with torch.no_grad():
+        naive = response_log_probs(model, ids, mask, T, chunk_size=None)[0]
+        fused = response_log_probs(model, ids, mask, T, chunk_size=2)[0]
+        assert not torch.equal(fused, naive)  # the paths differ in float32 rounding
+        with monkeypatch.context() as mp:
+            mp.setattr(model, "get_output_embeddings", lambda: None)
+            assert output_head(model) is None
+            assert torch.equal(response_log_probs(model, ids, mask, T, chunk_size=2)[0], naive)
+        with monkeypatch.context() as mp:  # an instance forward, like accelerate's offload hook
+            mp.setattr(model.lm_head, "forward", model.lm_head.forward)
+            assert torch.equal(response_log_probs(model, ids, mask, T, chunk_size=2)[0], naive)
+            assert "forward" in vars(model.lm_head)  # left in place
+    assert "forward" not in vars(model.lm_head)
+
+
 def test_grads_under_ddp_and_fsdp2_equal_naive(tiny_checkpoint, tmp_path):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
