@@ -1,4 +1,6 @@
-"""``dapo-lightning plot RUN_DIR`` on the CSV of a real (tiny, 2-update) fit."""
+"""``dapo-lightning plot RUN_DIR`` on the CSV of a real (tiny, 2-update) fit, and on synthetic
+CSVLogger files: every ``val/pass@k``, coinciding reward lines, the learning-rate and tokens/s
+panels, and the ``version_*`` folders of a resumed run merged in step order."""
 
 from __future__ import annotations
 
@@ -11,12 +13,16 @@ import pytest
 
 from dapo_lightning.plot import (
     PANELS,
+    draw_run,
     find_metrics_csv,
+    find_metrics_csvs,
+    merge_versions,
     missing_panels,
     panel_coverage,
     plot_main,
     plot_run,
     read_metrics,
+    read_run_metrics,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,7 +94,7 @@ def test_plot_command_writes_png(finished_run):
     assert "none of" not in proc.stderr  # no empty panel reported
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(data) > 30_000  # nine drawn panels, not a blank canvas
+    assert len(data) > 30_000  # eleven drawn panels, not a blank canvas
 
 
 def test_plot_reports_missing_metrics(finished_run, tmp_path, capsys):
@@ -113,3 +119,120 @@ def test_plot_reports_missing_metrics(finished_run, tmp_path, capsys):
 def test_plot_without_metrics_explains(tmp_path):
     with pytest.raises(FileNotFoundError, match="No metrics.csv under"):
         find_metrics_csv(tmp_path)
+
+
+# ------------------------------------------------------------------ synthetic CSVLogger files
+
+
+def _write_csv(path: Path, rows: list[dict[str, float]]) -> Path:
+    """A CSVLogger-style file: ``epoch,step,<metrics>``, empty cells where a row lacks one."""
+    keys = sorted({k for r in rows for k in r} - {"step"})
+    lines = [",".join(["epoch", "step", *keys])]
+    for r in rows:
+        cells = ["0", str(int(r["step"]))] + [str(r[k]) if k in r else "" for k in keys]
+        lines.append(",".join(cells))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _lines(fig, title: str) -> dict[str, object]:
+    (ax,) = [a for a in fig.axes if a.get_title() == title]
+    return {line.get_label(): line for line in ax.get_lines()}
+
+
+def test_every_pass_at_k_is_plotted(tmp_path):
+    rows = [
+        {"step": s, "val/acc": 0.1 * s, "val/pass@16": 0.2 * s, "val/pass@4": 0.15 * s}
+        for s in range(3)
+    ]
+    series = read_metrics(_write_csv(tmp_path / "metrics.csv", rows))
+    assert panel_coverage(series)["validation accuracy"] == [
+        "val/acc",
+        "val/pass@4",
+        "val/pass@16",
+    ]
+    lines = _lines(draw_run(series), "validation accuracy")
+    assert list(lines) == ["val/acc", "val/pass@4", "val/pass@16"]
+    assert list(lines["val/pass@16"].get_ydata()) == pytest.approx([0.0, 0.2, 0.4])
+
+
+def test_coinciding_reward_lines_both_show(tmp_path):
+    """Without reward shaping the reward equals the score: the later line is drawn thinner and
+    dashed, on top of the first, so both stay visible."""
+    rows = [
+        {"step": s, "rollout/reward_mean": -0.5 + 0.1 * s, "rollout/score_mean": -0.5 + 0.1 * s}
+        for s in range(4)
+    ]
+    lines = _lines(draw_run(read_metrics(_write_csv(tmp_path / "m.csv", rows))),
+                   "rollout reward / accuracy")  # fmt: skip
+    reward, score = lines["rollout/reward_mean"], lines["rollout/score_mean"]
+    assert list(reward.get_ydata()) == list(score.get_ydata())
+    assert reward.get_linestyle() != score.get_linestyle()
+    assert reward.get_linewidth() > score.get_linewidth()
+    assert list(lines).index("rollout/score_mean") > list(lines).index("rollout/reward_mean")
+
+
+def test_learning_rate_and_tokens_per_second_panels(tmp_path):
+    rows = [{"step": s, "update/lr": 1e-6 * min(1, s / 2), "rollout/tokens_per_second": 900.0 + s}
+            for s in range(1, 4)]  # fmt: skip
+    series = read_metrics(_write_csv(tmp_path / "m.csv", rows))
+    fig = draw_run(series)
+    assert list(_lines(fig, "learning rate")["update/lr"].get_ydata()) == pytest.approx(
+        [5e-7, 1e-6, 1e-6]
+    )
+    assert list(_lines(fig, "tokens per second")) == ["rollout/tokens_per_second"]
+    assert "learning rate" not in missing_panels(series)
+    assert "gradient norm" in missing_panels(series)
+
+
+def _resumed_run(run: Path) -> Path:
+    """version_0 logged steps 1-6 and died; the resume (version_1) restarted from the step-3
+    checkpoint and logged 4-8; a stray second resume, version_10, logged 9-10 (sorts after
+    version_1 numerically, before it as text)."""
+    _write_csv(
+        run / "version_0" / "metrics.csv",
+        [{"step": s, "rollout/acc": 0.0, "val/acc": 0.0} for s in range(1, 7)],
+    )
+    _write_csv(
+        run / "version_1" / "metrics.csv", [{"step": s, "rollout/acc": 0.5} for s in range(4, 9)]
+    )
+    _write_csv(run / "version_10" / "metrics.csv",
+               [{"step": s, "rollout/acc": 1.0} for s in range(9, 11)])  # fmt: skip
+    return run
+
+
+def test_versions_of_a_resumed_run_merge_in_step_order(tmp_path):
+    run = _resumed_run(tmp_path / "logs")
+    files = find_metrics_csvs(run)
+    assert [p.parent.name for p in files] == ["version_0", "version_1", "version_10"]
+    assert find_metrics_csv(run) == files[-1]
+    series = read_run_metrics(run)
+    assert series["rollout/acc"] == [(1.0, 0.0), (2.0, 0.0), (3.0, 0.0)] + [
+        (float(s), 0.5) for s in range(4, 9)
+    ] + [(9.0, 1.0), (10.0, 1.0)]
+    # version_0's val/acc after the restart point is superseded too
+    assert [s for s, _ in series["val/acc"]] == [1.0, 2.0, 3.0]
+    # the run folder above the logs works as well
+    assert read_run_metrics(tmp_path) == series
+    assert merge_versions([read_metrics(p) for p in files]) == series
+
+
+def test_plot_of_a_resumed_run_draws_all_versions(tmp_path, capsys):
+    run = _resumed_run(tmp_path / "logs")
+    fig = draw_run(read_run_metrics(run))
+    xs = list(_lines(fig, "rollout reward / accuracy")["rollout/acc"].get_xdata())
+    assert xs == [float(s) for s in range(1, 11)]
+    plot_main([str(run)])
+    assert capsys.readouterr().out.strip() == str(run / "metrics.png")
+    assert (run / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_newest_run_is_taken_from_a_folder_of_runs(tmp_path):
+    old = _write_csv(tmp_path / "a" / "logs" / "version_0" / "metrics.csv",
+                     [{"step": 1, "val/acc": 0.1}])  # fmt: skip
+    new = _write_csv(tmp_path / "b" / "logs" / "version_0" / "metrics.csv",
+                     [{"step": 1, "val/acc": 0.9}])  # fmt: skip
+    os.utime(old, (1, 1))
+    assert find_metrics_csvs(tmp_path) == [new]
+    assert read_run_metrics(tmp_path)["val/acc"] == [(1.0, 0.9)]
