@@ -67,7 +67,12 @@ def build_cases(quick: bool) -> list[Case]:
     return [
         Case("smol fp32, entropy grad", "smol", entropy_grad=True),
         Case("smol fp32, entropy metric", "smol"),
-        Case("smol bf16-mixed gc, entropy metric", "smol", True, gradient_checkpointing=True),
+        Case(
+            "smol bf16-mixed gc, entropy metric",
+            "smol",
+            bf16_autocast=True,
+            gradient_checkpointing=True,
+        ),
     ]
 
 
