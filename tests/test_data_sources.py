@@ -147,3 +147,77 @@ def test_arithmetic_task():
     assert all(r["prompt"].startswith("10") and "-" in r["prompt"] for r in custom)
     with pytest.raises(ValueError, match="level"):
         make_arithmetic_rows(5, level=99)
+
+
+# ------------------------------------------------------------------- encodings, NaN, paths
+
+
+def test_non_utf8_file_names_the_file_and_byte(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    good = b'{"prompt": "1+1=", "answer": "2"}\n'
+    path.write_bytes(good + '{"prompt": "caf\u00e9 2+2=", "answer": "4"}\n'.encode("latin-1"))
+    offset = len(good) + len(b'{"prompt": "caf')
+    with pytest.raises(PromptDataError) as err:
+        load_prompt_records(path, FieldMap("prompt", "answer"))
+    msg = str(err.value)
+    assert str(path) in msg and f"byte {offset} (line 2)" in msg and "b'\\xe9'" in msg
+    assert "Save the file as UTF-8" in msg
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_utf8_bom_is_accepted(tmp_path, suffix):
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    text = json.dumps(rows) if suffix == ".json" else "".join(json.dumps(r) + "\n" for r in rows)
+    path = tmp_path / f"bom{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    records = load_prompt_records(path, FieldMap("prompt", "answer"))
+    assert [(r.prompt, r.answer) for r in records] == [("1+1=", "2"), ("2+2=", "4")]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_answer_names_row_and_key(value):
+    rows = [{"q": "1+1=", "gt": {"a": 2}}, {"q": "2+2=", "gt": {"a": value}}]
+    with pytest.raises(PromptDataError, match=r"row 2: field 'gt\.a' is (nan|inf) .*fill in"):
+        records_from_rows(rows, FieldMap("q", "gt.a"))
+
+
+def test_nan_answer_from_a_parquet_file(tmp_path):
+    """pandas writes a missing answer of a numeric column as NaN; it must not train on 'nan'."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["1+1=", "2+2="], "answer": [2.0, float("nan")]}), path)
+    with pytest.raises(PromptDataError, match=r"p\.parquet row 2: field 'answer' is nan"):
+        load_prompt_records(path, FieldMap("prompt", "answer"))
+
+
+@pytest.mark.parametrize(
+    "source", ["data/train.jsonl", "data/train", "prompts.jsonl", "a/b/c", "~/nope/x.parquet"]
+)
+def test_missing_path_is_no_such_file_never_a_hub_lookup(tmp_path, monkeypatch, source):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+
+    def no_hub(*args, **kwargs):  # pragma: no cover - must never run
+        raise AssertionError(f"hub lookup for {args}")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    with pytest.raises(FileNotFoundError, match=r"no such file: prompt file .*check the path"):
+        load_prompt_records(source)
+
+
+def test_hub_name_still_goes_to_the_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def fake_hub(name, split):
+        calls.append((name, split))
+        return datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_hub)
+    records = load_prompt_records(
+        ["BytedTsinghua-SIA/DAPO-Math-17k", "org/name.v2:test"], FieldMap("prompt", "answer")
+    )
+    assert calls == [("BytedTsinghua-SIA/DAPO-Math-17k", "train"), ("org/name.v2", "test")]
+    assert len(records) == 1  # the same prompt twice, de-duplicated

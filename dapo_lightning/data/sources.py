@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -89,63 +90,124 @@ def prompt_uid(prompt: Prompt) -> str:
     return hashlib.sha1(prompt_text(prompt).encode("utf-8")).hexdigest()[:16]
 
 
+#: File endings that mark a ``train_files`` entry as a local path, never a hub dataset name.
+LOCAL_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".tsv", ".txt", ".gz")
+
+
+def looks_like_local_path(source: str) -> bool:
+    """True when ``source`` names a local file or folder rather than a hub dataset.
+
+    A hub name is exactly ``org/name`` (optionally ``:split``); anything with a leading ``.``,
+    ``/`` or ``~``, a backslash, no slash or more than one, a data-file ending
+    (:data:`LOCAL_FILE_SUFFIXES`), or a first part that is an existing local folder is a path.
+    """
+    name = source.partition(":")[0]
+    return (
+        source.startswith((".", "/", "~"))
+        or "\\" in source
+        or name.count("/") != 1
+        or Path(name).suffix.lower() in LOCAL_FILE_SUFFIXES
+        or Path(name.split("/")[0]).is_dir()
+    )
+
+
+def read_text(path: Path) -> str:
+    """The text of a UTF-8 file; a UTF-8 byte-order mark is dropped.
+
+    Raises:
+        PromptDataError: The file is not UTF-8 (names the byte offset and the line).
+    """
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise PromptDataError(
+            f"{path} is not UTF-8 text: byte {e.start} (line {line}) is "
+            f"{data[e.start : e.start + 1]!r} ({e.reason}). Save the file as UTF-8 (e.g. "
+            f"`iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}`, or your editor's "
+            "save-with-encoding)."
+        ) from None
+
+
+def _read_jsonl(path: Path) -> list[Any]:
+    rows = []
+    for i, line in enumerate(read_text(path).split("\n")):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise PromptDataError(
+                f"{path}: line {i + 1} is not valid JSON ({e}): fix or delete it."
+            ) from e
+    return rows
+
+
+def _read_file(path: Path) -> list[Any]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _read_jsonl(path)
+    if suffix == ".json":
+        try:
+            data = json.loads(read_text(path))
+        except json.JSONDecodeError as e:
+            raise PromptDataError(f"{path} is not valid JSON ({e}): fix it.") from e
+        if not isinstance(data, list):
+            raise PromptDataError(f"{path}: a .json prompt file must hold a list of rows.")
+        return data
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    raise PromptDataError(
+        f"{path}: unknown prompt file type {suffix!r}: use .jsonl, .json or .parquet."
+    )
+
+
+def _read_dataset_dir(path: Path) -> list[Any]:
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise PromptDataError(
+                f"{path}: a DatasetDict without a 'train' split: point at one split's folder."
+            )
+        ds = ds["train"]
+    return list(ds.to_list())
+
+
 def read_rows(source: str | Path | Any) -> list[dict[str, Any]]:
     """Rows of a prompt file as dicts.
 
-    ``source`` is a ``.jsonl``/``.json``/``.parquet`` file, a folder written by
-    ``datasets.Dataset.save_to_disk``, a ``datasets.Dataset``, or a Hugging Face hub name
-    (``"org/name"`` or ``"org/name:split"``, loaded with ``datasets.load_dataset``; needs network).
+    ``source`` is a ``.jsonl``/``.json``/``.parquet`` file (UTF-8, a byte-order mark is
+    accepted), a folder written by ``datasets.Dataset.save_to_disk``, a ``datasets.Dataset``,
+    or a Hugging Face hub name (``"org/name"`` or ``"org/name:split"``, loaded with
+    ``datasets.load_dataset``; needs network). What :func:`looks_like_local_path` calls a path
+    is never looked up on the hub.
+
+    Raises:
+        FileNotFoundError: A path that does not exist.
+        PromptDataError: A file that cannot be read as prompts (names the file and the fix).
     """
     if not isinstance(source, (str, Path)):
         if hasattr(source, "to_list"):
             return list(source.to_list())
         raise TypeError(f"cannot read prompts from a {type(source).__name__}.")
-    path = Path(source)
+    path = Path(source).expanduser()
     if path.is_file():
-        suffix = path.suffix.lower()
-        if suffix == ".jsonl":
-            rows = []
-            with path.open(encoding="utf-8") as f:
-                for i, line in enumerate(f):
-                    if not line.strip():
-                        continue
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise PromptDataError(
-                            f"{path}: line {i + 1} is not valid JSON ({e}): fix or delete it."
-                        ) from e
-            return rows
-        if suffix == ".json":
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(data, list):
-                raise PromptDataError(f"{path}: a .json prompt file must hold a list of rows.")
-            return data
-        if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            return pq.read_table(path).to_pylist()
-        raise PromptDataError(
-            f"{path}: unknown prompt file type {suffix!r}: use .jsonl, .json or .parquet."
-        )
+        return _read_file(path)
     if path.is_dir():
-        import datasets
-
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise PromptDataError(
-                    f"{path}: a DatasetDict without a 'train' split: point at one split's folder."
-                )
-            ds = ds["train"]
-        return list(ds.to_list())
-    name, _, split = str(source).partition(":")
-    if "/" not in name or str(source).startswith((".", "/")):
+        return _read_dataset_dir(path)
+    if isinstance(source, Path) or looks_like_local_path(str(source)):
         raise FileNotFoundError(
-            f"prompt file {source} does not exist: check the path in train_files / val_files."
+            f"no such file: prompt file {str(source)!r} does not exist (relative paths start "
+            f"at {Path.cwd()}): check the path in train_files / val_files."
         )
     import datasets
 
+    name, _, split = str(source).partition(":")
     return list(datasets.load_dataset(name, split=split or "train").to_list())
 
 
@@ -186,6 +248,11 @@ def _clean_answer(value: Any, where: str, key: str) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
+        if not math.isfinite(value):
+            raise PromptDataError(
+                f"{where}: field {key!r} is {value} (how pandas and Parquet store a missing "
+                "value): fill in the answer or drop the row."
+            )
         return str(int(value)) if value.is_integer() else repr(value)
     if isinstance(value, str):
         if not value.strip():
