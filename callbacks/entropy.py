@@ -12,7 +12,7 @@ import math
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks.callback import Callback
+from dapo_lightning.callbacks.base import DAPOCallback
 from typing_extensions import override
 
 Schedule = Literal["constant", "linear", "cosine", "exponential", "adaptive"]
@@ -136,7 +136,7 @@ def adaptive_coef(
     return min(max(coef, coef_min), coef_max)
 
 
-class EntropyScheduler(Callback):
+class EntropyScheduler(DAPOCallback):
     """Sets ``pl_module.entropy_coef`` before every optimizer update.
 
     The coefficient for the first update is set in ``on_train_start``; after each update the
@@ -246,11 +246,12 @@ class EntropyScheduler(Callback):
         self.coef = self._coef_for(self.updates)
         pl_module.entropy_coef = self.coef
 
+    @override
     def on_dapo_update(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float]
     ) -> None:
         """DAPO hook: after an optimizer update, set the coefficient for the next one."""
-        self.updates = int(metrics.get("update", self.updates + 1))
+        self.updates += 1
         if self.schedule == "adaptive" and self.updates > self.warmup_updates:
             self.adaptive_state = adaptive_coef(
                 self.adaptive_state,

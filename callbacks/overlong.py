@@ -16,7 +16,7 @@ from typing import Any, overload
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks.callback import Callback
+from dapo_lightning.callbacks.base import DAPOCallback
 from torch import Tensor
 from typing_extensions import override
 
@@ -100,7 +100,7 @@ def overlong_penalty(
     return -1.0 * penalty_factor
 
 
-class OverlongRewardShaping(Callback):
+class OverlongRewardShaping(DAPOCallback):
     """Adds the soft overlong punishment to rewards and optionally filters truncated responses.
 
     Runs in the custom ``on_rollouts_scored`` hook, which the dynamic-sampling buffer calls
@@ -165,6 +165,7 @@ class OverlongRewardShaping(Callback):
     def _zero_counts() -> dict[str, float]:
         return {"responses": 0.0, "truncated": 0.0, "penalty_sum": 0.0, "filtered": 0.0}
 
+    @override
     def on_rollouts_scored(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, rollouts: ScoredRollouts
     ) -> None:

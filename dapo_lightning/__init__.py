@@ -8,18 +8,27 @@ Public API::
 """
 
 from dapo_lightning.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
-from dapo_lightning.data import DAPODataModule, RolloutBatch, ScoredRollouts, validation_metrics
+from dapo_lightning.data import (
+    DAPODataModule,
+    DynamicSamplingConfig,
+    RolloutBatch,
+    RolloutProducer,
+    ScoredRollouts,
+    validation_metrics,
+)
 from dapo_lightning.loss import LOSS_AGG_MODES, aggregate_loss, compute_policy_loss
+from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.rollout import (
     Completion,
+    EngineSession,
     HFRolloutEngine,
     RolloutEngine,
     SamplingConfig,
     create_engine,
 )
 from dapo_lightning.schedules import WarmupConstantLR, WarmupCosineLR
-from dapo_lightning.testing import make_tiny_checkpoint
+from dapo_lightning.strategy import StrategyAdapter
 
 __version__ = "0.1.0"
 
@@ -29,18 +38,22 @@ __all__ = [
     "Completion",
     "DAPODataModule",
     "DAPOModule",
+    "DynamicSamplingConfig",
+    "EngineSession",
     "HFRolloutEngine",
+    "MetricAccumulator",
     "RolloutBatch",
     "RolloutEngine",
+    "RolloutProducer",
     "SamplingConfig",
     "ScoredRollouts",
+    "StrategyAdapter",
     "WarmupConstantLR",
     "WarmupCosineLR",
     "aggregate_loss",
     "compute_advantages",
     "compute_policy_loss",
     "create_engine",
-    "make_tiny_checkpoint",
     "validation_metrics",
 ]
 

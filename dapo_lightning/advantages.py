@@ -6,7 +6,9 @@ group standard deviation ``sigma_g = sqrt(sum_{j in g} (r_j - mu_g)^2 / (n_g - 1
 
     grpo:                A_i = (r_i - mu_g) / (sigma_g + eps)
     reinforce_baseline:  A_i = (r_i - mu_g) / (sigma + eps),
-                         sigma = unbiased std over the whole batch of (r_j - mu_g(j))
+                         sigma = unbiased std over the whole batch of (r_j - mu_g(j)),
+                         the batch of all ranks (the caller passes ``batch_std`` when the
+                         batch is split over ranks: see :func:`centered_moments`)
     rloo:                A_i = r_i - (n_g * mu_g - r_i) / (n_g - 1)      (leave-one-out mean)
     dr_grpo:             A_i = r_i - mu_g                                 (Dr. GRPO, no std)
 
@@ -29,6 +31,7 @@ def compute_advantages(
     group_index: Tensor,
     estimator: str = "grpo",
     eps: float = 1e-6,
+    batch_std: float | Tensor | None = None,
 ) -> Tensor:
     """Group-relative advantages of ``B`` responses (formulas: module docstring).
 
@@ -38,6 +41,8 @@ def compute_advantages(
             any integers; groups need not be contiguous nor of equal size.
         estimator: One of :data:`ADVANTAGE_ESTIMATORS`.
         eps: Added to the standard deviation of ``grpo`` / ``reinforce_baseline`` (``>= 0``).
+        batch_std: ``reinforce_baseline`` only: the std ``sigma`` of the centered rewards over
+            the global batch (all ranks); None takes it over ``rewards``.
 
     Returns:
         ``[B]`` advantages in the rewards' floating dtype (float32 for integer rewards).
@@ -99,8 +104,32 @@ def compute_advantages(
         sq = torch.zeros_like(counts).index_add_(0, inv, centered * centered)
         std = torch.sqrt(sq / (counts - 1))
         adv = centered / (std[inv] + eps)
+    elif batch_std is not None:  # reinforce_baseline, global std given
+        adv = centered / (torch.as_tensor(batch_std, dtype=work_dtype) + eps)
     else:  # reinforce_baseline
         std = centered.std() if centered.numel() > 1 else centered.new_zeros(())
         adv = centered / (std + eps)
     adv = torch.where(constant, torch.zeros_like(adv), adv)
     return adv.to(out_dtype)
+
+
+def centered_moments(rewards: Tensor, group_index: Tensor) -> Tensor:
+    """``[count, sum c, sum c^2]`` (float64) of the centered rewards ``c_i = r_i - mu_g(i)``.
+
+    Summed over ranks, they give the global unbiased std that ``reinforce_baseline`` needs::
+
+        sigma = sqrt((sum c^2 - (sum c)^2 / count) / (count - 1))      (0 when count < 2)
+
+    (:func:`std_from_moments`). Constant groups count with ``c = 0``, as in
+    :func:`compute_advantages`.
+    """
+    c = compute_advantages(rewards, group_index, "dr_grpo").double()
+    return torch.stack([c.new_tensor(float(c.numel())), c.sum(), (c * c).sum()])
+
+
+def std_from_moments(moments: Tensor) -> Tensor:
+    """The unbiased std from :func:`centered_moments` (summed over ranks)."""
+    count, total, squares = moments.double().unbind()
+    if count < 2:
+        return moments.new_zeros((), dtype=torch.float64)
+    return torch.sqrt(((squares - total * total / count) / (count - 1)).clamp(min=0.0))

@@ -164,6 +164,26 @@ def _check_same_shape(name: str, tensor: Tensor | None, shape: torch.Size) -> No
         )
 
 
+def check_loss_settings(
+    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None, loss_agg_mode: str
+) -> None:
+    """Raise a ValueError naming the setting when a clip ratio or the aggregation mode is invalid."""
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(
+            f"loss_agg_mode={loss_agg_mode!r} is not known; valid modes: {', '.join(LOSS_AGG_MODES)}."
+        )
+    if not 0.0 <= clip_ratio_low < 1.0:
+        raise ValueError(
+            f"clip_ratio_low (eps_low) must be in [0, 1) so that 1 - eps_low > 0; got {clip_ratio_low}."
+        )
+    if clip_ratio_high < 0.0:
+        raise ValueError(f"clip_ratio_high (eps_high) must be >= 0; got {clip_ratio_high}.")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(
+            f"clip_ratio_c (dual clip) must be > 1, or None to disable it; got {clip_ratio_c}."
+        )
+
+
 def compute_policy_loss(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -245,20 +265,7 @@ def compute_policy_loss(
             f"advantages must be [B] = {tuple(shape[:1])} or [B, T] = {tuple(shape)}; "
             f"got {tuple(advantages.shape)}."
         )
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(
-            f"loss_agg_mode={loss_agg_mode!r} is not known; valid modes: {', '.join(LOSS_AGG_MODES)}."
-        )
-    if not 0.0 <= clip_ratio_low < 1.0:
-        raise ValueError(
-            f"clip_ratio_low (eps_low) must be in [0, 1) so that 1 - eps_low > 0; got {clip_ratio_low}."
-        )
-    if clip_ratio_high < 0.0:
-        raise ValueError(f"clip_ratio_high (eps_high) must be >= 0; got {clip_ratio_high}.")
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(
-            f"clip_ratio_c (dual clip) must be > 1, or None to disable it; got {clip_ratio_c}."
-        )
+    check_loss_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode)
     if tis_cap is not None:
         if not tis_cap > 0.0:
             raise ValueError(f"tis_cap must be > 0, or None to disable TIS; got {tis_cap}.")

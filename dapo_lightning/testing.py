@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM,
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
-from dapo_lightning.rollout.base import Completion
+from dapo_lightning.rollout.base import Completion, SamplingConfig
 
 #: Special tokens, in id order (ids 0..2).
 PAD_TOKEN = "<|pad|>"
@@ -137,6 +137,7 @@ def make_random_rollout_batch(
     vocab_size: int = 259,
     seed: int = 0,
     policy_version: int = 0,
+    temperature: float = 1.0,
 ) -> RolloutBatch:
     """A synthetic :class:`RolloutBatch` with random tokens, rewards and log-probs.
 
@@ -170,14 +171,17 @@ def make_random_rollout_batch(
         prompt_uid=[f"p{g}" for g in group_index.tolist()],
         score=score,
         acc=(score > 0).float(),
-        max_response_length=max(resp),
+        sampling=SamplingConfig(max_tokens=max(resp), temperature=temperature),
         policy_version=policy_version,
     )
     return RolloutBatch.from_rollouts(rollouts, group_size=group_size, pad_token_id=0)
 
 
 def completions_to_batch(
-    prompts: list[list[int]], completions: list[list[Completion]], pad_token_id: int = 0
+    prompts: list[list[int]],
+    completions: list[list[Completion]],
+    pad_token_id: int = 0,
+    sampling: SamplingConfig | None = None,
 ) -> RolloutBatch:
     """Pad an engine's ``generate`` output exactly as the data module does (rewards zero):
     what parity checks compare the trainer's forward against."""
@@ -192,6 +196,6 @@ def completions_to_batch(
         prompt_uid=[str(i) for i in range(len(flat))],
         score=torch.zeros(len(flat)),
         acc=torch.zeros(len(flat)),
-        max_response_length=max(len(c.token_ids) for c in flat),
+        sampling=sampling or SamplingConfig(max_tokens=max(len(c.token_ids) for c in flat)),
     )
     return RolloutBatch.from_rollouts(rollouts, group_size=n, pad_token_id=pad_token_id)

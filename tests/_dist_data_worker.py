@@ -1,4 +1,4 @@
-"""Worker of tests/test_data_distributed.py: one gloo rank running DynamicSamplingBuffers."""
+"""Worker of tests/test_data_distributed.py: one gloo rank running RolloutProducers."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import torch.distributed as dist
 
 
 def _scenario(rank: int, world: int, mode: str) -> dict:
-    from test_buffer import ScriptedEngine, make_buffer
+    from test_producer import ScriptedEngine, make_producer
 
     if rank == 0:
         engine = ScriptedEngine(rate=lambda p: 0.5)
-    elif mode == "hopeless":
+    elif mode in ("hopeless", "short"):
         engine = ScriptedEngine(rate=lambda p: 1.0)
     else:  # rank 1 filters far more: about 7 of 8 of its groups have zero variance
         engine = ScriptedEngine(rate=lambda p: 0.5 if zlib.crc32(p.encode()) % 8 == 0 else 1.0)
-    buf = make_buffer(
+    producer = make_producer(
         engine,
         num_prompts=2000,
         level=2,
@@ -27,15 +27,16 @@ def _scenario(rank: int, world: int, mode: str) -> dict:
         gen_batch_size=8,
         world_size=world,
         rank=rank,
-        max_num_gen_batches=5 if mode == "hopeless" else 0,
+        max_num_gen_batches=0 if mode == "skewed" else 5,
+        on_exhausted="error" if mode == "hopeless" else "train_on_kept",
     )
-    result: dict = {"uids": [], "rounds": [], "error": None}
+    result: dict = {"uids": [], "rounds": [], "sizes": [], "error": None}
     try:
         for step in range(3):
-            batch = buf.next_batch(policy_version=step)
-            assert batch.batch_size == 4 * 4
-            result["uids"].extend(buf.drawn_uids)
-            result["rounds"].append(batch.stats["gen_rounds"])
+            batch = producer.next_batch(policy_version=step)
+            result["sizes"].append(batch.batch_size)
+            result["uids"].extend(producer.drawn_uids)
+            result["rounds"].append(batch.stats["data/gen_rounds"])
     except Exception as e:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(e).__name__}: {e}"
     return result
@@ -47,7 +48,7 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        out = {mode: _scenario(rank, world, mode) for mode in ("skewed", "hopeless")}
+        out = {mode: _scenario(rank, world, mode) for mode in ("skewed", "hopeless", "short")}
         dist.barrier()
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

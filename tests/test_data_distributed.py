@@ -24,6 +24,7 @@ def test_two_ranks_disjoint_prompts_lockstep_and_shared_errors(tmp_path):
 
     s0, s1 = r0["skewed"], r1["skewed"]
     assert s0["error"] is None and s1["error"] is None, (s0["error"], s1["error"])
+    assert s0["sizes"] == s1["sizes"] == [16, 16, 16]  # full batches of 4 groups of 4
     # both ranks are in their first epoch (1000 prompts each): the prompts are disjoint
     assert len(s1["uids"]) < 1000
     assert not set(s0["uids"]) & set(s1["uids"])
@@ -35,3 +36,10 @@ def test_two_ranks_disjoint_prompts_lockstep_and_shared_errors(tmp_path):
     # rank 0 was full, yet it stopped with the same error instead of hanging in a collective
     assert h0["error"] and "DynamicSamplingError" in h0["error"]
     assert "1 of 2 ranks short" in h0["error"]
+
+    # on_exhausted="train_on_kept" (the default): the short rank trains on what it kept (nothing
+    # here) and both ranks go on together, round for round
+    k0, k1 = r0["short"], r1["short"]
+    assert k0["error"] is None and k1["error"] is None, (k0["error"], k1["error"])
+    assert k0["sizes"] == [16, 16, 16] and k1["sizes"] == [0, 0, 0]
+    assert k0["rounds"] == [1.0, 1.0, 1.0] and k1["rounds"] == [5.0, 5.0, 5.0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_buffer import ScriptedEngine
+from test_producer import ScriptedEngine
 from transformers import AutoModelForCausalLM
 
 from dapo_lightning.data import DAPODataModule, RolloutBatch, ScoredRollouts, validation_metrics

@@ -1,17 +1,19 @@
-"""Data: prompt sources, the arithmetic task, the dynamic-sampling buffer and the DataModule."""
+"""Data: prompt sources, batches, the rollout producer (dynamic sampling) and the DataModule."""
 
-from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
-from dapo_lightning.data.buffer import (
-    STAT_KEYS,
-    DynamicSamplingBuffer,
-    DynamicSamplingError,
-    concat_rollouts,
-    group_has_variance,
-)
+from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.datamodule import DAPODataModule, RolloutTicket, ValidationTicket
 from dapo_lightning.data.difficulty import DifficultyTracker, PromptStats, subsample_keep_variance
 from dapo_lightning.data.metrics import validation_metrics
-from dapo_lightning.data.sampler import PromptSampler
+from dapo_lightning.data.producer import (
+    STAT_OPS,
+    DynamicSamplingConfig,
+    DynamicSamplingError,
+    RolloutProducer,
+    TrainingComplete,
+    concat_rollouts,
+    group_has_variance,
+)
+from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted
 from dapo_lightning.data.sources import (
     FieldMap,
     PromptDataError,
@@ -23,29 +25,30 @@ from dapo_lightning.data.sources import (
     split_train_val,
     tokenize_records,
 )
-from dapo_lightning.tasks.arithmetic import LEVELS, make_arithmetic_rows
 
 __all__ = [
-    "LEVELS",
-    "STAT_KEYS",
+    "STAT_OPS",
     "DAPODataModule",
     "DifficultyTracker",
-    "DynamicSamplingBuffer",
+    "DynamicSamplingConfig",
     "DynamicSamplingError",
+    "EndOfTraining",
     "FieldMap",
     "PromptDataError",
     "PromptRecord",
     "PromptSampler",
     "PromptStats",
+    "PromptsExhausted",
     "RolloutBatch",
+    "RolloutProducer",
     "RolloutTicket",
     "ScoredRollouts",
+    "TrainingComplete",
     "ValidationTicket",
     "concat_rollouts",
     "deduplicate",
     "group_has_variance",
     "load_prompt_records",
-    "make_arithmetic_rows",
     "read_rows",
     "records_from_rows",
     "split_train_val",

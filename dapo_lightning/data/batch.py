@@ -8,11 +8,13 @@ form ``DAPOModule.training_step`` consumes. Responses of one group (one prompt,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from dapo_lightning.rollout.base import SamplingConfig
 
 
 @dataclass
@@ -34,8 +36,10 @@ class ScoredRollouts:
         reward: ``[N]`` float, the shaped reward the advantages use (starts as ``score``).
         loss_mask: ``[N]`` bool, False removes the whole response from the loss and its
             token count (overlong filtering).
-        max_response_length: The ``max_tokens`` the responses were sampled with.
-        policy_version: Optimizer updates done when the responses were sampled.
+        sampling: The sampling settings the responses were drawn with (``max_tokens`` is the
+            maximum response length).
+        policy_version: Weight version (optimizer updates applied) the responses were
+            sampled with.
         extra: Per-response extra information from the reward function (lists of length N).
     """
 
@@ -47,7 +51,7 @@ class ScoredRollouts:
     prompt_uid: list[str]
     score: Tensor
     acc: Tensor
-    max_response_length: int
+    sampling: SamplingConfig
     policy_version: int = 0
     reward: Tensor | None = None
     loss_mask: Tensor | None = None
@@ -63,6 +67,15 @@ class ScoredRollouts:
         return len(self.response_ids)
 
     @property
+    def max_response_length(self) -> int:
+        """Most response tokens a sample could have (the sampling ``max_tokens``)."""
+        return self.sampling.max_tokens
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_index.max()) + 1 if len(self) else 0
+
+    @property
     def response_length(self) -> Tensor:
         """``[N]`` long, number of sampled tokens of each response."""
         return torch.tensor([len(r) for r in self.response_ids], dtype=torch.long)
@@ -71,6 +84,25 @@ class ScoredRollouts:
     def truncated(self) -> Tensor:
         """``[N]`` bool, True where the response hit ``max_response_length``."""
         return torch.tensor([f == "length" for f in self.finish_reason], dtype=torch.bool)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python containers (``torch.load(weights_only=True)`` reads them back)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("group_index", "score", "acc", "reward", "loss_mask"):
+            out[name] = out[name].tolist()
+        out["sampling"] = asdict(self.sampling)
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> ScoredRollouts:
+        """Rebuild what :meth:`state_dict` returned."""
+        s = dict(state)
+        s["group_index"] = torch.tensor(s["group_index"], dtype=torch.long)
+        for name in ("score", "acc", "reward"):
+            s[name] = torch.tensor(s[name], dtype=torch.float32)
+        s["loss_mask"] = torch.tensor(s["loss_mask"], dtype=torch.bool)
+        s["sampling"] = SamplingConfig(**s["sampling"])
+        return cls(**s)
 
     def select(self, index: list[int]) -> ScoredRollouts:
         """The responses at ``index`` (group ids are renumbered 0..k-1 in order of appearance)."""
@@ -86,7 +118,7 @@ class ScoredRollouts:
             prompt_uid=[self.prompt_uid[i] for i in index],
             score=self.score[idx],
             acc=self.acc[idx],
-            max_response_length=self.max_response_length,
+            sampling=self.sampling,
             policy_version=self.policy_version,
             reward=self.reward[idx],
             loss_mask=self.loss_mask[idx],
@@ -116,7 +148,14 @@ class RolloutBatch:
         sample_version: ``[B]`` long, policy version each response was sampled with.
         policy_version: Policy version of the freshest responses in the batch.
         group_size: Responses per group (``n``).
-        stats: Generation statistics of the step (floats): generated / kept groups, timing...
+        sampling: The sampling settings the responses were drawn with: the module takes the
+            temperature of its log-probs and the maximum response length from here, so the
+            model and the data cannot disagree about them.
+        stats: Metrics of the step by full name (``data/kept_groups``, ``reward/<extra>``...),
+            logged as they are.
+
+    A batch may hold no rows (``B = 0``): a rank that kept no group still joins the update's
+    collectives.
     """
 
     input_ids: Tensor
@@ -132,6 +171,7 @@ class RolloutBatch:
     sample_version: Tensor
     policy_version: int
     group_size: int
+    sampling: SamplingConfig
     stats: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -160,8 +200,39 @@ class RolloutBatch:
             out[f.name] = value[index] if isinstance(value, Tensor) else value
         return RolloutBatch(**out)
 
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """The batch with its tensors on ``device``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return RolloutBatch(
+            **{k: v.to(device) if isinstance(v, Tensor) else v for k, v in out.items()}
+        )
+
+    def padding_row(self) -> RolloutBatch:
+        """One fully masked row (a pad prompt token and a pad response token): what a rank
+        with no rows feeds through the model to join the other ranks' collectives."""
+        pad = torch.zeros((1, 2), dtype=torch.long)
+        one = torch.zeros(1)
+        return RolloutBatch(
+            input_ids=pad,
+            attention_mask=torch.ones_like(pad),
+            response_mask=torch.zeros((1, 1)),
+            rollout_log_probs=torch.zeros((1, 1)),
+            reward=one,
+            score=one,
+            acc=one,
+            group_index=torch.zeros(1, dtype=torch.long),
+            truncated=torch.zeros(1, dtype=torch.bool),
+            response_length=torch.ones(1, dtype=torch.long),
+            sample_version=torch.zeros(1, dtype=torch.long),
+            policy_version=self.policy_version,
+            group_size=1,
+            sampling=self.sampling,
+        )
+
     def trim(self) -> RolloutBatch:
         """Drop all-padding columns at the left of the prompt and the right of the response."""
+        if self.batch_size == 0:
+            return self
         prompt_cols = self.attention_mask[:, : self.prompt_width].any(0).nonzero()
         start = int(prompt_cols[0]) if len(prompt_cols) else self.prompt_width
         resp_cols = self.attention_mask[:, self.prompt_width :].any(0).nonzero()
@@ -189,12 +260,12 @@ class RolloutBatch:
     ) -> RolloutBatch:
         """Pad ``rollouts`` into tensors (prompts left-padded, responses right-padded)."""
         n = len(rollouts)
-        if n == 0 or n % group_size:
+        if n % group_size:
             raise ValueError(
                 f"RolloutBatch needs whole groups: got {n} responses for group_size={group_size}."
             )
-        P = max(len(p) for p in rollouts.prompt_ids)
-        T = max(1, max(len(r) for r in rollouts.response_ids))
+        P = max((len(p) for p in rollouts.prompt_ids), default=1)
+        T = max(1, max((len(r) for r in rollouts.response_ids), default=1))
         input_ids = torch.full((n, P + T), pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((n, P + T), dtype=torch.long)
         response_mask = torch.zeros((n, T), dtype=torch.float32)
@@ -223,7 +294,17 @@ class RolloutBatch:
             truncated=rollouts.truncated,
             response_length=rollouts.response_length,
             sample_version=sample_version.long(),
-            policy_version=int(sample_version.max()),
+            policy_version=int(sample_version.max()) if n else rollouts.policy_version,
             group_size=group_size,
+            sampling=rollouts.sampling,
             stats=dict(stats or {}),
         )
+
+
+@dataclass
+class EndOfTraining:
+    """What the data module hands the module instead of a batch when nothing is left to train
+    on (every prompt solved, or dynamic sampling gave up with ``on_exhausted="stop"``): the
+    module stops the run cleanly with ``reason``."""
+
+    reason: str

@@ -13,6 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 
+class PromptsExhausted(RuntimeError):
+    """No prompt is eligible any more (every prompt retired or parked)."""
+
+
 class PromptSampler:
     """Draws prompt indices for one rank, epoch after epoch.
 
@@ -77,7 +81,7 @@ class PromptSampler:
                 if not found_this_epoch:
                     empty_epochs += 1
                     if empty_epochs >= max_empty_epochs:
-                        raise RuntimeError(
+                        raise PromptsExhausted(
                             f"no prompt is eligible for {empty_epochs} epochs in a row: every "
                             "prompt is retired or parked. Add prompts, raise retire_after / "
                             "park_after, or lower revisit_every."

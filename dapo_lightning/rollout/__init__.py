@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING, Any
 from dapo_lightning.rollout.base import Completion, FinishReason, RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.hf import HFRolloutEngine
 from dapo_lightning.rollout.parity import ParityMonitor, logprob_parity
+from dapo_lightning.rollout.session import EngineSession, full_named_tensors
 
 if TYPE_CHECKING:
     from dapo_lightning.rollout.vllm import VLLMRolloutEngine
 
 __all__ = [
     "Completion",
+    "EngineSession",
     "FinishReason",
     "HFRolloutEngine",
     "ParityMonitor",
@@ -23,6 +25,7 @@ __all__ = [
     "SamplingConfig",
     "VLLMRolloutEngine",
     "create_engine",
+    "full_named_tensors",
     "logprob_parity",
     "ENGINE_KINDS",
 ]

@@ -11,7 +11,7 @@ from torch import Tensor
 FinishReason = Literal["stop", "length"]
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingConfig:
     """How responses are sampled.
 

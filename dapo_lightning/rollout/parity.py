@@ -7,10 +7,13 @@ push, tied embeddings left stale, dtype drift) shows up here and nowhere else.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
-from dapo_lightning.data.batch import RolloutBatch
+if TYPE_CHECKING:  # data.batch imports rollout.base: no runtime import here (cycle)
+    from dapo_lightning.data.batch import RolloutBatch
 
 
 def logprob_parity(trainer_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> dict[str, float]:

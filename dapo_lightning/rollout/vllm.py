@@ -9,8 +9,7 @@ What the engine guarantees:
 * ``load_weights`` pushes checkpoint-format tensors with vLLM's in-place
   ``reload_weights`` and then clears the prefix cache (KV blocks computed with the old weights).
   With tied embeddings, ``named_parameters()`` has no ``lm_head.weight``; pushing it as is
-  raises nothing but leaves vLLM sampling from wrong weights, so the engine adds
-  ``lm_head.weight`` itself when the engine's model ties embeddings and it was not pushed.
+  would leave vLLM sampling from wrong weights without an error, so it is refused.
 
 vLLM is imported only when an engine is built: importing this module costs nothing.
 """
@@ -24,14 +23,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from dapo_lightning.rollout.base import Completion, SamplingConfig
 
 log = logging.getLogger(__name__)
-
-#: Name fragments that wrappers (FSDP1, activation checkpointing, torch.compile) insert.
-WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -54,58 +50,6 @@ def import_vllm() -> Any:
     except ImportError as err:
         raise ImportError(_INSTALL_HINT) from err
     return vllm
-
-
-def strip_wrapper_prefixes(name: str) -> str:
-    """Checkpoint name of a parameter of a wrapped module.
-
-    Removes :data:`WRAPPER_PREFIXES` anywhere in ``name`` and a leading ``module.``
-    (DistributedDataParallel / DeepSpeed engine).
-    """
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    while name.startswith("module."):
-        name = name[len("module.") :]
-    return name
-
-
-def gather_full_state_dict(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(checkpoint name, full tensor)`` for every entry of ``module.state_dict()``.
-
-    One tensor at a time, so at most one gathered parameter is alive beyond the shards:
-
-    * plain tensors are yielded detached (no copy);
-    * FSDP2 / DTensor shards are gathered with ``DTensor.full_tensor()`` (a collective:
-      every rank must iterate);
-    * DeepSpeed ZeRO-3 partitioned parameters (those with ``ds_id``) are gathered with
-      ``deepspeed.zero.GatheredParameters`` and copied out before the context exits
-      (a collective too; pass the DeepSpeed engine or its ``.module``);
-    * FSDP1 (``FullyShardedDataParallel``) gathers in its own ``state_dict()`` (full state
-      dict type, the default), which holds the whole unsharded state at once.
-
-    Names are stripped of wrapper prefixes (:func:`strip_wrapper_prefixes`). Tied weights
-    appear under every name ``state_dict()`` gives them (``lm_head.weight`` included), i.e.
-    the checkpoint format vLLM loads.
-    """
-    # FSDP1's own state_dict() (default FULL_STATE_DICT) all-gathers and strips its prefixes;
-    # it materialises the whole state at once. FSDP2 / ZeRO-3 are gathered one tensor at a time.
-    for name, value in module.state_dict(keep_vars=True).items():
-        yield strip_wrapper_prefixes(name), _full_tensor(value)
-
-
-def _full_tensor(value: Tensor) -> Tensor:
-    if hasattr(value, "ds_id"):  # DeepSpeed ZeRO-3 partitioned parameter
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
-            return value.data.detach().clone()
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        DTensor = ()  # type: ignore[assignment]
-    if isinstance(value, DTensor):
-        return value.full_tensor().detach()
-    return value.detach()
 
 
 def _group_key(name: str) -> str:
@@ -295,36 +239,36 @@ class VLLMRolloutEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Push checkpoint-format weights into the engine, in buckets, then drop cached KV.
 
-        Names are those of the HF model's ``state_dict()`` (wrapper prefixes are stripped).
-        Tensors are converted to the engine dtype lazily, one bucket of about
-        ``weight_bucket_bytes`` at a time. vLLM's ``reload_weights`` accepts partial weights:
-        layers absent from a call keep their current values, so each bucket is one call;
-        buckets never split a decoder block (fused q/k/v, gate/up must arrive together).
-        If the engine ties embeddings and ``lm_head.weight`` was not pushed (e.g. the
-        module's ``named_parameters()``), ``model.embed_tokens.weight`` is pushed as it too.
-        Call it on every rank (collective under ``distributed``).
+        Names are those of the HF model's ``state_dict()``: what
+        :func:`~dapo_lightning.rollout.session.full_named_tensors` yields (the engine session
+        is the one caller in the library). Tensors are converted to the engine dtype lazily,
+        one bucket of about ``weight_bucket_bytes`` at a time. vLLM's ``reload_weights``
+        accepts partial weights: layers absent from a call keep their current values, so each
+        bucket is one call; buckets never split a decoder block (fused q/k/v, gate/up must
+        arrive together). Call it on every rank (collective under ``distributed``).
+
+        Raises:
+            ValueError: nothing was pushed, or the engine ties embeddings and no
+                ``lm_head.weight`` came (``named_parameters()`` instead of the full state:
+                vLLM would sample from stale weights without an error; docs/design.md).
         """
         seen: set[str] = set()
-        embed: Tensor | None = None
 
         def converted() -> Iterator[tuple[str, Tensor]]:
-            nonlocal embed
             for name, tensor in named_tensors:
-                name = strip_wrapper_prefixes(name)
-                t = tensor.detach().to(dtype=self.torch_dtype)
                 seen.add(name)
-                if name == "model.embed_tokens.weight":
-                    embed = t
-                yield name, t
+                yield name, tensor.detach().to(dtype=self.torch_dtype)
 
-        pushed = 0
         for bucket in bucket_named_tensors(converted(), self.weight_bucket_bytes):
             self._reload(bucket)
-            pushed += len(bucket)
-        if pushed == 0:
-            raise ValueError("load_weights got no tensors: pass the model's state_dict().items().")
-        if self.tie_word_embeddings and "lm_head.weight" not in seen and embed is not None:
-            self._reload([("lm_head.weight", embed)])
+        if not seen:
+            raise ValueError("load_weights got no tensors: pass full_named_tensors(policy).")
+        if self.tie_word_embeddings and "lm_head.weight" not in seen:
+            raise ValueError(
+                "load_weights got no lm_head.weight but the model ties embeddings: push the "
+                "full state (full_named_tensors(policy), which includes tied weights), not "
+                "named_parameters()."
+            )
         self.llm.reset_prefix_cache()
 
     def _reload(self, bucket: list[tuple[str, Tensor]]) -> None:

@@ -1,0 +1,603 @@
+"""The rollout producer: DAPO's dynamic sampling (paper Sec. 3.2) as generate, score, shape, filter.
+
+One call of :meth:`RolloutProducer.next_batch` runs *generation rounds*: each draws
+``gen_batch_size / world_size`` prompts for this rank, samples ``n`` responses per prompt,
+scores them, hands them to ``on_scored`` (the data module dispatches the ``on_rollouts_scored``
+callback hook there: overlong punishment, masks), then keeps only groups whose *filter metric*
+varies within the group (a group where every response is equally right or wrong has zero
+advantage and only dilutes the batch). Rounds repeat until ``train_batch_size / world_size``
+groups are kept. The end game (docs/design.md, "Dynamic sampling"):
+
+* prompts solved ``retire_after`` visits in a row are retired (never drawn again);
+* when ``max_num_gen_batches`` rounds run out, ``on_exhausted`` decides: ``"train_on_kept"``
+  (default: the batch holds the groups kept so far; exact under token-mean, whose normaliser
+  counts the tokens actually there; ``data/short_batch`` says so), ``"stop"`` (end the run
+  cleanly) or ``"error"`` (:class:`DynamicSamplingError`);
+* when no eligible prompt is left (all retired or parked), :class:`TrainingComplete` ends
+  the run cleanly.
+
+Ranks stay in lockstep: after every round all ranks sum (short, failed, exhausted, stop)
+flags; a full rank generates nothing but keeps joining the sum until every rank is full, so no
+collective can hang. An exception on one rank is raised on every rank after the same round.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.data.difficulty import DifficultyTracker, subsample_keep_variance
+from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted
+from dapo_lightning.data.sources import PromptRecord
+from dapo_lightning.interrupt import StopRequested, stop_requested
+from dapo_lightning.rewards.base import RewardRunner
+from dapo_lightning.rollout.base import SamplingConfig
+from dapo_lightning.rollout.session import EngineSession
+
+FilterMetric = Literal["acc", "score", "reward"] | None
+OnExhausted = Literal["train_on_kept", "stop", "error"]
+
+#: How the producer's per-rank statistics combine over ranks (others: mean over ranks).
+STAT_OPS: dict[str, Literal["sum", "max"]] = {
+    "data/generated_groups": "sum",
+    "data/kept_groups": "sum",
+    "data/batch_groups": "sum",
+    "data/carried_groups": "sum",
+    "data/dropped_stale_groups": "sum",
+    "data/generated_tokens": "sum",
+    "data/reward_failures": "sum",
+    "data/retired": "sum",
+    "data/parked": "sum",
+    "data/dropped_prompts": "sum",
+    "data/gen_rounds": "max",
+    "data/gen_seconds": "max",
+    "data/score_seconds": "max",
+    "data/short_batch": "max",
+}
+
+
+class DynamicSamplingError(RuntimeError):
+    """Generation rounds ran out (``max_num_gen_batches``) before the batch was full."""
+
+
+class TrainingComplete(Exception):
+    """Nothing is left to train on (every prompt retired, or rounds ran out with ``stop``)."""
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """How rollout batches are produced: group size, batch sizes, filter and end game.
+
+    Args:
+        n: Responses per prompt, the group size G (paper 16). >= 2 when filtering.
+        train_batch_size: Groups per rollout step over all ranks (paper 512).
+        gen_batch_size: Prompts per generation round over all ranks (None: train_batch_size;
+            larger values waste fewer rounds when many groups are filtered).
+        filter_metric: Per-response value whose within-group std must be > 0 for a group to be
+            kept: ``"acc"`` (default; shaping never decides the filter), ``"score"`` (raw
+            reward), ``"reward"`` (shaped reward), or None (keep everything: GRPO baseline).
+        max_num_gen_batches: Most generation rounds per batch (0: unlimited).
+        on_exhausted: When rounds run out: ``"train_on_kept"``, ``"stop"`` or ``"error"``.
+        carry_over: Keep surplus kept groups for the next step instead of dropping them
+            (verl drops them). They are then ``updates per step`` updates stale; the module
+            corrects them with the engine's log-probs (``stale_tis_cap``).
+        max_staleness: Carried groups older than this many policy versions are dropped
+            (``data/dropped_stale_groups``); None keeps them whatever their age.
+        retire_after: Retire prompts all-correct in this many visits in a row (0: never).
+        park_after: Park prompts never solved after this many visits (0: never).
+        revisit_every: Epochs a parked prompt waits before it is visited again.
+        adaptive_n: Difficulty-adaptive group sizes within a fixed sample budget
+            (:mod:`dapo_lightning.data.difficulty`).
+        max_n: Largest adaptive group size (None: 2n).
+
+    Raises:
+        ValueError: a setting out of range, named with the fix.
+    """
+
+    n: int = 16
+    train_batch_size: int = 512
+    gen_batch_size: int | None = None
+    filter_metric: FilterMetric = "acc"
+    max_num_gen_batches: int = 10
+    on_exhausted: OnExhausted = "train_on_kept"
+    carry_over: bool = False
+    max_staleness: int | None = None
+    retire_after: int = 3
+    park_after: int = 0
+    revisit_every: int = 1
+    adaptive_n: bool = False
+    max_n: int | None = None
+
+    def __post_init__(self) -> None:
+        _at_least(self.n, 1, "n", "responses per prompt")
+        _at_least(self.train_batch_size, 1, "train_batch_size", "groups per rollout step")
+        if self.gen_batch_size is not None:
+            _at_least(self.gen_batch_size, 1, "gen_batch_size", "prompts per round, or null")
+        if self.filter_metric not in ("acc", "score", "reward", None):
+            raise ValueError(
+                f"filter_metric must be 'acc', 'score', 'reward' or null, got {self.filter_metric!r}."
+            )
+        if self.filter_metric is not None and self.n < 2:
+            raise ValueError(
+                f"n={self.n} with filter_metric={self.filter_metric!r}: a group of one response "
+                "never has variance; use n >= 2 or filter_metric: null."
+            )
+        _at_least(self.max_num_gen_batches, 0, "max_num_gen_batches", "0 = unlimited")
+        if self.on_exhausted not in ("train_on_kept", "stop", "error"):
+            raise ValueError(
+                "on_exhausted must be 'train_on_kept', 'stop' or 'error', "
+                f"got {self.on_exhausted!r}."
+            )
+        if self.max_staleness is not None:
+            _at_least(self.max_staleness, 0, "max_staleness", "policy versions, or null")
+        _at_least(self.retire_after, 0, "retire_after", "0 = never")
+        _at_least(self.park_after, 0, "park_after", "0 = never")
+        _at_least(self.revisit_every, 1, "revisit_every", "epochs")
+        if self.adaptive_n and self.group_max < self.n:
+            raise ValueError(f"max_n={self.max_n} must be >= n={self.n}.")
+
+    @property
+    def prompts_per_round(self) -> int:
+        """``gen_batch_size``, or ``train_batch_size`` when it is None."""
+        return self.gen_batch_size or self.train_batch_size
+
+    @property
+    def group_max(self) -> int:
+        """The largest adaptive group size (``max_n`` or ``2 n``)."""
+        return self.max_n if self.max_n is not None else 2 * self.n
+
+    def check_split(self, world_size: int, num_prompts: int) -> None:
+        """Raise unless the batch sizes split over ``world_size`` ranks and fit the prompts."""
+        for name, value in (
+            ("train_batch_size", self.train_batch_size),
+            ("gen_batch_size", self.prompts_per_round),
+        ):
+            if value < world_size or value % world_size:
+                raise ValueError(
+                    f"{name}={value} is global (over all ranks) and must be a positive multiple "
+                    f"of world_size={world_size}: use e.g. {max(1, value // world_size) * world_size}."
+                )
+        per_rank = num_prompts // world_size
+        if self.prompts_per_round // world_size > per_rank:
+            raise ValueError(
+                f"gen_batch_size (or train_batch_size when it is null) = {self.prompts_per_round} "
+                f"prompts per round is more than the {num_prompts} training prompts "
+                f"({per_rank} per rank): every round would draw the same prompts several times. "
+                "Lower gen_batch_size / train_batch_size or add prompts."
+            )
+
+    def make_tracker(self) -> DifficultyTracker | None:
+        """Per-prompt statistics when retiring, parking or adaptive sizes need them."""
+        if self.retire_after or self.park_after or self.adaptive_n:
+            return DifficultyTracker(self.retire_after, self.park_after, self.revisit_every)
+        return None
+
+
+def _at_least(value: int, low: int, name: str, what: str) -> None:
+    if value < low:
+        raise ValueError(f"{name} must be >= {low} ({what}), got {value}.")
+
+
+def concat_rollouts(parts: Sequence[ScoredRollouts]) -> ScoredRollouts:
+    """Concatenate rollouts; group ids are renumbered so groups stay distinct and contiguous."""
+    if not parts:
+        raise ValueError("nothing to concatenate.")
+    group_index, offset = [], 0
+    for p in parts:
+        if len(p):
+            group_index.append(p.group_index + offset)
+            offset += p.num_groups
+    keys = set().union(*(p.extra.keys() for p in parts))
+    return ScoredRollouts(
+        prompt_ids=[x for p in parts for x in p.prompt_ids],
+        response_ids=[x for p in parts for x in p.response_ids],
+        rollout_log_probs=[x for p in parts for x in p.rollout_log_probs],
+        finish_reason=[x for p in parts for x in p.finish_reason],
+        group_index=torch.cat(group_index) if group_index else torch.zeros(0, dtype=torch.long),
+        prompt_uid=[x for p in parts for x in p.prompt_uid],
+        score=torch.cat([p.score for p in parts]),
+        acc=torch.cat([p.acc for p in parts]),
+        sampling=parts[0].sampling,
+        policy_version=max(p.policy_version for p in parts),
+        reward=torch.cat([p.reward for p in parts]),
+        loss_mask=torch.cat([p.loss_mask for p in parts]),
+        extra={k: [x for p in parts for x in p.extra.get(k, [None] * len(p))] for k in keys},
+    )
+
+
+def group_has_variance(values: Tensor, group_index: Tensor) -> Tensor:
+    """``[G]`` bool: True where the group's values are not all equal (std > 0 <=> max > min)."""
+    num_groups = int(group_index.max()) + 1 if len(group_index) else 0
+    v = values.float()
+    hi = torch.full((num_groups,), -torch.inf).scatter_reduce(0, group_index, v, "amax")
+    lo = torch.full((num_groups,), torch.inf).scatter_reduce(0, group_index, v, "amin")
+    return hi > lo
+
+
+def all_reduce_flags(flags: list[int]) -> list[int]:
+    """Sum integer flags over all ranks (identity without an initialised process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(flags)
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(flags, dtype=torch.long, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def numeric_extras(extra: dict[str, list[Any]]) -> dict[str, list[float]]:
+    """The reward's ``extra`` fields whose every value is a number or bool (None skipped)."""
+    out: dict[str, list[float]] = {}
+    for key, values in extra.items():
+        present = [v for v in values if v is not None]
+        if present and all(isinstance(v, (int, float, bool)) for v in present):
+            out[key] = [float(v) for v in present]
+    return out
+
+
+class RolloutProducer:
+    """Produces on-policy :class:`RolloutBatch` es of ``train_batch_size`` groups of ``n``.
+
+    Works without Lightning (no trainer, module or callback list).
+
+    Args:
+        session: The engine session (builds the engine, keeps its weights current).
+        reward_runner: Scores responses (:class:`~dapo_lightning.rewards.base.RewardRunner`).
+        records: Training prompts, tokenized (``prompt_ids`` set).
+        config: The dynamic-sampling settings.
+        decode: Token ids -> response text for the reward; used when the engine gives no text.
+        pad_token_id: Padding id of the batch tensors.
+        sampling: Sampling settings of training rollouts.
+        seed: Seeds the prompt order and the adaptive subsampling.
+        rank: This rank.
+        world_size: Number of ranks.
+        sync: Sums integer flags over ranks (the data module passes the strategy's reduce;
+            default: ``torch.distributed`` all-reduce when initialised).
+        on_scored: Called with every round's scored rollouts before the filter (shaping).
+
+    Raises:
+        ValueError: bad settings for this world size or prompt set; untokenized prompts.
+    """
+
+    def __init__(
+        self,
+        session: EngineSession,
+        reward_runner: RewardRunner,
+        records: Sequence[PromptRecord],
+        config: DynamicSamplingConfig,
+        *,
+        decode: Callable[[list[int]], str],
+        pad_token_id: int,
+        sampling: SamplingConfig,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        sync: Callable[[list[int]], list[int]] | None = None,
+        on_scored: Callable[[ScoredRollouts], None] | None = None,
+    ) -> None:
+        config.check_split(world_size, len(records))
+        missing = [r.uid for r in records if r.prompt_ids is None]
+        if missing:
+            raise ValueError(f"{len(missing)} prompts are not tokenized (e.g. uid {missing[0]}).")
+        self.session = session
+        self.reward_runner = reward_runner
+        self.records = list(records)
+        self.config = config
+        self.decode = decode
+        self.pad_token_id = pad_token_id
+        self.sampling = sampling
+        self.world_size = world_size
+        self.local_train = config.train_batch_size // world_size
+        self.local_gen = config.prompts_per_round // world_size
+        self.sync = sync or all_reduce_flags
+        self.on_scored = on_scored
+        self.tracker = config.make_tracker()
+        self.sampler = PromptSampler(len(self.records), seed=seed, rank=rank, world_size=world_size)
+        self.rng = random.Random(f"{seed}-{rank}-subsample")
+        self.carried: list[tuple[ScoredRollouts, list[int]]] = []
+        self.drawn_uids: list[str] = []  # uids drawn by the last next_batch (tests, logging)
+
+    # ------------------------------------------------------------------ scoring
+    def score(
+        self,
+        records: Sequence[PromptRecord],
+        sizes: Sequence[int],
+        sampling: SamplingConfig,
+        policy_version: int,
+        stats: dict[str, float] | None = None,
+    ) -> ScoredRollouts:
+        """Sample ``sizes[i]`` responses for ``records[i]`` and score them (no shaping, no filter)."""
+        stats = stats if stats is not None else {}
+        t0 = time.perf_counter()
+        engine = self.session.engine
+        completions: list[list[Any]] = [[] for _ in records]
+        for size in sorted(set(sizes)):
+            which = [i for i, s in enumerate(sizes) if s == size]
+            out = engine.generate([records[i].prompt_ids for i in which], size, sampling)
+            if len(out) != len(which) or any(len(c) != size for c in out):
+                raise RuntimeError(
+                    f"engine {type(engine).__name__} returned {[len(c) for c in out]} "
+                    f"completions for {len(which)} prompts x n={size}: it must return n per prompt."
+                )
+            for i, c in zip(which, out):
+                completions[i] = c
+        t1 = time.perf_counter()
+        flat = [(g, rec, c) for g, (rec, cs) in enumerate(zip(records, completions)) for c in cs]
+        texts = [c.text if c.text is not None else self.decode(list(c.token_ids)) for *_, c in flat]
+        results = self.reward_runner.score(
+            texts,
+            [rec.answer for _, rec, _ in flat],
+            [{"data_source": rec.data_source} for _, rec, _ in flat],
+        )
+        t2 = time.perf_counter()
+        extra_keys = set().union(*(r.extra.keys() for r in results)) if results else set()
+        rollouts = ScoredRollouts(
+            prompt_ids=[list(rec.prompt_ids) for _, rec, _ in flat],
+            response_ids=[list(c.token_ids) for *_, c in flat],
+            rollout_log_probs=[list(c.log_probs) for *_, c in flat],
+            finish_reason=[c.finish_reason for *_, c in flat],
+            group_index=torch.tensor([g for g, *_ in flat], dtype=torch.long),
+            prompt_uid=[rec.uid for _, rec, _ in flat],
+            score=torch.tensor([r.score for r in results], dtype=torch.float32),
+            acc=torch.tensor([float(r.acc) for r in results], dtype=torch.float32),
+            sampling=sampling,
+            policy_version=policy_version,
+            extra={k: [r.extra.get(k) for r in results] for k in extra_keys},
+        )
+        _add(stats, "data/gen_seconds", t1 - t0)
+        _add(stats, "data/score_seconds", t2 - t1)
+        _add(stats, "data/generated_tokens", float(sum(len(r) for r in rollouts.response_ids)))
+        _add(stats, "data/reward_failures", float(self.reward_runner.last_failures))
+        for key, values in numeric_extras(rollouts.extra).items():
+            _add(stats, f"reward/{key}", sum(values))
+            _add(stats, f"_count/reward/{key}", float(len(values)))
+        return rollouts
+
+    # ------------------------------------------------------------------ rounds
+    def _draw(self) -> tuple[list[PromptRecord], list[int]]:
+        tracker = self.tracker
+        eligible = None
+        if tracker is not None:
+
+            def eligible(i: int, epoch: int) -> bool:
+                return tracker.eligible(self.records[i].uid, epoch)
+
+        n = self.config.n
+        if not self.config.adaptive_n:
+            recs = [self.records[i] for i in self.sampler.take(self.local_gen, eligible)]
+            return recs, [n] * len(recs)
+        budget = self.local_gen * n
+        recs, sizes = [], []
+        while budget >= n:
+            rec = self.records[self.sampler.take(1, eligible)[0]]
+            size = min(tracker.group_size(rec.uid, n, self.config.group_max), budget)
+            recs.append(rec)
+            sizes.append(size)
+            budget -= size
+        return recs, sizes
+
+    def _round(self, policy_version: int, stats: dict[str, float]) -> ScoredRollouts | None:
+        """One generation round: draw, sample, score, shape, filter. None if nothing kept."""
+        records, sizes = self._draw()
+        self.drawn_uids.extend(r.uid for r in records)
+        rollouts = self.score(records, sizes, self.sampling, policy_version, stats)
+        if self.tracker is not None:
+            for g, rec in enumerate(records):
+                accs = rollouts.acc[rollouts.group_index == g].tolist()
+                self.tracker.update(rec.uid, accs, self.sampler.epoch)
+        if any(s != self.config.n for s in sizes):
+            keep: list[int] = []
+            for g in range(len(records)):
+                members = (rollouts.group_index == g).nonzero().flatten().tolist()
+                sub = subsample_keep_variance(
+                    rollouts.acc[members].tolist(), self.config.n, self.rng
+                )
+                keep.extend(members[j] for j in sub)
+            rollouts = rollouts.select(keep)
+        if self.on_scored is not None:
+            self.on_scored(rollouts)
+        _add(stats, "data/generated_groups", float(len(records)))
+        metric = self.config.filter_metric
+        if metric is None:
+            _add(stats, "data/kept_groups", float(len(records)))
+            return rollouts
+        keep_group = group_has_variance(getattr(rollouts, metric), rollouts.group_index)
+        _add(stats, "data/kept_groups", float(keep_group.sum()))
+        keep_idx = keep_group[rollouts.group_index].nonzero().flatten().tolist()
+        return rollouts.select(keep_idx) if keep_idx else None
+
+    def _carried_within_staleness(
+        self, policy_version: int, stats: dict[str, float]
+    ) -> list[tuple[ScoredRollouts, list[int]]]:
+        kept, limit = [], self.config.max_staleness
+        for rollouts, versions in self.carried:
+            if limit is not None and policy_version - min(versions) > limit:
+                _add(stats, "data/dropped_stale_groups", float(rollouts.num_groups))
+                continue
+            kept.append((rollouts, versions))
+        self.carried = []
+        return kept
+
+    def next_batch(self, policy_version: int = 0) -> RolloutBatch:
+        """Run generation rounds until this rank holds ``train_batch_size / world_size`` groups.
+
+        Args:
+            policy_version: Weight version of the policy now (stamped on new responses; the
+                engine is brought to it first, on every rank).
+
+        Raises:
+            TrainingComplete: no eligible prompt is left, or rounds ran out with ``stop``.
+            DynamicSamplingError: rounds ran out with ``on_exhausted="error"``.
+            StopRequested: a stop was requested (signal) between rounds.
+        """
+        stats = dict.fromkeys(STAT_OPS, 0.0)  # the same names on every rank (reduced over ranks)
+        kept = self._carried_within_staleness(policy_version, stats)
+        self.drawn_uids = []
+        have = sum(r.num_groups for r, _ in kept)
+        rounds = 0
+        with self.session.generating(policy_version):
+            while True:
+                error: BaseException | None = None
+                exhausted = False
+                if have < self.local_train and stop_requested() is None:
+                    try:
+                        got = self._round(policy_version, stats)
+                        _add(stats, "data/gen_rounds", 1.0)
+                        if got is not None and len(got):
+                            kept.append((got, [policy_version] * len(got)))
+                            have += got.num_groups
+                    except PromptsExhausted:
+                        exhausted = True
+                    except Exception as e:  # noqa: BLE001 - re-raised after the collective below
+                        error = e
+                rounds += 1
+                short, failed, out_of_prompts, stop = self.sync(
+                    [
+                        int(have < self.local_train),
+                        int(error is not None),
+                        int(exhausted),
+                        int(stop_requested() is not None),
+                    ]
+                )
+                if error is not None:
+                    raise error
+                if failed:
+                    raise RuntimeError(
+                        "another rank failed during a generation round (its own error is in its log)."
+                    )
+                if stop:
+                    raise StopRequested(stop_requested() or "a stop was requested on another rank")
+                if out_of_prompts:
+                    raise TrainingComplete(self._solved_message())
+                if not short:
+                    break
+                if self.config.max_num_gen_batches and rounds >= self.config.max_num_gen_batches:
+                    self._out_of_rounds(have, short, stats)
+                    break
+        return self._assemble(kept, policy_version, stats)
+
+    def _solved_message(self) -> str:
+        t = self.tracker
+        retired, parked = (t.num_retired, t.num_parked) if t is not None else (0, 0)
+        return (
+            f"no training prompt is left to sample: {retired} of {len(self.records)} are retired "
+            f"(all-correct {self.config.retire_after} visits in a row) and {parked} parked. "
+            "The training set is solved; add harder prompts to continue."
+        )
+
+    def _out_of_rounds(self, have: int, short_ranks: int, stats: dict[str, float]) -> None:
+        gen = stats.get("data/generated_groups", 0.0)
+        frac = 1 - stats.get("data/kept_groups", 0.0) / gen if gen else 0.0
+        msg = (
+            f"dynamic sampling ran out of rounds (max_num_gen_batches="
+            f"{self.config.max_num_gen_batches}): this rank kept {have} of the {self.local_train} "
+            f"groups a batch needs ({short_ranks} of {self.world_size} ranks short); of "
+            f"{int(gen)} groups generated here {frac:.0%} had zero variance of "
+            f"{self.config.filter_metric!r}."
+        )
+        if self.config.on_exhausted == "error":
+            raise DynamicSamplingError(
+                msg + " Raise n, add prompts, raise max_num_gen_batches (0 = unlimited), set "
+                "on_exhausted: train_on_kept, or filter_metric: null."
+            )
+        if self.config.on_exhausted == "stop":
+            raise TrainingComplete(msg + " Stopping (on_exhausted: stop).")
+        stats["data/short_batch"] = 1.0
+
+    def _assemble(
+        self,
+        kept: list[tuple[ScoredRollouts, list[int]]],
+        policy_version: int,
+        stats: dict[str, float],
+    ) -> RolloutBatch:
+        n = self.config.n
+        parts = [r for r, _ in kept] or [self._empty()]
+        allr = concat_rollouts(parts)
+        versions = [v for _, vs in kept for v in vs]
+        end = int((allr.group_index < self.local_train).sum())
+        if end < len(allr) and self.config.carry_over:
+            self.carried = [(allr.select(list(range(end, len(allr)))), versions[end:])]
+        batch_r = allr.select(list(range(end)))
+        sample_version = torch.tensor(versions[:end], dtype=torch.long)
+        gen = stats.get("data/generated_groups", 0.0)
+        kept_frac = stats.get("data/kept_groups", 0.0) / gen if gen else 1.0
+        for key in [k for k in stats if k.startswith("_count/")]:
+            name = key[len("_count/") :]
+            stats[name] = stats[name] / max(stats.pop(key), 1.0)
+        stats.update(
+            {
+                "data/kept_frac": kept_frac,
+                "data/zero_variance_frac": 1.0 - kept_frac if gen else 0.0,
+                "data/batch_groups": float(batch_r.num_groups),
+                "data/carried_groups": float(self.carried[0][0].num_groups if self.carried else 0),
+                "data/epoch": float(self.sampler.epoch),
+            }
+        )
+        stats.setdefault("data/short_batch", 0.0)
+        if self.tracker is not None:
+            stats["data/retired"] = float(self.tracker.num_retired)
+            stats["data/parked"] = float(self.tracker.num_parked)
+        return RolloutBatch.from_rollouts(
+            batch_r,
+            group_size=n,
+            pad_token_id=self.pad_token_id,
+            sample_version=sample_version if end else None,
+            stats=stats,
+        )
+
+    def _empty(self) -> ScoredRollouts:
+        return ScoredRollouts(
+            prompt_ids=[],
+            response_ids=[],
+            rollout_log_probs=[],
+            finish_reason=[],
+            group_index=torch.zeros(0, dtype=torch.long),
+            prompt_uid=[],
+            score=torch.zeros(0),
+            acc=torch.zeros(0),
+            sampling=self.sampling,
+        )
+
+    # ------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Prompt cursor and epoch, subsampling RNG, per-prompt statistics, carried groups."""
+        return {
+            "sampler": self.sampler.state_dict(),
+            "rng": self.rng.getstate(),
+            "tracker": self.tracker.state_dict() if self.tracker is not None else None,
+            "carried": [(r.state_dict(), v) for r, v in self.carried],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.sampler.load_state_dict(state["sampler"])
+        rng = state["rng"]
+        self.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
+        if self.tracker is not None and state.get("tracker") is not None:
+            self.tracker.load_state_dict(state["tracker"])
+        self.carried = [(ScoredRollouts.from_state_dict(r), list(v)) for r, v in state["carried"]]
+
+
+def _add(stats: dict[str, float], key: str, value: float) -> None:
+    stats[key] = stats.get(key, 0.0) + value
+
+
+__all__ = [
+    "DynamicSamplingConfig",
+    "DynamicSamplingError",
+    "RolloutProducer",
+    "TrainingComplete",
+    "all_reduce_flags",
+    "concat_rollouts",
+    "group_has_variance",
+]

@@ -1,0 +1,237 @@
+"""The engine session: the one place that builds the rollout engine and keeps its weights current.
+
+It owns, for one rank:
+
+* building the engine on first use (``"hf"``: sampling with the policy module itself, or its
+  own unsharded copy when the policy is sharded; ``"vllm"``: an in-process ``vllm.LLM``; or
+  an engine object given by the user);
+* waking a sleep-mode engine for generation and putting it back to sleep after;
+* the weight version the engine holds, and the push of the policy's weights when the trainer's
+  version is newer: gathered, full, checkpoint-named tensors (tied weights included; see
+  docs/design.md, "the tied-embedding trap") from whatever wraps the policy (DDP, FSDP1,
+  FSDP2, DeepSpeed ZeRO-3). Nothing else in the library decides what an engine receives.
+
+Pushing is a collective when the policy is sharded (every rank gathers every tensor in the
+same order), so :meth:`EngineSession.sync` must be called on every rank with the same
+version; the rollout producer does so at the start of every batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import Tensor, nn
+
+from dapo_lightning.rollout.base import RolloutEngine
+
+#: Name fragments that wrappers (FSDP1, activation checkpointing, torch.compile) insert.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def strip_wrapper_prefixes(name: str) -> str:
+    """Checkpoint name of a parameter of a wrapped module.
+
+    Removes :data:`WRAPPER_PREFIXES` anywhere in ``name`` and a leading ``module.``
+    (DistributedDataParallel / DeepSpeed engine).
+    """
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """True when any parameter of ``module`` is a DTensor shard (FSDP2) or ZeRO-3 partition."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in module.parameters())
+
+
+def full_named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(checkpoint name, full tensor)`` for every entry of ``module.state_dict()``.
+
+    One tensor at a time, so at most one gathered parameter is alive beyond the shards:
+
+    * plain tensors (single process, DDP) are yielded detached (no copy);
+    * FSDP2 / DTensor shards are gathered with ``DTensor.full_tensor()`` (a collective:
+      every rank must iterate);
+    * DeepSpeed ZeRO-3 partitioned parameters (those with ``ds_id``) are gathered with
+      ``deepspeed.zero.GatheredParameters`` and copied out (a collective too);
+    * FSDP1 (``FullyShardedDataParallel``) gathers in its own ``state_dict()`` (the default
+      full state-dict type), which holds the whole unsharded state at once.
+
+    Names are stripped of wrapper prefixes; tied weights appear under every name
+    ``state_dict()`` gives them (``lm_head.weight`` included): the format vLLM loads.
+    """
+    for name, value in module.state_dict(keep_vars=True).items():
+        yield strip_wrapper_prefixes(name), _full_tensor(value)
+
+
+def _full_tensor(value: Tensor) -> Tensor:
+    if hasattr(value, "ds_id"):  # DeepSpeed ZeRO-3 partitioned parameter
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
+            return value.data.detach().clone()
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach()
+    return value.detach()
+
+
+class EngineSession:
+    """One rank's rollout engine: built lazily, awake while generating, with current weights.
+
+    Args:
+        engine: ``"hf"``, ``"vllm"``, or an object implementing
+            :class:`~dapo_lightning.rollout.base.RolloutEngine`.
+        engine_kwargs: Constructor options of an engine given by name.
+        model_path: Checkpoint folder or hub id (vLLM loads it; the HF engine loads its own
+            copy from it when the policy is sharded).
+        tokenizer: Gives the HF engine its EOS / pad ids.
+        seed: Base sampling seed (the HF engine uses ``seed + rank``; vLLM adds the rank
+            itself under ``torch.distributed``).
+        rank: This rank.
+
+    Call :meth:`attach` with a function returning the policy module (possibly wrapped or
+    sharded) before the first generation.
+
+    Example::
+
+        session = EngineSession("hf", tokenizer=tok)
+        session.attach(lambda: module.policy)
+        with session.generating(version=module.policy_version) as engine:
+            groups = engine.generate(prompts, n=16, sampling=SamplingConfig(max_tokens=512))
+    """
+
+    def __init__(
+        self,
+        engine: str | RolloutEngine = "hf",
+        *,
+        engine_kwargs: dict[str, Any] | None = None,
+        model_path: str | None = None,
+        tokenizer: Any = None,
+        seed: int = 0,
+        rank: int = 0,
+    ) -> None:
+        if isinstance(engine, str) and engine not in ("hf", "vllm"):
+            raise ValueError(f"engine={engine!r}: use 'hf', 'vllm' or an engine object.")
+        if engine == "vllm" and model_path is None:
+            raise ValueError("engine='vllm' needs model_path (the checkpoint vLLM loads).")
+        self.kind = engine if isinstance(engine, str) else None
+        self._engine: RolloutEngine | None = None if isinstance(engine, str) else engine
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.model_path = model_path
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.rank = rank
+        self._policy: Callable[[], nn.Module] | None = None
+        #: Weight version the engine holds (0: the weights it was built from).
+        self.version = 0
+        #: Weight pushes done.
+        self.pushes = 0
+        self._pending_state: dict[str, Any] | None = None
+
+    def attach(self, policy: Callable[[], nn.Module]) -> None:
+        """Where the weights come from: ``policy()`` returns the (possibly wrapped) policy."""
+        self._policy = policy
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The engine, built on first use."""
+        if self._engine is None:
+            self._engine = self._build()
+            self.version = 0
+            if self._pending_state is not None:
+                self.load_state_dict(self._pending_state)
+        return self._engine
+
+    def _build(self) -> RolloutEngine:
+        from dapo_lightning.rollout import create_engine
+
+        if self.kind == "vllm":
+            return create_engine(
+                "vllm", model_path=self.model_path, seed=self.seed, **self.engine_kwargs
+            )
+        policy = self._policy_module()
+        if is_sharded(policy):
+            policy = self._unsharded_copy()
+        return create_engine(
+            "hf",
+            model=policy,
+            tokenizer=self.tokenizer,
+            seed=self.seed + self.rank,
+            **self.engine_kwargs,
+        )
+
+    def _policy_module(self) -> nn.Module:
+        if self._policy is None:
+            raise RuntimeError(
+                "EngineSession has no policy attached: call session.attach(lambda: policy) "
+                "(the data module does it at fit start)."
+            )
+        return self._policy()
+
+    def _unsharded_copy(self) -> nn.Module:
+        """An unsharded copy of the policy's architecture for the HF engine to sample with."""
+        if self.model_path is None:
+            raise RuntimeError(
+                "the policy is sharded, so the 'hf' engine samples with its own copy, loaded "
+                "from model_path: set data.model_name_or_path."
+            )
+        from transformers import AutoModelForCausalLM
+
+        dtype = next(self._policy_module().parameters()).dtype
+        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval()
+
+    @property
+    def shares_policy(self) -> bool:
+        """True when the engine samples with the policy module itself (nothing to push)."""
+        engine = self.engine
+        return self._policy is not None and getattr(engine, "model", None) is self._policy()
+
+    def sync(self, version: int) -> bool:
+        """Push the policy's weights when the engine holds an older ``version``; True if pushed.
+
+        Call it on every rank with the same version (the gather is a collective when sharded).
+        Without a policy attached (an engine used on its own) it only records the version.
+        """
+        if version == self.version:
+            return False
+        if self._policy is not None and not self.shares_policy:
+            self.engine.load_weights(full_named_tensors(self._policy_module()))
+            self.pushes += 1
+        self.version = version
+        return True
+
+    @contextlib.contextmanager
+    def generating(self, version: int) -> Iterator[RolloutEngine]:
+        """Wake a sleep-mode engine, bring its weights to ``version``, yield it, sleep again."""
+        engine = self.engine
+        sleeps = bool(getattr(engine, "sleep_mode", False))
+        if sleeps:
+            engine.wake_up()
+        try:
+            self.sync(version)
+            yield engine
+        finally:
+            if sleeps:
+                engine.sleep()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's sampling RNG state, when it has one (checkpointed to resume exactly)."""
+        if self._engine is None:
+            return dict(self._pending_state or {})
+        return self._engine.state_dict() if hasattr(self._engine, "state_dict") else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the engine RNG state (applied when the engine is built, if it is not yet)."""
+        if self._engine is None:
+            self._pending_state = dict(state)
+        elif state and hasattr(self._engine, "load_state_dict"):
+            self._engine.load_state_dict(state)
+            self._pending_state = None

@@ -1,0 +1,166 @@
+"""What the DAPO update asks of the trainer's strategy, answered once per strategy.
+
+The update loop (docs/design.md, "One training step, as data") needs five things from the
+distributed set-up: a sum / max / min over ranks, rank agreement on a decision, a backward
+that syncs gradients only on the last micro-batch where the strategy allows it, a gradient
+norm (and clipping) over however the parameters are laid out, and the factor that undoes the
+strategy's gradient averaging. :class:`StrategyAdapter` answers them for:
+
+=================  =======================================  ===============================
+strategy           backward of micro-batch k of K          gradient norm / clip
+=================  =======================================  ===============================
+single device      ``manual_backward``                      ``clip_grad_norm_``
+DDP                no sync until k = K (``no_sync``)        ``clip_grad_norm_``
+FSDP2 (Lightning   syncs every micro-batch (reduce-         ``clip_grad_norm_`` on DTensors,
+ModelParallel)     scatter keeps gradients sharded)         ``full_tensor()`` of the norm
+FSDP1              syncs every micro-batch                  ``FSDP.clip_grad_norm_``
+DeepSpeed          engine backward, accumulation boundary   inside ``engine.step()``
+                   at k = K, ``scale_wrt_gas=False``        (config ``gradient_clipping``)
+=================  =======================================  ===============================
+
+Every multi-rank strategy *averages* gradients over the data-parallel ranks while the loss of
+a micro-batch is its share of a global *sum*, so the module multiplies each loss by
+:attr:`StrategyAdapter.grad_average_factor` before backward. With ``16-mixed`` the gradient
+norm is taken in the module's ``on_before_optimizer_step``, which Lightning calls after the
+GradScaler unscaled the gradients, so clipping sees true gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    Strategy,
+)
+from torch import Tensor
+
+StrategyKind = Literal["single", "ddp", "fsdp1", "fsdp2", "deepspeed"]
+
+
+def strategy_kind(strategy: Strategy | None) -> StrategyKind:
+    """Which row of the module docstring's table ``strategy`` is."""
+    if isinstance(strategy, DeepSpeedStrategy):  # a DDPStrategy subclass: test it first
+        return "deepspeed"
+    if isinstance(strategy, DDPStrategy):
+        return "ddp"
+    if isinstance(strategy, FSDPStrategy):
+        return "fsdp1"
+    if isinstance(strategy, ModelParallelStrategy):
+        return "fsdp2"
+    return "single"
+
+
+def deepspeed_backward(engine: Any, loss: Tensor, last: bool) -> None:
+    """Backward of one micro-batch through a DeepSpeed engine.
+
+    The loss is already this micro-batch's share of the global token-mean, so DeepSpeed must
+    neither divide it by its accumulation steps (``scale_wrt_gas=False``) nor reduce / step
+    before the last micro-batch (the boundary is set explicitly: the number of micro-batches
+    varies with the token budget).
+    """
+    engine.set_gradient_accumulation_boundary(last)
+    engine.backward(loss, scale_wrt_gas=False)
+
+
+def grad_norm(parameters: Iterable[Tensor], max_norm: float | None) -> float:
+    """Global L2 norm of the gradients of ``parameters``, clipped to ``max_norm`` when set.
+
+    ``total = sqrt(sum_p ||g_p||^2)``; with ``max_norm``, every gradient is scaled by
+    ``min(1, max_norm / (total + 1e-6))``. DTensor (FSDP2) gradients give a DTensor norm,
+    which is gathered. Returns ``total`` before clipping (``inf`` / ``nan`` when not finite).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(
+        params, max_norm if max_norm else math.inf, error_if_nonfinite=False, foreach=None
+    )
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if callable(full) else norm)
+
+
+class StrategyAdapter:
+    """The update loop's view of ``module.trainer.strategy`` (see the module docstring).
+
+    Args:
+        module: The LightningModule whose trainer's strategy is adapted.
+    """
+
+    def __init__(self, module: LightningModule) -> None:
+        self.module = module
+
+    @property
+    def _trainer(self) -> Any:
+        return self.module._trainer
+
+    @property
+    def strategy(self) -> Strategy | None:
+        return self._trainer.strategy if self._trainer is not None else None
+
+    @property
+    def kind(self) -> StrategyKind:
+        return strategy_kind(self.strategy)
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks (the ranks that see different data)."""
+        return self._trainer.world_size if self._trainer is not None else 1
+
+    @property
+    def grad_average_factor(self) -> float:
+        """What each micro-batch loss is multiplied by to undo the ranks' gradient averaging."""
+        return float(self.world_size)
+
+    def reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:
+        """``op`` (``"sum"``, ``"max"``, ``"min"``) of ``tensor`` over ranks (a new tensor)."""
+        if self.world_size == 1:
+            return tensor.clone()
+        device = self.strategy.root_device
+        out = self.strategy.reduce(tensor.to(device).clone(), reduce_op=op)
+        return out.to(tensor.device)
+
+    def any_rank(self, decision: bool) -> bool:
+        """True when ``decision`` is True on any rank."""
+        if self.world_size == 1:
+            return bool(decision)
+        return bool(self.strategy.reduce_boolean_decision(bool(decision), all=False))
+
+    def backward(self, loss: Tensor, last: bool) -> None:
+        """Backward of one micro-batch; gradients sync on the ``last`` one where allowed."""
+        kind = self.kind
+        if kind == "deepspeed":
+            deepspeed_backward(self.strategy.deepspeed_engine, loss, last)
+            return
+        no_sync = kind == "ddp" and not last and self.world_size > 1
+        with self.strategy.block_backward_sync() if no_sync else contextlib.nullcontext():
+            self.module.manual_backward(loss)
+
+    def clip_grad_norm(self, max_norm: float | None) -> float:
+        """Gradient norm before clipping, clipped to ``max_norm`` (None or 0: no clipping).
+
+        DeepSpeed clips inside ``engine.step()``; its norm is read after the step
+        (:meth:`deepspeed_grad_norm`) and this returns ``nan`` (not finite means "not known").
+        """
+        kind = self.kind
+        if kind == "deepspeed":
+            return math.nan
+        if kind == "fsdp1":
+            wrapped = self.strategy.model
+            return float(wrapped.clip_grad_norm_(max_norm if max_norm else math.inf))
+        return grad_norm(self.module.parameters(), max_norm)
+
+    def deepspeed_grad_norm(self) -> float | None:
+        """DeepSpeed's norm of the last step (None for other strategies)."""
+        if self.kind != "deepspeed":
+            return None
+        norm = self.strategy.deepspeed_engine.get_global_grad_norm()
+        return math.nan if norm is None else float(norm)
