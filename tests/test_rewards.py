@@ -130,3 +130,75 @@ def test_runner_rejects_nan_and_wrong_length(in_process):
                 runner.score(["a", "b"], ["a", "b"])
         finally:
             runner.close()
+
+
+# ------------------------------------------------------------- bad reward specs and outputs
+
+
+def test_get_reward_builds_a_config_class_path():
+    reward = get_reward(
+        {"class_path": "dapo_lightning.tasks.arithmetic.ArithmeticReward",
+         "init_args": {"strict": True}},
+        strict=False,
+    )  # fmt: skip
+    assert isinstance(reward, ArithmeticReward) and reward.strict is False  # kwargs win
+
+
+@pytest.mark.parametrize(
+    ("class_path", "match"),
+    [
+        ("my_rewards.Exact", r"'my_rewards\.Exact' does not import \(ModuleNotFoundError: No module named 'my_rewards'\)"),
+        ("dapo_lightning.rewards.Exact", r"'dapo_lightning\.rewards\.Exact' does not import \(AttributeError: .*Exact"),
+        ("Exact", r"'Exact' must be a dotted path"),
+    ],
+)  # fmt: skip
+def test_get_reward_class_path_that_does_not_import(class_path, match):
+    with pytest.raises(ImportError, match=match):
+        get_reward({"class_path": class_path})
+
+
+def test_get_reward_class_path_with_wrong_init_args():
+    path = "dapo_lightning.tasks.arithmetic.ArithmeticReward"
+    with pytest.raises(TypeError, match=r"'dapo_lightning\.tasks.*' could not be built with "
+                       r"init_args \{'strictness': 1\}"):  # fmt: skip
+        get_reward({"class_path": path, "init_args": {"strictness": 1}})
+
+
+class _ReturnsBadResult:
+    failure_score = -1.0
+
+    def __init__(self, **fields):
+        self.fields = fields
+
+    def __call__(self, responses, ground_truths, **kw):
+        return [RewardResult(**{"score": 1.0, "acc": True, **self.fields}) for _ in responses]
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"score": "bad"}, r"_ReturnsBadResult returned RewardResult\(score='bad'\) at position "
+                           r"0: the field score must be a number \(a str is not\)"),
+        ({"score": None}, r"RewardResult\(score=None\) .*field score must be a number"),
+        ({"acc": None}, r"RewardResult\(acc=None\) .*field acc must be True or False"),
+        ({"acc": "yes"}, r"RewardResult\(acc='yes'\) .*field acc must be True or False"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("in_process", [True, False])
+def test_bad_reward_result_fields_name_reward_field_and_value(fields, match, in_process):
+    runner = RewardRunner(_ReturnsBadResult(**fields), in_process=in_process, timeout_s=30)
+    try:
+        with pytest.raises(RewardOutputError, match=match):
+            runner.score(["a"], ["a"])
+    finally:
+        runner.close()
+
+
+def test_numpy_and_tensor_scores_are_numbers():
+    import numpy as np
+    import torch
+
+    for score, acc in ((np.float32(0.5), np.bool_(True)), (torch.tensor(1.0), 1), (1, False)):
+        runner = RewardRunner(_ReturnsBadResult(score=score, acc=acc), in_process=True)
+        (result,) = runner.score(["a"], ["a"])
+        assert float(result.score) == float(score)

@@ -79,12 +79,34 @@ def check_reward_output(results: Any, expected: int, reward: Any) -> list[Reward
                 f"reward {name} returned a {type(r).__name__} at position {i}: return "
                 "RewardResult(score=..., acc=..., extra={...})."
             )
-        if not math.isfinite(float(r.score)):
+        score = _as_float(r.score)
+        if score is None:
+            raise RewardOutputError(
+                f"reward {name} returned RewardResult(score={r.score!r}) at position {i}: the "
+                f"field score must be a number (a {type(r.score).__name__} is not); return "
+                "a float, e.g. 1.0 for a right answer and -1.0 for a wrong one."
+            )
+        if not math.isfinite(score):
             raise RewardOutputError(
                 f"reward {name} returned score={r.score} at position {i}: scores must be finite "
                 "floats (a NaN or inf reward would poison the advantages)."
             )
+        if isinstance(r.acc, (str, bytes)) or r.acc not in (True, False):
+            raise RewardOutputError(
+                f"reward {name} returned RewardResult(acc={r.acc!r}) at position {i}: the field "
+                "acc must be True or False (is the answer right?)."
+            )
     return list(results)
+
+
+def _as_float(value: Any) -> float | None:
+    """``float(value)`` for a number (Python, NumPy or a one-element tensor); None otherwise."""
+    if value is None or isinstance(value, (str, bytes)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def failure_result(reward: Any, reason: str) -> RewardResult:
