@@ -9,6 +9,7 @@ import torch
 from dapo_lightning.callbacks.overlong import OverlongRewardShaping, overlong_penalty
 
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.rollout.base import SamplingConfig
 
 
 class RecordingModule:
@@ -33,7 +34,7 @@ def make_rollouts(lengths: list[int], truncated: list[bool], max_len: int) -> Sc
         prompt_uid=[f"p{i // 2}" for i in range(n)],
         score=torch.ones(n),
         acc=torch.ones(n),
-        max_response_length=max_len,
+        sampling=SamplingConfig(max_tokens=max_len),
     )
 
 

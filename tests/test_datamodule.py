@@ -9,7 +9,14 @@ import torch
 from test_producer import ScriptedEngine
 from transformers import AutoModelForCausalLM
 
-from dapo_lightning.data import DAPODataModule, RolloutBatch, ScoredRollouts, validation_metrics
+from dapo_lightning.data import (
+    DAPODataModule,
+    DynamicSamplingConfig,
+    RolloutBatch,
+    ScoredRollouts,
+    validation_metrics,
+)
+from dapo_lightning.rollout import SamplingConfig
 
 
 class ToyModule(pl.LightningModule):
@@ -68,21 +75,19 @@ def trainer(tmp_path, max_steps, **kw):
     )
 
 
-def scripted_dm(path, **kw):
-    args = dict(
+def scripted_dm(path, **dynamic_sampling):
+    settings = dict(n=4, train_batch_size=4, gen_batch_size=4, max_num_gen_batches=20)
+    settings.update(dynamic_sampling)
+    return DAPODataModule(
+        str(path),
         task="arithmetic",
         task_kwargs={"num_prompts": 40},
         reward="arithmetic",
         reward_in_process=True,
         engine=ScriptedEngine(),
-        n=4,
-        train_batch_size=4,
-        gen_batch_size=4,
-        max_response_length=8,
-        max_num_gen_batches=20,
+        sampling=SamplingConfig(max_tokens=8),
+        dynamic_sampling=DynamicSamplingConfig(**settings),
     )
-    args.update(kw)
-    return DAPODataModule(str(path), **args)
 
 
 def test_on_policy_version_stamps_in_fit(tiny_checkpoint, tmp_path):
@@ -107,10 +112,9 @@ def test_hf_engine_fit_with_validation(tiny_checkpoint, tmp_path):
         reward_kwargs={"strict": False},
         reward_in_process=False,
         engine="hf",
-        n=3,
-        train_batch_size=2,
-        max_response_length=4,
-        filter_metric=None,  # a random tiny model solves nothing: no variance to filter on
+        sampling=SamplingConfig(max_tokens=4),
+        # a random tiny model solves nothing: no variance to filter on
+        dynamic_sampling=DynamicSamplingConfig(n=3, train_batch_size=2, filter_metric=None),
         val_fraction=0.2,
         val_n=2,
         val_batch_size=3,
@@ -160,7 +164,7 @@ def test_validation_metrics():
         prompt_uid=["a", "a", "b", "b"],
         score=torch.tensor([1.0, -1.0, -1.0, -1.0]),
         acc=torch.tensor([1.0, 0.0, 0.0, 0.0]),
-        max_response_length=4,
+        sampling=SamplingConfig(max_tokens=4),
     )
     m = validation_metrics(r)
     assert m == {"val/acc": 0.25, "val/pass@2": 0.5, "val/response_length": 1.75}
@@ -171,6 +175,7 @@ def test_constructor_errors(tiny_checkpoint):
         DAPODataModule(str(tiny_checkpoint))
     with pytest.raises(ValueError, match="engine='nope'"):
         DAPODataModule(str(tiny_checkpoint), task="arithmetic", engine="nope")
-    dm = scripted_dm(tiny_checkpoint, train_batch_size=3, gen_batch_size=None, n=1)
     with pytest.raises(ValueError, match="n >= 2"):
-        dm.setup("fit")
+        scripted_dm(tiny_checkpoint, train_batch_size=3, gen_batch_size=None, n=1)
+    with pytest.raises(ValueError, match="task='nope' is unknown|nope"):
+        DAPODataModule(str(tiny_checkpoint), task="nope")

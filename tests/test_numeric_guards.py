@@ -23,7 +23,7 @@ from dapo_lightning.callbacks import CollapseDetector
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
-from dapo_lightning import DAPODataModule, DAPOModule
+from dapo_lightning import DAPODataModule, DAPOModule, DynamicSamplingConfig, SamplingConfig
 from dapo_lightning.data.batch import RolloutBatch
 
 
@@ -55,9 +55,9 @@ def _fit(
     if module_setup is not None:
         module_setup(module)
     before = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
-    from lightning.pytorch.callbacks import Callback
+    from dapo_lightning.callbacks.base import DAPOCallback
 
-    class Hooks(Callback):  # Lightning needs Callback instances; forward the DAPO hook
+    class Hooks(DAPOCallback):  # the library calls DAPO hooks on DAPOCallbacks; forward it
         def __init__(self, inner: Any) -> None:
             self.inner = inner
 
@@ -116,7 +116,8 @@ def test_nonfinite_loss_skips_update(tiny_checkpoint, tmp_path):
         tiny_checkpoint, _poisoned_batch(), tmp_path, steps=2, callbacks=[rec], tis_cap=2.0
     )
     assert _unchanged(module, before)  # the weights were not corrupted
-    assert module.skipped_updates == 2 and module.policy_version == 2
+    # skipped updates change no weight: the policy version (weights applied) stays 0
+    assert module.skipped_updates == 2 and module.policy_version == 0
     assert [m["skipped_nonfinite"] for m in rec.metrics] == [1.0, 1.0]
     assert not torch.isfinite(torch.tensor(rec.metrics[0]["loss"]))
     assert _logged(trainer, "update/skipped_nonfinite") == [1.0, 1.0]
@@ -193,10 +194,9 @@ def test_trust_remote_code_is_never_enabled(tiny_checkpoint, monkeypatch):
         task_kwargs={"num_prompts": 4},
         apply_chat_template=False,
         reward_in_process=True,
-        n=2,
-        train_batch_size=2,
         max_prompt_length=16,
-        max_response_length=4,
+        sampling=SamplingConfig(max_tokens=4),
+        dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=2),
     )
     dm.setup("fit")
     assert len(calls) == 2
@@ -228,10 +228,9 @@ def test_rewards_run_in_worker_processes_with_timeout_by_default(tiny_checkpoint
         task_kwargs={"num_prompts": 4},
         apply_chat_template=False,
         reward="arithmetic",
-        n=2,
-        train_batch_size=2,
         max_prompt_length=16,
-        max_response_length=4,
+        sampling=SamplingConfig(max_tokens=4),
+        dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=2),
     )
     dm.setup("fit")
     runner = dm.reward_runner

@@ -83,6 +83,10 @@ def _as_list(files: str | Path | list[str] | None) -> list[str] | None:
     return [str(f) for f in files]
 
 
+# The data module's hyper-parameters (saved in checkpoints) hold these plain dataclasses:
+# allow them in ``torch.load(weights_only=True)``.
+torch.serialization.add_safe_globals([SamplingConfig, DynamicSamplingConfig])
+
 #: The paper's sampling: 20480-token responses at temperature 1.0.
 PAPER_SAMPLING = SamplingConfig(max_tokens=20480)
 #: The paper's dynamic sampling: 512 groups of 16 per step, the "acc" filter.
@@ -252,7 +256,7 @@ class DAPODataModule(pl.LightningDataModule):
 
     # ----------------------------------------------------------------- set-up
     def _rank_world(self) -> tuple[int, int]:
-        trainer = self._trainer if hasattr(self, "_trainer") else None
+        trainer = getattr(self, "trainer", None)
         if trainer is None:
             return 0, 1
         return int(trainer.global_rank), int(trainer.world_size)
@@ -331,7 +335,7 @@ class DAPODataModule(pl.LightningDataModule):
             world_size=world,
             sync=self._sum_over_ranks,
             on_scored=lambda rollouts: call_dapo_hook(
-                self._trainer, "on_rollouts_scored", rollouts
+                self.trainer, "on_rollouts_scored", rollouts
             ),
         )
         if self._pending_state is not None:
