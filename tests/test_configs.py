@@ -69,17 +69,17 @@ def test_config_parses_and_builds_module_and_data(path, capsys):
     model_section, data_section = copy.deepcopy(cfg["model"]), copy.deepcopy(cfg["data"])
     m_args, d_args = model_section["init_args"], data_section["init_args"]
     d_args["model_name_or_path"] = m_args["model_name_or_path"]
-    m_args["max_response_length"] = d_args["max_response_length"]
-    m_args["temperature"] = d_args["temperature"]
     module = instantiate(DAPOModule, model_section)
     data = instantiate(DAPODataModule, data_section)
-    assert module.hparams.max_response_length == data.max_response_length
+    # one temperature and one response length: the data's, carried by every batch
+    assert "temperature" not in m_args and "max_response_length" not in m_args
     assert isinstance(module, DAPOModule) and isinstance(data, DAPODataModule)
-    d, m = cfg["data"]["init_args"], cfg["model"]["init_args"]
+    m = cfg["model"]["init_args"]
+    ds = cfg["data"]["init_args"]["dynamic_sampling"]
     world = cfg["trainer"]["devices"] * cfg["trainer"]["num_nodes"]
-    assert d["train_batch_size"] % world == 0, "train_batch_size must divide by the world size"
+    assert ds["train_batch_size"] % world == 0, "train_batch_size must divide by the world size"
     if m["mini_batch_size"] is not None:
-        assert d["train_batch_size"] % m["mini_batch_size"] == 0
+        assert ds["train_batch_size"] % m["mini_batch_size"] == 0
         assert m["mini_batch_size"] % world == 0
     # Paths of a run live together, so `--ckpt_path auto` finds last.ckpt after a restart.
     root = cfg["trainer"]["default_root_dir"]
@@ -117,7 +117,7 @@ def test_engine_kwargs_are_engine_arguments(path, capsys):
     assert unknown_engine_kwargs(d["engine_kwargs"]) == []
     max_model_len = d["engine_kwargs"].get("max_model_len")
     if max_model_len is not None:
-        assert max_model_len >= d["max_prompt_length"] + d["max_response_length"]
+        assert max_model_len >= d["max_prompt_length"] + d["sampling"]["max_tokens"]
 
 
 def test_engine_kwargs_check_catches_a_typo():
@@ -139,9 +139,10 @@ def test_gpu_configs(name, capsys):
     assert (m["clip_ratio_low"], m["clip_ratio_high"]) == (0.2, 0.28)
     assert m["loss_agg_mode"] == "token-mean" and m["kl_coef"] == 0.0
     assert m["optimizer"]["init_args"]["lr"] == 1e-6
-    assert d["n"] == 16 and d["temperature"] == 1.0 and d["filter_metric"] == "acc"
+    ds = d["dynamic_sampling"]
+    assert ds["n"] == 16 and d["sampling"]["temperature"] == 1.0 and ds["filter_metric"] == "acc"
     assert d["reward"] == "dapo" and d["train_files"] and d["val_files"]
-    updates = d["train_batch_size"] // m["mini_batch_size"]
+    updates = ds["train_batch_size"] // m["mini_batch_size"]
     assert t["max_steps"] % updates == 0, "max_steps should be a whole number of rollout steps"
     if name == "single_gpu_1.5b.yaml":
         assert t["devices"] == 1 and t["num_nodes"] == 1
@@ -152,10 +153,11 @@ def test_gpu_configs(name, capsys):
 def test_paper_config_numbers(capsys):
     cfg = print_config(capsys, str(REPO / "configs" / "dapo_qwen2.5_32b.yaml"))
     t, m, d = cfg["trainer"], cfg["model"]["init_args"], cfg["data"]["init_args"]
-    assert (d["train_batch_size"], d["n"], m["mini_batch_size"]) == (512, 16, 32)
-    assert d["train_batch_size"] // m["mini_batch_size"] == 16  # updates per rollout step
+    ds = d["dynamic_sampling"]
+    assert (ds["train_batch_size"], ds["n"], m["mini_batch_size"]) == (512, 16, 32)
+    assert ds["train_batch_size"] // m["mini_batch_size"] == 16  # updates per rollout step
     assert m["warmup_steps"] == 20 * 16  # 20 rollout steps of warm-up
-    assert d["max_response_length"] == 20480
+    assert d["sampling"]["max_tokens"] == 20480
     overlong = [c for c in t["callbacks"] if c["class_path"].endswith("OverlongRewardShaping")]
     assert overlong[0]["init_args"]["buffer_length"] == 4096
     assert t["num_nodes"] > 1 and t["devices"] == 8
@@ -190,8 +192,9 @@ def test_grpo_baseline_differs_from_quickstart_only_in_the_dapo_techniques(capsy
     gm, gd = grpo["model"]["init_args"], grpo["data"]["init_args"]
     assert (gm["clip_ratio_low"], gm["clip_ratio_high"]) == (0.2, 0.2)
     assert gm["loss_agg_mode"] == "seq-mean-token-mean"
-    assert gd["filter_metric"] is None
-    assert gd["gen_batch_size"] == gd["train_batch_size"]
+    gds = gd["dynamic_sampling"]
+    assert gds["filter_metric"] is None and gds["retire_after"] == 0
+    assert gds["gen_batch_size"] == gds["train_batch_size"]
     assert _callbacks_without_paths(grpo) == [
         cb
         for cb in _callbacks_without_paths(dapo)
@@ -200,8 +203,9 @@ def test_grpo_baseline_differs_from_quickstart_only_in_the_dapo_techniques(capsy
     differ = (
         "model.init_args.clip_ratio_high",
         "model.init_args.loss_agg_mode",
-        "data.init_args.filter_metric",
-        "data.init_args.gen_batch_size",
+        "data.init_args.dynamic_sampling.filter_metric",
+        "data.init_args.dynamic_sampling.gen_batch_size",
+        "data.init_args.dynamic_sampling.retire_after",
         "trainer.callbacks",
         "trainer.default_root_dir",
         "trainer.logger",
