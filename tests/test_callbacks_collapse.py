@@ -40,6 +40,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader
 
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.rollout.base import SamplingConfig
 
 
 class RecordingModule:
@@ -77,7 +78,7 @@ def make_step(
         prompt_uid=[str(i // 2) for i in range(n)],
         score=torch.arange(n).float(),
         acc=torch.zeros(n),
-        max_response_length=64,
+        sampling=SamplingConfig(max_tokens=64),
         extra={"has_answer": has_answer} if has_answer is not None else {},
     )
     batch = RolloutBatch.from_rollouts(rollouts, group_size=2, pad_token_id=0, stats=stats)
