@@ -171,6 +171,16 @@ def main(args: list[str] | None = None) -> None:
 
         plot_main(argv[1:])
         return
+    if argv and argv[0] == "export":
+        from dapo_lightning.export import export_main
+
+        export_main(argv[1:])
+        return
+    if argv and argv[0] == "make-model":
+        from dapo_lightning.models import make_model_main
+
+        make_model_main(argv[1:])
+        return
     build_cli(args)
 
 
