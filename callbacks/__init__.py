@@ -19,10 +19,12 @@ from dapo_lightning.callbacks.collapse import (
 )
 from dapo_lightning.callbacks.entropy import EntropyScheduler, adaptive_coef, schedule_value
 from dapo_lightning.callbacks.overlong import OverlongRewardShaping, overlong_penalty
+from dapo_lightning.callbacks.progress import DAPOProgressBar, run_summary, stop_reason
 from dapo_lightning.callbacks.snapshot import TrainingSnapshot
 
 __all__ = [
     "CollapseDetector",
+    "DAPOProgressBar",
     "Detector",
     "EntropyScheduler",
     "OverlongRewardShaping",
@@ -34,5 +36,7 @@ __all__ = [
     "judge",
     "ngram_repetition",
     "overlong_penalty",
+    "run_summary",
     "schedule_value",
+    "stop_reason",
 ]
