@@ -1,25 +1,39 @@
-"""The ``dapo-lightning`` command: LightningCLI for ``fit`` / ``validate``, plus ``plot``.
+"""The ``dapo-lightning`` command: LightningCLI for ``fit`` / ``validate``, plus ``plot``,
+``export`` and ``make-model``.
 
 Examples::
 
     dapo-lightning fit --config configs/quickstart.yaml
-    dapo-lightning fit --config configs/quickstart.yaml --trainer.max_steps 20 --print_config
+    dapo-lightning fit --config configs/quickstart.yaml --trainer.default_root_dir runs/try2
     dapo-lightning fit --config configs/quickstart.yaml --ckpt_path auto   # resume if possible
-    dapo-lightning validate --config configs/quickstart.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt
+    dapo-lightning validate --config configs/quickstart.yaml --ckpt_path auto
     dapo-lightning plot runs/quickstart            # writes runs/quickstart/metrics.png
 
 Several ``--config`` files apply in order, later ones overriding earlier ones (lists such as
 ``trainer.callbacks`` are replaced whole), e.g.
 ``--config configs/quickstart.yaml --config configs/grpo_baseline.yaml``.
 
-``--ckpt_path auto`` (``fit`` and ``validate``) resumes from the newest of the ``last*.ckpt`` files
-of the run's ``ModelCheckpoint`` callbacks and the ``hpc_ckpt_*.ckpt`` that Lightning's SLURM
-auto-requeue writes into ``trainer.default_root_dir``; with neither it starts fresh. The same
-command line is therefore right for the first start and for every requeue (see ``slurm/``).
+**The run directory** is ``trainer.default_root_dir``. A *relative* ``save_dir`` of a logger,
+``dirpath`` of a callback (``ModelCheckpoint``) and ``create_model_if_missing.path`` are taken
+relative to it (a relative path that already starts with it is left as it is), so
+``--trainer.default_root_dir X`` moves logs, checkpoints and the quickstart's model under ``X``.
+Absolute paths stay where they are.
 
-Arguments that must agree between the model and the data are linked, not repeated:
-``model.model_name_or_path`` -> ``data.model_name_or_path``, ``data.max_response_length`` ->
-``model.max_response_length`` and ``data.temperature`` -> ``model.temperature``.
+**Resuming**: ``--ckpt_path auto`` (``fit`` and ``validate``) resumes from the newest checkpoint
+that loads among the ``last*.ckpt`` of the run's ``ModelCheckpoint`` (``last-previous.ckpt``
+included) and the ``hpc_ckpt_*.ckpt`` of Lightning's SLURM requeue; with none it starts fresh.
+The same command line is therefore right for the first start and for every requeue (see
+``slurm/``). On a resume the config applies, never the checkpoint's hyper-parameters: the
+:class:`~dapo_lightning.callbacks.RunGuard` that every fit gets prints each value that differs
+(learning rate included).
+
+**Exit status**: 0 when the fit finished; 143 / 130 when SIGTERM / SIGINT stopped it (after
+saving); 2 for a bad configuration (one ``error:`` line, no traceback); 1 otherwise.
+
+The model path is given once and linked: ``model.model_name_or_path`` ->
+``data.model_name_or_path``. The sampling temperature and maximum response length are the
+data's (``data.sampling``); every batch carries them to the module. The data's ``seed``, when
+null, is the run's ``seed_everything``.
 """
 
 from __future__ import annotations
@@ -27,99 +41,138 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from dapo_lightning.checkpoint import CheckpointDiskFullError, find_resume_checkpoint
 from dapo_lightning.data.datamodule import DAPODataModule
+from dapo_lightning.interrupt import exit_on_stop
 from dapo_lightning.module import DAPOModule
+from dapo_lightning.run_lock import RunDirLockedError
 
-#: ``--ckpt_path`` value that picks the newest resumable checkpoint (see :func:`resolve_auto_checkpoint`).
+#: ``--ckpt_path`` value that picks the newest loadable checkpoint (see :func:`resolve_auto_checkpoint`).
 AUTO_CKPT = "auto"
+
+#: Subcommands outside LightningCLI: name -> one line of help (dispatched in :func:`main`).
+OTHER_COMMANDS = {
+    "plot": "draw a run's metrics.csv into RUN_DIR/metrics.png",
+    "export": "write a checkpoint's policy as a Hugging Face model folder",
+    "make-model": "write a real model folder from a file an installed package ships",
+}
+
+#: The top of ``fit --help`` / ``validate --help``: where the DAPO options are.
+SUBCOMMAND_HELP = """{what}
+
+DAPO options (the Trainer's follow below):
+  --model.help DAPOModule          the policy update: clip ratios, loss aggregation, optimizer
+  --data.help DAPODataModule       prompts, rewards, rollout engine, group size, dynamic sampling
+  --create_model_if_missing ...    write the quickstart's tiny model on first use
+  --ckpt_path auto                 resume from the run's newest loadable checkpoint
+  --print_config                   the whole resolved config, as YAML
+"""
+
+
+class ConfigError(ValueError):
+    """A class of the config rejected its arguments (the message names the section)."""
+
+
+@dataclass
+class CreateModel:
+    """``create_model_if_missing``: write a tiny model folder when it does not exist yet.
+
+    Args:
+        kind: ``tiny`` (random weights) or ``tiny-arithmetic`` (the quickstart's warmed-up model).
+        path: The folder; relative: under ``trainer.default_root_dir``. When
+            ``model.model_name_or_path`` is unset or this same string, it becomes this folder;
+            when it names anything else, nothing is written. None: ``model.model_name_or_path``
+            itself (it must be a local-looking path, never a hub id).
+    """
+
+    kind: Literal["tiny", "tiny-arithmetic"]
+    path: str | None = None
 
 
 def resolve_auto_checkpoint(trainer: Trainer) -> str | None:
-    """The newest checkpoint to resume ``trainer`` from, or None to start fresh.
+    """The checkpoint ``--ckpt_path auto`` resumes ``trainer`` from, or None to start fresh:
+    :func:`~dapo_lightning.checkpoint.find_resume_checkpoint`, reporting skipped files."""
 
-    Candidates: every ``last*.ckpt`` in the ``dirpath`` of the trainer's ``ModelCheckpoint``
-    callbacks, and every ``hpc_ckpt_<n>.ckpt`` in ``trainer.default_root_dir`` (written by
-    Lightning's SLURM auto-requeue on the requeue signal). The one modified last wins, so a
-    requeue never resumes from an older state than the newest one saved. Directories count too
-    (sharded FSDP / DeepSpeed checkpoints are folders named ``*.ckpt``).
-    """
-    candidates: set[str] = set()
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            candidates |= callback._find_last_checkpoints(trainer)
-    root = Path(trainer.default_root_dir)
-    if root.is_dir():
-        candidates |= {
-            str(p) for p in root.iterdir() if re.fullmatch(r"hpc_ckpt_\d+\.ckpt", p.name)
-        }
-    existing = [p for p in candidates if os.path.exists(p)]
-    if not existing:
-        return None
-    return max(existing, key=os.path.getmtime)
+    def report(line: str) -> None:
+        if trainer.is_global_zero:
+            print(f"--ckpt_path auto: {line}", file=sys.stderr)
+
+    return find_resume_checkpoint(trainer, report)
 
 
 class DAPOLightningCLI(LightningCLI):
-    """LightningCLI with DAPO's argument links, on-first-use model creation and ``--ckpt_path auto``.
+    """LightningCLI with DAPO's argument links, run-directory paths, on-first-use model creation,
+    a :class:`~dapo_lightning.callbacks.RunGuard` on every fit and ``--ckpt_path auto``
+    (see the module docstring)."""
 
-    ``--create_model_if_missing tiny-arithmetic`` writes the quickstart's tiny checkpoint to
-    ``model.model_name_or_path`` when that folder does not exist yet (nothing is downloaded).
-    ``--ckpt_path auto`` resumes from :func:`resolve_auto_checkpoint` (or starts fresh).
-    """
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` and ``validate`` (Lightning's ``test`` / ``predict`` have no DAPO meaning)."""
+        return {
+            "fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
+            "validate": {"model", "dataloaders", "datamodule"},
+        }
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: D102
         parser.add_argument(
             "--create_model_if_missing",
-            type=Literal["tiny", "tiny-arithmetic"] | None,
+            type=CreateModel | Literal["tiny", "tiny-arithmetic"] | None,
             default=None,
-            help="Write a tiny checkpoint at model.model_name_or_path if the folder is missing: "
-            "'tiny' (random weights) or 'tiny-arithmetic' (the quickstart's format-warmed model).",
+            help="Write a tiny model folder on first use: {kind: tiny|tiny-arithmetic, path: "
+            "FOLDER} (relative: under trainer.default_root_dir), or just the kind to write it at "
+            "model.model_name_or_path.",
         )
         parser.link_arguments(
             "model.init_args.model_name_or_path", "data.init_args.model_name_or_path"
         )
-        parser.link_arguments(
-            "data.init_args.max_response_length", "model.init_args.max_response_length"
-        )
-        parser.link_arguments("data.init_args.temperature", "model.init_args.temperature")
+
+    def _parse_ckpt_path(self) -> None:
+        """Nothing: on a resume the config applies (LightningCLI would overwrite the model's
+        arguments with the checkpoint's; the RunGuard prints what differs instead)."""
 
     def before_instantiate_classes(self) -> None:  # noqa: D102
         config = self.config[self.subcommand] if self.subcommand else self.config
-        kind = config.get("create_model_if_missing")
-        path = config.model.init_args.get("model_name_or_path")
-        if kind and path and not Path(path).exists():
-            from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
-            from dapo_lightning.testing import make_tiny_checkpoint
+        resolve_run_paths(config)
+        fill_data_seed(config)
+        create_model_if_missing(config)
 
-            seed = config.get("seed_everything")
-            # not `seed in (None, True, False)`: 1 == True would map seed 1 to 0
-            seed = 0 if seed is None or isinstance(seed, bool) else int(seed)
-            if kind == "tiny":
-                make_tiny_checkpoint(path, seed=seed)
-            else:
-                # Warm up on the same problems the data module will serve.
-                data = config.get("data", {}).get("init_args", {}) or {}
-                task_kwargs = dict(data.get("task_kwargs") or {})
-                task_kwargs.setdefault("task_seed", task_kwargs.pop("seed", data.get("seed", 0)))
-                if data.get("apply_chat_template") is not None:
-                    task_kwargs["apply_chat_template"] = bool(data.get("apply_chat_template"))
-                make_quickstart_checkpoint(path, seed=seed, **task_kwargs)
+    def instantiate_classes(self) -> None:
+        """Instantiate as LightningCLI does; an argument error of one of the classes is raised
+        as a :class:`ConfigError` with the class's own message (not jsonargparse's union dump)."""
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            original, owner = _root_cause(error)
+            if original is error:
+                raise
+            raise ConfigError(f"{owner}: {original}") from original
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The configured Trainer, with a :class:`~dapo_lightning.callbacks.RunGuard` appended
+        when the config lists none (last: its stop check runs after every other callback)."""
+        from dapo_lightning.callbacks import RunGuard
+
+        trainer = super().instantiate_trainer(**kwargs)
+        if not any(isinstance(c, RunGuard) for c in trainer.callbacks):
+            trainer.callbacks.append(RunGuard())
+        return trainer
 
     def _resolve_ckpt_path(self, ckpt_path: Any) -> Any:
         if ckpt_path != AUTO_CKPT:
             return ckpt_path
         resolved = resolve_auto_checkpoint(self.trainer)
         if self.trainer.is_global_zero:
-            print(
-                f"--ckpt_path auto: {'resuming from ' + resolved if resolved else 'no checkpoint yet, starting fresh'}",
-                file=sys.stderr,
-            )
+            found = f"resuming from {resolved}" if resolved else "no checkpoint yet, starting fresh"
+            print(f"--ckpt_path auto: {found}", file=sys.stderr)
         return resolved
 
     def fit(
@@ -147,10 +200,150 @@ class DAPOLightningCLI(LightningCLI):
         )
 
 
+# ----------------------------------------------------------------------------- config rewriting
+def _under_root(root: str | None, value: str) -> str:
+    """``value`` relative to the run directory ``root`` (see the module docstring)."""
+    if not root or "://" in value or os.path.isabs(value):
+        return value
+    norm_root, norm = os.path.normpath(root), os.path.normpath(value)
+    if norm == norm_root or norm.startswith(norm_root + os.sep):
+        return value  # already under it
+    return os.path.normpath(os.path.join(root, value))
+
+
+def _sections(value: Any) -> list[Namespace]:
+    items = value if isinstance(value, list) else [value]
+    return [
+        v for v in items if isinstance(v, Namespace) and isinstance(v.get("init_args"), Namespace)
+    ]
+
+
+def resolve_run_paths(config: Namespace) -> None:
+    """Put relative logger ``save_dir`` and callback ``dirpath`` under ``trainer.default_root_dir``."""
+    trainer = config.get("trainer") or Namespace()
+    root = trainer.get("default_root_dir")
+    for key, sections in (
+        ("save_dir", trainer.get("logger")),
+        ("dirpath", trainer.get("callbacks")),
+    ):
+        for section in _sections(sections):
+            value = section.init_args.get(key)
+            if isinstance(value, str | os.PathLike):
+                section.init_args[key] = _under_root(root, os.fspath(value))
+
+
+def fill_data_seed(config: Namespace) -> None:
+    """``data.seed: null`` -> the run's ``seed_everything`` (an int once LightningCLI seeded)."""
+    data = (config.get("data") or Namespace()).get("init_args")
+    seed = config.get("seed_everything")
+    if isinstance(data, Namespace) and "seed" in data and data.seed is None:
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            data.seed = seed
+
+
+#: ``org/name`` as the hub spells model ids.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _refuse_hub_id(value: str) -> None:
+    if _HUB_ID.fullmatch(value) and not Path(value).exists():
+        raise ConfigError(
+            f"create_model_if_missing: {value!r} looks like a Hugging Face hub id, not a folder "
+            f"to write a tiny model into. To load that model, drop create_model_if_missing; to "
+            f"write a tiny model into a local folder of that name, write './{value}'."
+        )
+
+
+def _model_target(config: Namespace, option: Any) -> Path | None:
+    """Where ``create_model_if_missing`` writes (setting ``model_name_or_path`` to it when the
+    config names the same folder), or None when the model path names another one."""
+    model_args = config.model.init_args
+    given = model_args.get("model_name_or_path")
+    if isinstance(option, str) or option.path is None:
+        if given is None:
+            return None  # DAPOModule reports the missing model path
+        _refuse_hub_id(str(given))
+        return Path(given)
+    _refuse_hub_id(option.path)
+    target = _under_root(config.trainer.get("default_root_dir"), option.path)
+    if given not in (None, option.path, target):
+        print(
+            f"create_model_if_missing: nothing written, model.model_name_or_path is {given!r}, "
+            f"not the folder it creates ({target!r}).",
+            file=sys.stderr,
+        )
+        return None
+    model_args.model_name_or_path = target
+    data_args = (config.get("data") or Namespace()).get("init_args")
+    if isinstance(data_args, Namespace):
+        data_args.model_name_or_path = target
+    return Path(target)
+
+
+def create_model_if_missing(config: Namespace) -> None:
+    """Write the tiny model ``create_model_if_missing`` asks for, atomically (a temporary folder
+    beside it, renamed when complete), one progress line per stage."""
+    option = config.get("create_model_if_missing")
+    if option is None:
+        return
+    target = _model_target(config, option)
+    if target is None or target.exists():
+        return
+    from dapo_lightning.export import atomic_folder
+    from dapo_lightning.testing import make_tiny_checkpoint
+
+    kind = option if isinstance(option, str) else option.kind
+    seed = config.get("seed_everything")
+    # not `seed in (None, True, False)`: 1 == True would map seed 1 to 0
+    seed = 0 if seed is None or isinstance(seed, bool) else int(seed)
+    say = lambda line: print(f"create_model_if_missing: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    t0 = time.monotonic()
+    say(f"{target} does not exist: writing the {kind!r} model (seed {seed}; nothing is downloaded)")
+    with atomic_folder(target) as tmp:
+        if kind == "tiny":
+            make_tiny_checkpoint(tmp, seed=seed)
+        else:
+            from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
+
+            say(f"warming it up on the task's problems in {tmp} (about 25 s on 2 idle cores)")
+            make_quickstart_checkpoint(tmp, seed=seed, **_warmup_task_kwargs(config))
+    say(f"done in {time.monotonic() - t0:.1f} s: {target}")
+
+
+def _warmup_task_kwargs(config: Namespace) -> dict[str, Any]:
+    """The warm-up sees the problems the data module will serve."""
+    data = (config.get("data") or Namespace()).get("init_args") or Namespace()
+    task_kwargs = dict(data.get("task_kwargs") or {})
+    task_kwargs.setdefault("task_seed", task_kwargs.pop("seed", data.get("seed") or 0))
+    if data.get("apply_chat_template") is not None:
+        task_kwargs["apply_chat_template"] = bool(data.get("apply_chat_template"))
+    return task_kwargs
+
+
+def _root_cause(error: BaseException) -> tuple[BaseException, str]:
+    """The exception a class's ``__init__`` raised under jsonargparse's wrapping, and the class."""
+    cause = error
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    owner = "config"
+    tb = cause.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "__init__" and "self" in frame.f_locals:
+            owner = type(frame.f_locals["self"]).__name__
+        tb = tb.tb_next
+    return cause, owner
+
+
+# ----------------------------------------------------------------------------- entry point
 def build_cli(args: list[str] | None = None, *, run: bool = True) -> DAPOLightningCLI:
     """The project's LightningCLI: DAPOModule / DAPODataModule in subclass mode, manual
     optimization (no auto-configured optimizers), the saved config overwritten on a requeue.
     ``run=False`` only parses and instantiates (tests use it to check the parser)."""
+    descriptions = {
+        "fit": "Train: DAPO updates on rollouts generated by the data module.",
+        "validate": "Score the policy on the held-out prompts (val/acc, pass@k).",
+    }
     return DAPOLightningCLI(
         DAPOModule,
         DAPODataModule,
@@ -158,14 +351,53 @@ def build_cli(args: list[str] | None = None, *, run: bool = True) -> DAPOLightni
         subclass_mode_data=True,
         auto_configure_optimizers=False,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={
+            name: {"description": SUBCOMMAND_HELP.format(what=what)}
+            for name, what in descriptions.items()
+        },
         run=run,
         args=args,
     )
 
 
+def top_level_help() -> str:
+    """What ``dapo-lightning --help`` prints."""
+    commands = {
+        "fit": "train (dapo-lightning fit --help)",
+        "validate": "score a checkpoint on the held-out prompts",
+        **OTHER_COMMANDS,
+    }
+    lines = [f"  {name:<12}{text}" for name, text in commands.items()]
+    return "\n".join(
+        [
+            f"usage: dapo-lightning {{{','.join(commands)}}} ...",
+            "",
+            "DAPO reinforcement learning for LLMs, on PyTorch Lightning.",
+            "",
+            "subcommands:",
+            *lines,
+            "",
+            "example: dapo-lightning fit --config configs/quickstart.yaml",
+        ]
+    )
+
+
+def _run_lightning(args: list[str] | None) -> None:
+    """``fit`` / ``validate``, with the exit status of the module docstring."""
+    try:
+        with exit_on_stop():
+            build_cli(args)
+    except (ConfigError, RunDirLockedError, CheckpointDiskFullError) as error:
+        print(f"dapo-lightning: error: {error}", file=sys.stderr)
+        sys.exit(2 if isinstance(error, ConfigError) else 1)
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``dapo-lightning`` console script."""
     argv = sys.argv[1:] if args is None else args
+    if not argv or argv[0] in ("-h", "--help"):
+        print(top_level_help())
+        return
     if argv and argv[0] == "plot":
         from dapo_lightning.plot import plot_main
 
@@ -181,7 +413,7 @@ def main(args: list[str] | None = None) -> None:
 
         make_model_main(argv[1:])
         return
-    build_cli(args)
+    _run_lightning(args)
 
 
 if __name__ == "__main__":

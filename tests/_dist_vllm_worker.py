@@ -13,7 +13,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from dapo_lightning.logprobs import response_log_probs
-from dapo_lightning.rollout import SamplingConfig, VLLMRolloutEngine
+from dapo_lightning.rollout import SamplingConfig, VLLMRolloutEngine, full_named_tensors
 
 
 def main(checkpoint: str, out_path: str) -> None:
@@ -24,7 +24,7 @@ def main(checkpoint: str, out_path: str) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    engine.load_weights(model.named_parameters())
+    engine.load_weights(full_named_tensors(model))
     prompt = [2, 60, 61, 62]
     out = engine.generate([prompt], 4, SamplingConfig(max_tokens=12))[0]
     gap = 0.0

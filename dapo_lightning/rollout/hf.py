@@ -1,7 +1,9 @@
 """Rollouts with the training module itself: a batched KV-cache sampling loop on a HF causal LM.
 
 The engine holds a reference to the policy module, so it always samples with the current
-weights (``load_weights`` is a no-op). Sampling is a hand-written loop over
+weights (``load_weights`` is a no-op). When the policy is sharded (FSDP2), the engine session
+gives it an unsharded copy instead (``owns_model=True``) and ``load_weights`` copies the
+gathered weights into it. Sampling is a hand-written loop over
 ``past_key_values`` rather than ``model.generate`` for two reasons: the returned
 log-probabilities must be those of the *processed* sampling distribution (after
 temperature / top-k / top-p, renormalised), and the randomness must come from one
@@ -67,6 +69,8 @@ class HFRolloutEngine:
         max_batch_size: Most sequences (prompts x n) sampled in one batch; ``None`` = all at once.
         seed: Seeds the engine's single ``torch.Generator`` (use a base seed + rank under DDP).
             ``None`` draws a seed from torch's global RNG.
+        owns_model: ``model`` is the engine's own copy (not the policy being trained):
+            ``load_weights`` copies pushed weights into it.
     """
 
     def __init__(
@@ -78,8 +82,10 @@ class HFRolloutEngine:
         pad_token_id: int | None = None,
         max_batch_size: int | None = None,
         seed: int | None = None,
+        owns_model: bool = False,
     ) -> None:
         self.model = model
+        self.owns_model = owns_model
         if eos_token_id is None and tokenizer is not None:
             eos_token_id = tokenizer.eos_token_id
         if eos_token_id is None:
@@ -121,8 +127,20 @@ class HFRolloutEngine:
 
     # ------------------------------------------------------------------ protocol
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """No-op: the engine samples with the training module itself, so it is always current."""
-        return None
+        """Copy checkpoint-named tensors into the engine's own model (``owns_model``); a no-op
+        when the engine samples with the training module itself (it is always current).
+
+        Raises:
+            KeyError: a name the model does not have (the push is not of this architecture).
+        """
+        if not self.owns_model:
+            return
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in state:
+                    raise KeyError(f"HFRolloutEngine.load_weights: the model has no {name!r}.")
+                state[name].copy_(tensor)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig

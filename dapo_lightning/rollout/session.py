@@ -158,13 +158,13 @@ class EngineSession:
                 "vllm", model_path=self.model_path, seed=self.seed, **self.engine_kwargs
             )
         policy = self._policy_module()
-        if is_sharded(policy):
-            policy = self._unsharded_copy()
+        own = is_sharded(policy)
         return create_engine(
             "hf",
-            model=policy,
+            model=self._unsharded_copy() if own else policy,
             tokenizer=self.tokenizer,
             seed=self.seed + self.rank,
+            owns_model=own,
             **self.engine_kwargs,
         )
 

@@ -265,8 +265,9 @@ class VLLMRolloutEngine:
             raise ValueError("load_weights got no tensors: pass full_named_tensors(policy).")
         if self.tie_word_embeddings and "lm_head.weight" not in seen:
             raise ValueError(
-                "load_weights got no lm_head.weight but the model ties embeddings: push the "
-                "full state (full_named_tensors(policy), which includes tied weights), not "
+                "load_weights got no lm_head.weight but the model ties embeddings: the engine "
+                "now holds the pushed tensors with a stale head. Push the full state "
+                "(full_named_tensors(policy), which includes tied weights), not "
                 "named_parameters()."
             )
         self.llm.reset_prefix_cache()
