@@ -301,11 +301,18 @@ def test_naive_path_when_no_linear_head_or_head_forward_is_hooked(model, monkeyp
     assert "forward" not in vars(model.lm_head)
 
 
-def test_grads_under_ddp_and_fsdp2_equal_naive(tiny_checkpoint, tmp_path):
+def test_grads_under_ddp_and_fsdp2_equal_naive(tiny_checkpoint, tmp_path, monkeypatch):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
+    import dapo_lightning.logprobs as lp
+
+    fused_calls = []  # the fused head must really run inside the wrapped forward (no fallback)
+    real = lp.fused_linear_log_probs
+    monkeypatch.setattr(
+        lp, "fused_linear_log_probs", lambda *a, **k: fused_calls.append(1) or real(*a, **k)
+    )
     ids, mask = _batch(5)
     gen = torch.Generator().manual_seed(6)
     w1, w2 = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)
@@ -319,16 +326,16 @@ def test_grads_under_ddp_and_fsdp2_equal_naive(tiny_checkpoint, tmp_path):
         ddp = torch.nn.parallel.DistributedDataParallel(fresh())
         _, _, got = _loss_grads(ddp, ids, mask, w1, w2, temperature=0.7, chunk_size=4)
         _assert_grads_close(got, ref, prefix="module.")
+        assert len(fused_calls) == 1
 
         sharded = fresh()
         for layer in sharded.model.layers:
             fully_shard(layer)
         fully_shard(sharded)
         _, _, got = _loss_grads(sharded, ids, mask, w1, w2, temperature=0.7, chunk_size=4)
-        assert isinstance(
-            got["lm_head.weight" if "lm_head.weight" in got else "model.embed_tokens.weight"],
-            DTensor,
-        )
+        assert isinstance(got["model.embed_tokens.weight"], DTensor)
         _assert_grads_close(got, ref)
+        assert len(fused_calls) == 2
+        assert isinstance(sharded.lm_head.weight, DTensor)  # sharded again after the step
     finally:
         dist.destroy_process_group()
