@@ -39,13 +39,14 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def finished_run(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
     """A finished 2-update quickstart fit on the tiny random model, all paths in a tmp dir."""
     root = tmp_path_factory.mktemp("plot")
     run_dir = root / "run"
     override = root / "override.yaml"
     override.write_text(
         f"""
+create_model_if_missing: null
 trainer:
   default_root_dir: {run_dir}
   logger:
@@ -57,20 +58,17 @@ trainer:
   enable_checkpointing: false
 model:
   init_args:
-    model_name_or_path: {root / "model"}
+    model_name_or_path: {tiny_checkpoint}
 data:
   init_args:
-    train_batch_size: 4
-    gen_batch_size: 4
-    n: 4
-    max_response_length: 4
-    filter_metric: null   # the random model never answers right: no group would be kept
+    sampling: {{max_tokens: 4}}
+    # the random model never answers right: no group would be kept by the filter
+    dynamic_sampling: {{n: 4, train_batch_size: 4, gen_batch_size: 4, filter_metric: null}}
 """
     )
     _cli(
         "fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--config", str(override),
         "--trainer.max_steps", "2", "--trainer.val_check_interval", "1",
-        "--create_model_if_missing", "tiny",
     )  # fmt: skip
     return run_dir
 
