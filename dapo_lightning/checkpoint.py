@@ -20,26 +20,101 @@ config::
     trainer:
       plugins:
         - class_path: dapo_lightning.checkpoint.AtomicCheckpointIO
+
+(:class:`~dapo_lightning.callbacks.RunGuard` installs it when the trainer has Lightning's plain
+``TorchCheckpointIO``.)
+
+The previous good checkpoint is kept: overwriting ``last.ckpt`` first hard-links the old file
+to ``last-previous.ckpt`` (:func:`previous_path`), so there are always two complete states on
+disk, and :func:`find_resume_checkpoint` (``--ckpt_path auto``) falls back to the older one
+when the newest cannot be loaded. A full disk raises :class:`CheckpointDiskFullError`, naming
+the directory and its free space, and leaves the existing checkpoints as they were (see
+docs/design.md, "Stopping and resuming").
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+#: What a disk-full failure raises as (EDQUOT: a quota is full, the same to the user).
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+class CheckpointDiskFullError(OSError):
+    """A checkpoint did not fit on its disk; the existing checkpoints are untouched.
+
+    Args:
+        path: The checkpoint that was being written.
+        written: Bytes written before the disk was full (0 if unknown).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], written: int = 0) -> None:
+        directory = Path(path).parent
+        free = shutil.disk_usage(directory).free if directory.exists() else 0
+        size = f" after {_gib(written)} of it" if written else ""
+        super().__init__(
+            errno.ENOSPC,
+            f"No space left on device writing checkpoint {path}{size}: {directory} has "
+            f"{_gib(free)} free. Free space there, or point the checkpoint directory "
+            "(ModelCheckpoint dirpath / trainer.default_root_dir) at a larger disk, then resume "
+            "with --ckpt_path auto; the checkpoints already there are intact.",
+        )
+        self.path = str(path)
+        self.free_bytes = free
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**27 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def _is_disk_full(error: BaseException | None) -> bool:
+    """Whether ``error`` or an exception it was raised from is ENOSPC / EDQUOT (torch.save
+    reports a failed write as a RuntimeError raised while handling the OSError)."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, OSError) and error.errno in _DISK_FULL:
+            return True
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return False
+
+
+def previous_path(path: str | os.PathLike[str]) -> Path:
+    """Where the checkpoint that ``path`` replaces is kept: ``last.ckpt`` -> ``last-previous.ckpt``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}-previous{path.suffix}")
 
 
 def _is_local(path: _PATH) -> bool:
     return "://" not in str(path) or str(path).startswith("file://")
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save(obj, path)`` that never leaves ``path`` half-written (see the module docstring)."""
+def atomic_torch_save(
+    obj: Any, path: str | os.PathLike[str], *, keep_previous: bool = False
+) -> None:
+    """``torch.save(obj, path)`` that never leaves ``path`` half-written (see the module docstring).
+
+    Args:
+        obj: What to save.
+        path: The file to write (its folder is created).
+        keep_previous: Keep the file being replaced as :func:`previous_path` (a hard link where
+            the file system has them, else a rename).
+
+    Raises:
+        CheckpointDiskFullError: The disk (or quota) is full; ``path`` is unchanged.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp"
@@ -48,12 +123,32 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        if keep_previous and path.is_file():
+            _keep_as_previous(path)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
+        written = tmp.stat().st_size if tmp.is_file() else 0
         tmp.unlink(missing_ok=True)
+        if _is_disk_full(error):
+            raise CheckpointDiskFullError(path, written) from error
         raise
+    _fsync_dir(path.parent)
+
+
+def _keep_as_previous(path: Path) -> None:
+    previous = previous_path(path)
+    staged = path.parent / f".{previous.name}.tmp"
+    staged.unlink(missing_ok=True)
     try:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
+        os.link(path, staged)  # path stays in place: at every instant one of the two is complete
+        os.replace(staged, previous)
+    except OSError:  # no hard links here (some network and FUSE file systems)
+        os.replace(path, previous)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY)
     except OSError:  # e.g. a platform without directory file descriptors
         return
     try:
@@ -68,7 +163,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     Loading is Lightning's (``weights_only`` is passed through: DAPO checkpoints hold only
     tensors and plain Python containers, so ``weights_only=True`` loads them).
+
+    Args:
+        keep_previous: When a save replaces a file, keep the old one as :func:`previous_path`
+            (``last.ckpt`` -> ``last-previous.ckpt``), the fallback of ``--ckpt_path auto``.
+            Costs the disk space of one more checkpoint.
+
+    Raises:
+        CheckpointDiskFullError: From :meth:`save_checkpoint`, when the disk is full.
     """
+
+    def __init__(self, keep_previous: bool = True) -> None:
+        super().__init__()
+        self.keep_previous = keep_previous
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
@@ -82,7 +189,115 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path)
             return
         local = str(path)[len("file://") :] if str(path).startswith("file://") else path
-        atomic_torch_save(checkpoint, local)
+        atomic_torch_save(checkpoint, local, keep_previous=self.keep_previous)
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Remove ``path`` and the previous checkpoint kept beside it."""
+        super().remove_checkpoint(path)
+        if _is_local(path):
+            previous_path(str(path).removeprefix("file://")).unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------- resuming
+#: ``hpc_ckpt_<n>.ckpt``: what Lightning's SLURM auto-requeue writes into default_root_dir.
+_HPC_CKPT = re.compile(r"hpc_ckpt_\d+\.ckpt")
+
+
+def checkpoint_error(path: str | os.PathLike[str]) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed from, or None when it loads.
+
+    A file is opened the way a resume opens it (``torch.load`` of the whole structure, tensors
+    memory-mapped, so this reads little more than the file's index): a truncated or empty file
+    fails here. A checkpoint holding objects that ``weights_only`` refuses counts as loadable
+    (its structure is complete). A folder (sharded FSDP / DeepSpeed checkpoint) must not be empty.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return None if any(path.iterdir()) else "empty checkpoint folder"
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # noqa: BLE001 - every failure to load is a reason to skip it
+        if "Weights only load failed" in str(error):
+            return None
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return None
+
+
+def resume_candidates(trainer: Any) -> list[str]:
+    """The checkpoints ``trainer`` could resume from, newest (modified last) first.
+
+    Candidates: every ``last*.ckpt`` (``last-previous.ckpt`` included) in the ``dirpath`` of the
+    trainer's ``ModelCheckpoint`` callbacks, and every ``hpc_ckpt_<n>.ckpt`` in
+    ``trainer.default_root_dir``. Folders named ``*.ckpt`` (sharded checkpoints) count too.
+    """
+    found: set[str] = set()
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            found |= callback._find_last_checkpoints(trainer)
+    root = Path(trainer.default_root_dir)
+    if root.is_dir():
+        found |= {str(p) for p in root.iterdir() if _HPC_CKPT.fullmatch(p.name)}
+    existing = [p for p in found if os.path.exists(p)]
+    return sorted(existing, key=os.path.getmtime, reverse=True)
+
+
+def find_resume_checkpoint(trainer: Any, report: Callable[[str], None] | None = None) -> str | None:
+    """The newest loadable checkpoint of :func:`resume_candidates`, or None to start fresh.
+
+    Each unloadable one (see :func:`checkpoint_error`) is skipped and reported, so a run whose
+    newest checkpoint was cut short resumes from the one before it.
+
+    Args:
+        trainer: The trainer about to fit.
+        report: Called with one line per skipped checkpoint (e.g. ``print``).
+    """
+    for path in resume_candidates(trainer):
+        error = checkpoint_error(path)
+        if error is None:
+            return path
+        if report is not None:
+            report(f"skipping {path}: it cannot be loaded ({error})")
+    return None
+
+
+def optimizer_settings(trainer: Any) -> list[list[dict[str, Any]]]:
+    """The hyper-parameters of every param group of every optimizer of ``trainer`` (everything
+    but the parameters), to compare with what a resume restored."""
+    return [
+        [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        for optimizer in trainer.optimizers
+    ]
+
+
+def apply_optimizer_settings(trainer: Any, configured: list[list[dict[str, Any]]]) -> list[str]:
+    """Put the configured optimizer hyper-parameters back after a resume restored the
+    checkpoint's; returns one line per value changed, e.g. ``"lr: 0.001 -> 0.0005"``.
+
+    A resumed optimizer keeps its moments (``exp_avg`` ...) from the checkpoint, but its
+    hyper-parameters (learning rate, weight decay, betas) follow the config: what the saved
+    ``config.yaml`` says is what runs. Under a learning-rate scheduler the configured peak is
+    ``initial_lr``; the scheduler's ``base_lrs`` and the current ``lr`` are rescaled to it, so
+    the schedule continues where it was, at the new peak.
+    """
+    changes: list[str] = []
+    schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+    for i, (optimizer, groups) in enumerate(zip(trainer.optimizers, configured)):
+        if len(groups) != len(optimizer.param_groups):
+            continue  # a different model: nothing to compare
+        for j, (group, wanted) in enumerate(zip(optimizer.param_groups, groups)):
+            name = f"optimizer {i} group {j}: " if len(trainer.optimizers) * len(groups) > 1 else ""
+            scheduled = "initial_lr" in group and "initial_lr" in wanted
+            for key, value in wanted.items():
+                if (scheduled and key == "lr") or key not in group or group[key] == value:
+                    continue
+                changes.append(f"{name}{key}: {group[key]} (checkpoint) -> {value} (config)")
+                if scheduled and key == "initial_lr" and group[key]:
+                    group["lr"] *= value / group[key]
+                    for scheduler in schedulers:
+                        if scheduler.optimizer is optimizer:
+                            scheduler.base_lrs[j] = value
+                group[key] = value
+    return changes
 
 
 def collect_rng_states() -> dict[str, Any]:

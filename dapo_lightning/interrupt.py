@@ -3,23 +3,55 @@
 A signal handler must not save a checkpoint itself (it may fire in the middle of an update);
 it only records the request. The places where the state is consistent poll it: between
 generation rounds (the rollout producer calls :func:`raise_if_stop_requested`) and between
-optimizer updates (the run guard checks :func:`stop_requested`).
+rollout steps (:class:`~dapo_lightning.callbacks.RunGuard` checks :func:`stop_requested`).
+The run guard then saves and the command exits with ``128 + signal number`` (143 for SIGTERM,
+130 for SIGINT), as a shell reports a process killed by that signal (see docs/design.md,
+"Stopping and resuming").
+
+:func:`install_stop_handlers` installs the handlers: the first SIGTERM or SIGINT requests the
+stop; a second SIGINT (Ctrl-C pressed again) raises ``KeyboardInterrupt`` at once, abandoning
+the update under way; a second SIGTERM is ignored (the first one is being honoured).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
 
 class StopRequested(Exception):
-    """Raised at a clean point after a stop was requested (e.g. SIGTERM, SIGINT)."""
+    """Raised at a clean point after a stop was requested (e.g. SIGTERM, SIGINT).
+
+    Args:
+        reason: What asked for the stop: a signal name (``"SIGTERM"``) or free text.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"stop requested ({reason})")
+        self.reason = reason
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signal number`` for a signal (143 for SIGTERM, 130 for SIGINT), else 1."""
+        return exit_code(self.reason)
 
 
 _reason: str | None = None
+
+#: The signals :func:`install_stop_handlers` turns into stop requests.
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
 
 
 def request_stop(reason: str) -> None:
     """Ask the run to stop at its next clean point (safe to call from a signal handler)."""
     global _reason
-    _reason = reason
+    if _reason is None:  # the first reason is the one reported
+        _reason = reason
 
 
 def stop_requested() -> str | None:
@@ -37,3 +69,104 @@ def raise_if_stop_requested() -> None:
     """Raise :class:`StopRequested` when a stop was requested."""
     if _reason is not None:
         raise StopRequested(_reason)
+
+
+def exit_code(reason: str | None) -> int:
+    """The exit status for a run stopped for ``reason``: ``128 + signum`` for a signal name."""
+    try:
+        return 128 + int(signal.Signals[reason])  # type: ignore[misc]
+    except (KeyError, TypeError):
+        return 1
+
+
+#: The handlers that were installed before :func:`install_stop_handlers` (while it is active).
+_previous: dict[int, Any] = {}
+_active = False
+
+
+def _handle(signum: int, frame: FrameType | None) -> None:
+    if not _active:  # put back by someone else (Lightning) after the run: act as before
+        _call_previous(signum, frame)
+        return
+    name = signal.Signals(signum).name
+    if _reason is not None:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt  # pressed again: abandon the update under way
+        return
+    request_stop(name)
+    again = "; press Ctrl-C again to abort at once" if signum == signal.SIGINT else ""
+    # os.write, not print: a handler may interrupt a print to the same stream
+    os.write(
+        2, f"\n{name} received: stopping at the next clean point, then saving{again}.\n".encode()
+    )
+
+
+def _call_previous(signum: int, frame: FrameType | None) -> None:
+    handler = _previous.get(signum, signal.SIG_DFL)
+    if callable(handler):
+        handler(signum, frame)
+    elif handler != signal.SIG_IGN:  # SIG_DFL: die of the signal, as without a handler
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def install_stop_handlers() -> Callable[[], None]:
+    """Make SIGTERM / SIGINT request a stop (see the module docstring); returns a function that
+    puts the previous handlers back. Does nothing outside the main thread (Python delivers
+    signals only there).
+
+    Lightning composes an existing SIGTERM handler into its own while ``fit`` runs and puts it
+    back afterwards, possibly after the returned function ran; a handler left behind that way
+    behaves like the one it replaced.
+
+    Example::
+
+        restore = install_stop_handlers()
+        try:
+            trainer.fit(module, datamodule=dm)
+        finally:
+            restore()
+    """
+    global _active
+    if threading.current_thread() is not threading.main_thread() or _active:
+        return lambda: None
+    for sig in STOP_SIGNALS:
+        current = signal.getsignal(sig)
+        if current is not _handle:  # ours, left behind by a previous run: keep what it replaced
+            _previous[sig] = current
+        signal.signal(sig, _handle)
+    _active = True
+
+    def restore() -> None:
+        global _active
+        if not _active:
+            return
+        _active = False
+        for sig, handler in _previous.items():
+            if signal.getsignal(sig) is _handle and handler is not None:
+                signal.signal(sig, handler)
+
+    return restore
+
+
+@contextlib.contextmanager
+def exit_on_stop() -> Iterator[None]:
+    """Exit with :func:`exit_code` when the block was stopped by a stop request: a
+    :class:`StopRequested` or Lightning's ``SIGTERMException`` raised out of it, or a stop
+    recorded while it ran and honoured at a clean point (``trainer.should_stop``).
+
+    Example::
+
+        with exit_on_stop():
+            trainer.fit(module, datamodule=dm)   # SIGTERM: saved, then exit status 143
+    """
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    try:
+        yield
+    except StopRequested as stop:
+        raise SystemExit(stop.exit_code) from None
+    except SIGTERMException:
+        raise SystemExit(exit_code("SIGTERM")) from None
+    if _reason is not None:
+        raise SystemExit(exit_code(_reason))

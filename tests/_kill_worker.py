@@ -1,15 +1,22 @@
-"""A small deterministic DAPO fit that ``tests/test_resume_kill.py`` SIGKILLs and restarts.
+"""A small deterministic DAPO fit that ``tests/test_resume_kill.py`` kills, signals and restarts.
 
     python tests/_kill_worker.py MODEL_DIR RUN_DIR ROLLOUT_STEPS
 
 Writes into RUN_DIR:
 
-- ``checkpoints/last.ckpt``: after every rollout step (AtomicCheckpointIO, save_last); the run
-  resumes from it when it exists, loading it with ``weights_only=True``.
+- ``checkpoints/last.ckpt``: after every rollout step (every ``DAPO_WORKER_EVERY`` steps when
+  set; AtomicCheckpointIO, save_last; the one
+  it replaces kept as ``last-previous.ckpt``); the run resumes from the newest loadable one
+  (``find_resume_checkpoint``, what ``--ckpt_path auto`` uses), loading it with
+  ``weights_only=True``.
 - ``steps.jsonl``: one record per rollout step (step, drawn prompt uids, policy_version,
   global_step), flushed and fsynced. On resume, records beyond the checkpoint's rollout step
   (written by the killed process after its last checkpoint) are cut off first.
 - ``final.pt``: the final policy weights and counters, written only when the fit finished.
+- ``paused``: while a ``DAPO_WORKER_PAUSE`` pause is under way (see :class:`Pause`).
+
+The fit runs with a :class:`~dapo_lightning.callbacks.RunGuard` and exits as the CLI does
+(``exit_on_stop``): 143 after a SIGTERM, 130 after a SIGINT, having saved.
 
 Everything random is seeded and CPU kernels run deterministically on one thread, so an
 interrupted-and-resumed run must end bit-identical to an uninterrupted one.
@@ -50,6 +57,37 @@ class FirstTokenParity:
         return out
 
 
+def pause_callback(run: Path) -> Any:
+    """``DAPO_WORKER_PAUSE=update:K`` holds the optimizer step of update K + 1 for 3 s;
+    ``generation:K`` holds the first scored generation round of rollout step K + 1 for 3 s.
+    ``RUN/paused`` exists during the pause, so a test can send a real signal exactly then (only
+    the timing is arranged; the signal and its handling are real)."""
+    import time
+
+    from dapo_lightning.callbacks.base import DAPOCallback
+
+    where, _, at = os.environ.get("DAPO_WORKER_PAUSE", "").partition(":")
+
+    class Pause(DAPOCallback):
+        done = False
+
+        def _hold(self) -> None:
+            self.done = True
+            (run / "paused").write_text(where)
+            time.sleep(3.0)
+            (run / "paused").unlink()
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            if where == "update" and not self.done and trainer.global_step == int(at):
+                self._hold()
+
+        def on_rollouts_scored(self, trainer: Any, pl_module: Any, rollouts: Any) -> None:
+            if where == "generation" and not self.done and pl_module.rollout_step == int(at):
+                self._hold()
+
+    return Pause()
+
+
 def _fsync_write(path: Path, lines: list[str]) -> None:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as f:
@@ -62,18 +100,20 @@ def _fsync_write(path: Path, lines: list[str]) -> None:
 def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
     torch.set_num_threads(1)
     import lightning.pytorch as pl
-    from dapo_lightning.callbacks import CollapseDetector
+    from dapo_lightning.callbacks import CollapseDetector, RunGuard
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from transformers import AutoTokenizer
 
     from dapo_lightning import DAPODataModule, DAPOModule
-    from dapo_lightning.checkpoint import AtomicCheckpointIO
+    from dapo_lightning.checkpoint import AtomicCheckpointIO, find_resume_checkpoint
+    from dapo_lightning.data.producer import DynamicSamplingConfig
+    from dapo_lightning.interrupt import exit_on_stop
+    from dapo_lightning.rollout.base import SamplingConfig
     from dapo_lightning.schedules import WarmupConstantLR
 
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     ckpt_dir = run / "checkpoints"
-    last = ckpt_dir / "last.ckpt"
     records = run / "steps.jsonl"
 
     class StepRecorder(Callback):
@@ -89,10 +129,12 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
             _fsync_write(records, kept)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if not hasattr(batch, "sample_version"):  # EndOfTraining: no step was trained
+                return
             dm = trainer.datamodule
             rec = {
                 "step": pl_module.rollout_step,
-                "uids": dm.buffer.drawn_uids,
+                "uids": dm.producer.drawn_uids,
                 "policy_version": pl_module.policy_version,
                 "sample_version": batch.policy_version,
                 "global_step": trainer.global_step,
@@ -120,16 +162,18 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
         reward=FirstTokenParity(tokenizer),
         reward_in_process=True,
         engine="hf",
-        n=4,
-        train_batch_size=4,
-        gen_batch_size=6,  # surplus groups are carried to the next step (carried state)
-        carry_over=True,
         max_prompt_length=16,
-        max_response_length=4,
-        filter_metric="acc",
-        max_num_gen_batches=50,
-        retire_after=3,  # per-prompt statistics in the checkpoint
-        park_after=3,
+        sampling=SamplingConfig(max_tokens=4),
+        dynamic_sampling=DynamicSamplingConfig(
+            n=4,
+            train_batch_size=4,
+            gen_batch_size=6,  # surplus groups are carried to the next step (carried state)
+            carry_over=True,
+            filter_metric="acc",
+            max_num_gen_batches=50,
+            retire_after=8,  # per-prompt statistics in the checkpoint (none retires in 10 steps)
+            park_after=8,
+        ),
         seed=0,
     )
     trainer = pl.Trainer(
@@ -150,17 +194,19 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
                 dirpath=ckpt_dir,
                 save_last=True,
                 save_top_k=0,
-                every_n_train_steps=UPDATES_PER_STEP,  # global_step counts optimizer updates
+                # global_step counts optimizer updates; DAPO_WORKER_EVERY: rollout steps per save
+                every_n_train_steps=UPDATES_PER_STEP
+                * int(os.environ.get("DAPO_WORKER_EVERY", "1")),
             ),
+            pause_callback(run),
+            RunGuard(),
         ],
     )
     # weights_only=True: the whole checkpoint (data module, callbacks, RNG) is plain data
-    trainer.fit(
-        module,
-        datamodule=dm,
-        ckpt_path=str(last) if last.exists() else None,
-        weights_only=True,
-    )
+    with exit_on_stop():
+        trainer.fit(
+            module, datamodule=dm, ckpt_path=find_resume_checkpoint(trainer), weights_only=True
+        )
     out = {
         "policy": {k: v.detach().clone() for k, v in module.policy.state_dict().items()},
         "global_step": trainer.global_step,

@@ -1,0 +1,53 @@
+"""ValidateAtStart: one real validation before the first update, logged at step 0.
+
+Lightning's pre-training validation (``num_sanity_val_steps``) is a sanity check: its metrics
+are thrown away, so the untrained model's score never reaches the logs. This callback runs the
+trainer's own validation loop once at ``on_train_start`` instead, exactly as a periodic
+validation would run it, so the untrained ``val/*`` lands in ``metrics.csv`` (and
+``EarlyStopping`` / ``ModelCheckpoint`` see it like any other validation).
+
+Its row has ``step`` -1: Lightning logs a validation at the step of the update before it
+(``global_step - 1``: the validation after update 1 is logged at step 0), so the validation
+before any update is at -1 and "updates done = step + 1" holds for every ``val/*`` row (the
+convention of ``dapo_lightning.plot`` and the benchmarks). It runs on a fresh start only: a
+resumed run's step-0 score is already in its logs. The global RNG states are put back
+afterwards (as Lightning does around its sanity check), so adding the callback does not change
+the training trajectory; the rollout engine's own generator advances as it would for a sanity
+check (see docs/design.md, "Validation").
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.seed import isolate_rng
+from typing_extensions import override
+
+
+class ValidateAtStart(Callback):
+    """Validate once before training starts, logged at step -1 (use with
+    ``num_sanity_val_steps: 0``).
+
+    Example::
+
+        trainer = Trainer(num_sanity_val_steps=0, callbacks=[ValidateAtStart()])
+    """
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step > 0 or not trainer.enable_validation:
+            return
+        loop = trainer.fit_loop.epoch_loop
+        # what the training loop does around a periodic validation
+        first_loop_iter = trainer._logger_connector._first_loop_iter
+        trainer.validating = True
+        call._call_lightning_module_hook(trainer, "on_validation_model_zero_grad")
+        loop._batches_that_stepped = -1  # the logging step (see the module docstring)
+        try:
+            with isolate_rng():
+                loop.val_loop.run()
+        finally:
+            loop._batches_that_stepped = 0
+        trainer.training = True
+        trainer._logger_connector._first_loop_iter = first_loop_iter

@@ -1,0 +1,309 @@
+"""RunGuard: nothing is lost when a fit ends, whatever ends it (see docs/design.md, "Stopping and
+resuming").
+
+* **End of fit** (``max_steps``, ``EarlyStopping``, any ``trainer.should_stop``): the final state is
+  saved as ``last.ckpt`` in the checkpoint directory of the trainer's ``ModelCheckpoint``
+  (``<default_root_dir>/checkpoints`` without one), where ``--ckpt_path auto`` finds it, unless
+  that exact update is already saved. Lightning's ``ModelCheckpoint(save_last=True)`` alone
+  saves only on its own schedule: a run stopping at update 50 with ``every_n_train_steps=20``
+  would end with update 40 on disk.
+* **SIGTERM / SIGINT** (:mod:`dapo_lightning.interrupt`): the signal only records a stop request.
+  The rollout step under way finishes (or, during generation, the producer raises
+  :class:`~dapo_lightning.interrupt.StopRequested` between rounds), the state is saved, and the
+  command exits with 143 / 130. Lightning's own SIGTERM handling (``SIGTERMException`` at the end
+  of the step, SLURM's requeue signal) keeps working: the guard's handler is composed into it.
+  Ctrl-C twice abandons the update under way.
+* **Any other exception** after training started: the state is saved if it is one that training
+  reached between two optimizer updates (every hook outside ``optimizer.step``); not in the middle
+  of an optimizer step, and on several ranks only for a stop every rank takes part in (a
+  collective save cannot wait for a rank that failed alone).
+* **One fit per run directory**: a lock file (:class:`RunLock`) in ``trainer.default_root_dir``.
+* **Checkpoint files**: Lightning's plain ``TorchCheckpointIO`` is replaced by
+  :class:`~dapo_lightning.checkpoint.AtomicCheckpointIO` (atomic writes, the previous
+  ``last.ckpt`` kept as ``last-previous.ckpt``, a clear error on a full disk).
+* **Resume**: the config applies. Where the checkpoint's module / data hyper-parameters or the
+  optimizer's (learning rate, weight decay, ...) differ from the config, the config's values are
+  used and each difference is printed.
+
+Multi-rank: every rank takes part in the saves (``trainer.save_checkpoint`` is collective) and in
+the stop decision; only global rank 0 writes files and prints.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from dapo_lightning.callbacks.base import DAPOCallback
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from typing_extensions import override
+
+from dapo_lightning.checkpoint import (
+    AtomicCheckpointIO,
+    CheckpointDiskFullError,
+    apply_optimizer_settings,
+    optimizer_settings,
+)
+from dapo_lightning.interrupt import (
+    StopRequested,
+    clear_stop_request,
+    install_stop_handlers,
+    stop_requested,
+)
+from dapo_lightning.run_lock import RunDirLockedError, RunLock
+
+#: Exceptions every rank raises together: the state can be saved collectively.
+_COLLECTIVE_STOPS = (StopRequested, SIGTERMException)
+
+
+class RunGuard(DAPOCallback):
+    """Saves the final state at the end of fit, on SIGTERM / SIGINT and on an exception; one fit
+    per run directory; the config applies on resume (see the module docstring).
+
+    The ``dapo-lightning`` CLI adds one to every fit that has none.
+
+    Args:
+        lock: Hold a lock file in ``trainer.default_root_dir`` while fitting, so a second fit in
+            the same run directory fails at once instead of mixing its checkpoints in.
+
+    Raises:
+        RunDirLockedError: From ``setup``, when another live fit holds the run directory.
+
+    Example::
+
+        trainer = Trainer(callbacks=[ModelCheckpoint(dirpath="runs/x/checkpoints", save_last=True),
+                                     RunGuard()])
+    """
+
+    def __init__(self, lock: bool = True) -> None:
+        self.lock = lock
+        self._lock: RunLock | None = None
+        self._restore_signals = None
+        self._configured_optim: list[list[dict[str, Any]]] = []
+        self._resume_notes: list[str] = []
+        self._started = False
+        self._in_optimizer_step = False
+        self._saved_step = -1
+        self._stopping: str | None = None
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if self.lock:
+            self._lock = RunLock.acquire_for(trainer, Path(trainer.default_root_dir))
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # optimizers are configured, the checkpoint (if any) is not restored yet
+        self._configured_optim = optimizer_settings(trainer)
+        self._started, self._stopping, self._in_optimizer_step = False, None, False
+        clear_stop_request()
+        self._restore_signals = install_stop_handlers()
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._resume_notes = _hparam_changes("model", checkpoint.get("hyper_parameters"), pl_module)
+        self._resume_notes += _hparam_changes(
+            "data", checkpoint.get("datamodule_hyper_parameters"), trainer.datamodule
+        )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._started = True
+        self._saved_step = trainer.global_step  # a fresh start has nothing new; a resume is on disk
+        if trainer.ckpt_path:
+            notes = self._resume_notes + apply_optimizer_settings(trainer, self._configured_optim)
+            head = f"Resuming from {trainer.ckpt_path} at update {trainer.global_step}"
+            if notes:
+                head += "; the config applies where it differs from the checkpoint:"
+            _say(trainer, "\n  ".join([head, *notes]))
+
+    # ------------------------------------------------------------------ between updates
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self._in_optimizer_step = True
+
+    @override
+    def on_dapo_update(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float]
+    ) -> None:
+        self._in_optimizer_step = False  # the update and its counters are complete
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._stopping is not None:  # should_stop was overruled (min_steps): stop anyway
+            raise StopRequested(self._stopping)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._in_optimizer_step = False
+        reason = stop_requested()
+        # collective: a signal that reached one rank stops every rank at the same step
+        if trainer.strategy.reduce_boolean_decision(reason is not None, all=False):
+            self._stopping = reason or "stop requested on another rank"
+            trainer.should_stop = True
+
+    # ------------------------------------------------------------------ saving
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        why = f"stopped ({self._stopping})" if self._stopping else "final"
+        if not self._already_saved(trainer):
+            self._save(trainer, why)
+        elif trainer.global_step > 0:
+            self._report(trainer, self._last_path(trainer), why)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._stop_guarding()
+        try:
+            why_not = self._why_not_save(trainer, exception)
+            if why_not is None:
+                self._save(trainer, f"saved on {_describe(exception)}")
+            elif why_not:
+                _say(trainer, f"{_describe(exception)}: {why_not}")
+        finally:
+            self._release()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_guarding()
+        self._release()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"saved_step": self._saved_step}
+
+    def _why_not_save(self, trainer: pl.Trainer, exception: BaseException) -> str | None:
+        """None when the state can be saved now, else why not ('' for: nothing to say)."""
+        if not self._started or trainer.sanity_checking:
+            return ""  # before training: nothing trained, nothing to save
+        last = self._last_path(trainer)
+        if self._already_saved(trainer):
+            return f"update {trainer.global_step} is already saved ({last})."
+        if isinstance(exception, CheckpointDiskFullError):
+            return f"not saved again (the disk is full); the newest complete checkpoint is in {last.parent}."
+        if self._in_optimizer_step:
+            return (
+                f"not saved: it came in the middle of an optimizer step (the weights may be half "
+                f"updated); resume from the checkpoints in {last.parent}."
+            )
+        if trainer.world_size > 1 and not isinstance(exception, _COLLECTIVE_STOPS):
+            return (
+                f"not saved: an exception on one rank of {trainer.world_size} leaves the others "
+                f"unable to join a collective save; resume from the checkpoints in {last.parent}."
+            )
+        return None
+
+    def _save(self, trainer: pl.Trainer, why: str) -> None:
+        """Write ``last.ckpt`` through the ModelCheckpoint (collective; rank 0 writes)."""
+        checkpoint = _model_checkpoint(trainer)
+        if checkpoint is not None and checkpoint.save_last:
+            candidates = checkpoint._monitor_candidates(trainer)
+            if checkpoint.save_last == "link" and checkpoint.save_top_k != 0:
+                # "link" points last.ckpt at the newest top-k file: write one of this update
+                checkpoint._save_checkpoint(trainer, checkpoint.format_checkpoint_name(candidates))
+            checkpoint._save_last_checkpoint(trainer, candidates)
+            path = Path(checkpoint.last_model_path)
+        else:
+            path = self._last_path(trainer)
+            trainer.save_checkpoint(path)
+        self._saved_step = trainer.global_step
+        self._report(trainer, path, why)
+
+    @staticmethod
+    def _report(trainer: pl.Trainer, path: Path, why: str) -> None:
+        metrics = trainer.callback_metrics
+        shown = "".join(f", {k}={float(metrics[k]):.4g}" for k in ("val/acc",) if k in metrics)
+        _say(
+            trainer,
+            f"Saved {path} ({why}, update {trainer.global_step}{shown}). "
+            "Resume with the same command plus --ckpt_path auto.",
+        )
+
+    def _already_saved(self, trainer: pl.Trainer) -> bool:
+        """This update is on disk: saved by the guard, or as ``last`` by the ModelCheckpoint
+        (which writes ``last`` whenever it saves, with ``save_last``)."""
+        checkpoint = _model_checkpoint(trainer)
+        by_checkpoint = (
+            checkpoint is not None
+            and bool(checkpoint.save_last)
+            and checkpoint._last_global_step_saved == trainer.global_step
+            and bool(checkpoint.last_model_path)
+        )
+        return self._saved_step == trainer.global_step or by_checkpoint
+
+    @staticmethod
+    def _last_path(trainer: pl.Trainer) -> Path:
+        checkpoint = _model_checkpoint(trainer)
+        if checkpoint is not None and checkpoint.last_model_path:
+            return Path(checkpoint.last_model_path)
+        if checkpoint is not None and checkpoint.dirpath:
+            return Path(checkpoint.dirpath) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt"
+        return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+
+    def _stop_guarding(self) -> None:
+        if self._restore_signals is not None:
+            self._restore_signals()
+            self._restore_signals = None
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+def _model_checkpoint(trainer: pl.Trainer) -> ModelCheckpoint | None:
+    """The trainer's ModelCheckpoint that keeps ``last.ckpt`` (else its first one)."""
+    found = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    return next((c for c in found if c.save_last), found[0] if found else None)
+
+
+def _describe(exception: BaseException) -> str:
+    if isinstance(exception, StopRequested):
+        return exception.reason
+    if isinstance(exception, SIGTERMException):
+        return "SIGTERM"
+    text = str(exception).splitlines()[0] if str(exception) else ""
+    return f"{type(exception).__name__}: {text}" if text else type(exception).__name__
+
+
+def _hparam_changes(section: str, saved: Any, obj: Any) -> list[str]:
+    """``section.key: old (checkpoint) -> new (config)`` for each differing hyper-parameter."""
+    current = getattr(obj, "hparams", None)
+    if not isinstance(saved, dict) or current is None:
+        return []
+    out = []
+    for key, value in current.items():
+        if key.startswith("_") or key not in saved:
+            continue
+        try:
+            differs = bool(saved[key] != value)
+        except Exception:  # noqa: BLE001 - values without a plain comparison are not reported
+            continue
+        if differs:
+            out.append(f"{section}.{key}: {saved[key]!r} (checkpoint) -> {value!r} (config)")
+    return out
+
+
+def _say(trainer: pl.Trainer, message: str) -> None:
+    if trainer.is_global_zero:
+        print(message, file=sys.stderr, flush=True)
+
+
+__all__ = ["RunDirLockedError", "RunGuard"]

@@ -1,0 +1,167 @@
+"""One fit per run directory: a lock file naming the process that holds it.
+
+Two fits writing into one run directory interleave their checkpoints and metrics, and the
+second one's ``--ckpt_path auto`` may resume from the first one's state. :class:`RunLock` keeps
+``<run dir>/.dapo-run.lock`` (JSON: pid, host, process start time, command) while a fit runs
+(:class:`~dapo_lightning.callbacks.RunGuard` holds it from ``setup`` to the end of fit). A lock
+whose process is gone (killed, crashed, the node rebooted) is stale and taken over: on the same
+host the PID is checked, together with its start time so a reused PID does not count. A lock
+held from another host cannot be checked; the error says how to remove it (see docs/design.md,
+"Stopping and resuming").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: The lock file's name inside the run directory.
+LOCK_NAME = ".dapo-run.lock"
+
+
+class RunDirLockedError(RuntimeError):
+    """Another live fit holds the run directory."""
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (Linux ``/proc``, field 22), None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    now = _process_start(pid)
+    return start is None or now is None or now == start
+
+
+class RunLock:
+    """``<directory>/.dapo-run.lock``, held by this process between :meth:`acquire` and
+    :meth:`release`.
+
+    Args:
+        directory: The run directory (created if missing).
+
+    Raises:
+        RunDirLockedError: From :meth:`acquire`, naming the PID and host that hold it.
+
+    Example::
+
+        lock = RunLock("runs/quickstart")
+        lock.acquire()
+        try:
+            ...
+        finally:
+            lock.release()
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.path = Path(directory) / LOCK_NAME
+        self.held = False
+
+    def _record(self) -> dict[str, Any]:
+        pid = os.getpid()
+        return {
+            "pid": pid,
+            "host": socket.gethostname(),
+            "start": _process_start(pid),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv),
+        }
+
+    def _holder(self) -> dict[str, Any] | None:
+        """The lock's record; None when it vanished; {} when it cannot be read yet."""
+        for _ in range(20):  # a lock being written right now: give its writer a moment
+            try:
+                return json.loads(self.path.read_text())
+            except FileNotFoundError:
+                return None
+            except (OSError, ValueError):
+                time.sleep(0.05)
+        return {}
+
+    def acquire(self) -> None:
+        """Take the lock, taking over a stale one (see the module docstring)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(5):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None:
+                    continue  # released meanwhile: try again
+                self._check_stale(holder)
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._record(), f)
+            self.held = True
+            return
+        raise RunDirLockedError(
+            f"could not take the run-directory lock {self.path}: it keeps changing."
+        )
+
+    def _check_stale(self, holder: dict[str, Any]) -> None:
+        """Return when ``holder`` is gone (a stale lock); raise when it may be alive."""
+        pid, host = holder.get("pid"), holder.get("host")
+        if not isinstance(pid, int):
+            return  # unreadable: a writer that died mid-write
+        if pid == os.getpid() and host == socket.gethostname():
+            return  # ours, left by an earlier fit of this process
+        if host == socket.gethostname() and not _alive(pid, holder.get("start")):
+            print(
+                f"Taking over the stale run-directory lock {self.path} of PID {pid} (no longer running).",
+                file=sys.stderr,
+            )
+            return
+        where = "" if host == socket.gethostname() else f" on host {host}"
+        raise RunDirLockedError(
+            f"{self.path.parent} is in use by another fit: PID {pid}{where}, running since "
+            f"{holder.get('since', '?')} ({holder.get('command', '?')}). Two fits in one run "
+            "directory would mix their checkpoints: wait for it to finish, stop it, or give this "
+            f"run its own --trainer.default_root_dir. If that process is gone, delete {self.path}."
+        )
+
+    def release(self) -> None:
+        """Remove the lock file if this process holds it."""
+        if not self.held:
+            return
+        self.held = False
+        holder = self._holder()
+        if holder and holder.get("pid") == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    @classmethod
+    def acquire_for(cls, trainer: Any, directory: Path) -> RunLock | None:
+        """Acquire on global rank 0 and fail on every rank alike; returns the held lock on rank 0.
+
+        Raises:
+            RunDirLockedError: On every rank, when the directory is held by another fit.
+        """
+        lock, error = None, None
+        if trainer.is_global_zero:
+            lock = cls(directory)
+            try:
+                lock.acquire()
+            except RunDirLockedError as exc:
+                error = str(exc)
+        error = trainer.strategy.broadcast(error)
+        if error is not None:
+            raise RunDirLockedError(error)
+        return lock
