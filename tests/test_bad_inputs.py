@@ -404,3 +404,103 @@ def test_half_dtypes_run_on_this_cpu(tiny_checkpoint, dtype):
     out = module.policy(torch.tensor([[1, 2, 3]])).logits
     out.float().sum().backward()
     assert out.dtype == getattr(torch, dtype) and torch.isfinite(out).all()
+
+
+# ---------------------------------------- prompt files: encodings, missing values, paths (UX)
+
+
+def _files_dm(path: Any, train_files: str, **kw: Any) -> DAPODataModule:
+    from dapo_lightning.data.producer import DynamicSamplingConfig
+
+    args: dict[str, Any] = dict(
+        train_files=train_files,
+        prompt_key="prompt",
+        answer_key="answer",
+        apply_chat_template=False,
+        reward="arithmetic",
+        reward_in_process=True,
+        max_prompt_length=16,
+        dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=2, gen_batch_size=2),
+    )
+    return DAPODataModule(str(path), **{**args, **kw})
+
+
+def test_prompt_file_not_utf8(tiny_checkpoint, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\u00e9", "answer": "3"}\n'
+                     .encode("latin-1"))  # fmt: skip
+    dm = _files_dm(tiny_checkpoint, str(path))
+    with pytest.raises(PromptDataError, match=rf"{path} is not UTF-8 text: byte 46 \(line 2\).*"
+                       "Save the file as UTF-8"):  # fmt: skip
+        dm.setup("fit")
+
+
+def test_prompt_file_with_utf8_bom_is_accepted(tiny_checkpoint, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'
+    path.write_bytes(b"\xef\xbb\xbf" + rows.encode())
+    dm = _files_dm(tiny_checkpoint, str(path))
+    dm.setup("fit")
+    assert sorted(r.answer for r in dm.train_records) == ["2", "4"]
+
+
+@pytest.mark.parametrize(
+    ("answer", "match"),
+    [("NaN", r"row 2: field 'answer' is nan .*fill in the answer or drop the row"),
+     ("null", r"row 2: field 'answer' is null"),
+     ('"  "', r"row 2: field 'answer' is an empty answer")],
+)  # fmt: skip
+def test_prompt_answer_missing(tiny_checkpoint, tmp_path, answer, match):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        f'{{"prompt": "1+1=", "answer": 2}}\n{{"prompt": "2+2=", "answer": {answer}}}\n'
+    )
+    with pytest.raises(PromptDataError, match=match):
+        _files_dm(tiny_checkpoint, str(path)).setup("fit")
+
+
+def test_missing_relative_path_is_not_a_hub_lookup(tiny_checkpoint, tmp_path, monkeypatch):
+    import datasets
+
+    def no_hub(*args: Any, **kwargs: Any) -> None:  # pragma: no cover - must never run
+        raise AssertionError("a path was looked up on the Hugging Face Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    monkeypatch.chdir(tmp_path)
+    dm = _files_dm(tiny_checkpoint, "data/train.jsonl")
+    with pytest.raises(FileNotFoundError, match=r"no such file: prompt file 'data/train\.jsonl'"):
+        dm.setup("fit")
+
+
+# --------------------------------------------------------- reward specs and results (UX)
+
+
+def test_reward_class_path_that_does_not_import(tiny_checkpoint):
+    cli = build_cli(
+        ["--model=dapo_lightning.DAPOModule", f"--model.model_name_or_path={tiny_checkpoint}",
+         "--data=dapo_lightning.DAPODataModule", "--data.task=arithmetic",
+         "--data.apply_chat_template=false", "--data.reward_in_process=true",
+         '--data.reward={"class_path": "my_rewards.ExactMatch"}', "--trainer.logger=false"],
+        run=False,
+    )  # fmt: skip
+    with pytest.raises(ImportError, match=r"reward class_path 'my_rewards\.ExactMatch' does not "
+                       r"import \(ModuleNotFoundError: No module named 'my_rewards'\)"):  # fmt: skip
+        cli.datamodule.setup("fit")
+
+
+class BadScoreReward:
+    failure_score = -1.0
+
+    def __init__(self, score: Any) -> None:
+        self.score = score
+
+    def __call__(self, responses, ground_truths, **kw):
+        return [RewardResult(score=self.score, acc=False) for _ in responses]
+
+
+@pytest.mark.parametrize("score", ["bad", None])
+def test_reward_result_score_not_a_number(score):
+    runner = RewardRunner(BadScoreReward(score), in_process=True)
+    with pytest.raises(RewardOutputError, match=rf"reward BadScoreReward returned RewardResult\("
+                       rf"score={score!r}\) at position 0: the field score must be a number"):  # fmt: skip
+        runner.score(["a"], ["1"])
