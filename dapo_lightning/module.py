@@ -349,7 +349,7 @@ class DAPOModule(LightningModule):
             self._old_log_probs(batch) if exact_old or has_dropout(self.policy) else None
         )
         behaviour = self._behaviour_log_probs(batch, old_log_probs, stale)
-        parity_logp = torch.zeros_like(batch.rollout_log_probs)
+        parity_logp = torch.zeros_like(batch.rollout_log_probs, dtype=self._logp_dtype())
         for _ in range(self.hparams.ppo_epochs):
             for groups in mini_batches:
                 rows = [
@@ -376,10 +376,15 @@ class DAPOModule(LightningModule):
             batch.reward, batch.group_index, estimator, batch_std=batch_std
         ).to(self.device)
 
+    def _logp_dtype(self) -> torch.dtype:
+        """Log-probs are float32, or float64 for a float64 policy (exact reference tests)."""
+        dtype = next(self.policy.parameters()).dtype
+        return torch.float64 if dtype == torch.float64 else torch.float32
+
     @torch.no_grad()
     def _old_log_probs(self, batch: RolloutBatch) -> Tensor:
         """Log-probs of the policy before this step's updates, in eval mode (dropout off)."""
-        out = torch.zeros_like(batch.rollout_log_probs)
+        out = torch.zeros_like(batch.rollout_log_probs, dtype=self._logp_dtype())
         rows_list = self._micro_batches(batch, list(range(batch.batch_size)))
         with eval_mode(self.policy):
             for rows in rows_list:

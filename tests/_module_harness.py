@@ -2,7 +2,8 @@
 runner that fits for a few updates and returns the parameter update.
 
 Also runnable as a script under ``torch.distributed.run`` (2 gloo processes) for the DDP case:
-``python -m torch.distributed.run --nproc_per_node 2 tests/_module_harness.py CKPT OUT MICRO``.
+``python -m torch.distributed.run --nproc_per_node 2 tests/_module_harness.py CKPT OUT MICRO
+[STRATEGY [MODULE_KWARGS_JSON]]``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def fit_update(
     devices: int = 1,
     steps: int = 1,
     strategy: str | None = None,
+    batch_seed: int = 0,
     **module_kwargs: Any,
 ) -> tuple[dict[str, torch.Tensor], DAPOModule]:
     """Fit ``steps`` rollout steps on the fixed batch; returns (parameter delta, module)."""
@@ -87,14 +89,19 @@ def fit_update(
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(module, datamodule=FixedBatches(fixed_batch(), steps=steps))
+    trainer.fit(module, datamodule=FixedBatches(fixed_batch(batch_seed), steps=steps))
     delta = {k: v.detach() - before[k] for k, v in module.policy.named_parameters()}
     return delta, module
 
 
 if __name__ == "__main__":
+    import json
+
     ckpt, out, micro = sys.argv[1], sys.argv[2], int(sys.argv[3])
     strategy = sys.argv[4] if len(sys.argv) > 4 else "ddp"
-    delta, module = fit_update(ckpt, micro_batch_size=micro, devices=2, strategy=strategy)
+    module_kwargs = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    delta, module = fit_update(
+        ckpt, micro_batch_size=micro, devices=2, strategy=strategy, **module_kwargs
+    )
     if module.trainer.global_rank == 0:
         torch.save(delta, out)

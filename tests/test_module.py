@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from dapo_lightning.callbacks.base import DAPOCallback
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from dapo_lightning.callbacks.base import DAPOCallback
 from dapo_lightning.module import DAPOModule, micro_batch_rows
 from tests._module_harness import FixedBatches, fit_update, fixed_batch
 
@@ -69,19 +69,70 @@ def test_negative_control_per_micro_batch_mean_differs(tiny_checkpoint, one_micr
     assert max_rel_diff(one_micro_batch, delta) > 1e-3
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(240)
-def test_two_ddp_ranks_give_the_same_update(tiny_checkpoint, one_micro_batch, tmp_path):
+def two_rank_update(checkpoint, tmp_path, micro, strategy="ddp", port=29531, **module_kwargs):
+    """The parameter update of 2 real gloo ranks (torch.distributed.run) on the fixed batch."""
+    import json
+
     out = tmp_path / "delta.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HARNESS.parent.parent))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", "29531", str(HARNESS), str(tiny_checkpoint), str(out), "3",
+        "--master_port", str(port), str(HARNESS), str(checkpoint), str(out), str(micro),
+        strategy, json.dumps(module_kwargs),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    delta = torch.load(out)
+    return torch.load(out)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_two_ddp_ranks_give_the_same_update(tiny_checkpoint, one_micro_batch, tmp_path):
+    delta = two_rank_update(tiny_checkpoint, tmp_path, 3)
     assert max_rel_diff(one_micro_batch, delta) <= 1e-6
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_reinforce_baseline_std_is_global_over_ranks(tiny_checkpoint, tmp_path):
+    """(r - mean_g) / std over the whole batch: 2 ranks holding 2 groups each must use the std of
+    all 4 groups, so their update equals the single-process one."""
+    from dapo_lightning.advantages import compute_advantages
+
+    batch = fixed_batch(seed=2)  # rank 0's groups and rank 1's have different spreads
+    full = compute_advantages(batch.reward, batch.group_index, "reinforce_baseline")
+    half = compute_advantages(batch.reward[:8], batch.group_index[:8], "reinforce_baseline")
+    assert (full[:8] - half).abs().max() > 1e-3  # a rank-local std would change the update
+    one, _ = fit_update(
+        str(tiny_checkpoint), micro_batch_size=3, advantage_estimator="reinforce_baseline"
+    )
+    two = two_rank_update(
+        tiny_checkpoint, tmp_path, 3, port=29535, advantage_estimator="reinforce_baseline"
+    )
+    assert max_rel_diff(one, two) <= 1e-5
+
+
+def test_module_has_no_temperature_of_its_own(tiny_checkpoint):
+    """The sampling temperature is the data's, carried by each batch: a module temperature
+    that could disagree with it does not exist."""
+    with pytest.raises(TypeError, match="temperature"):
+        DAPOModule(str(tiny_checkpoint), temperature=0.7)
+    from dapo_lightning.logprobs import response_log_probs
+    from dapo_lightning.testing import make_random_rollout_batch
+
+    module = DAPOModule(str(tiny_checkpoint))
+    module.configure_model()
+    batch = make_random_rollout_batch(num_groups=2, group_size=2, temperature=0.5)
+    with torch.no_grad():
+        ours, _ = module.forward_log_probs(batch)
+        at_half, _ = response_log_probs(
+            module.policy, batch.input_ids, batch.attention_mask, batch.response_width,
+            temperature=0.5,
+        )  # fmt: skip
+        at_one, _ = response_log_probs(
+            module.policy, batch.input_ids, batch.attention_mask, batch.response_width
+        )
+    assert torch.equal(ours, at_half) and not torch.allclose(ours, at_one)
 
 
 class Record(DAPOCallback):

@@ -1,0 +1,148 @@
+"""The module's update pinned against an independent computation of the paper's objective.
+
+The reference below shares no code with the library's update path: GRPO advantages from the raw
+rewards of each group, one *unpadded* sequence at a time through a float64 copy of the model,
+DAPO's token-mean clipped objective written out per token, and plain SGD. Partition invariance
+(tests/test_module.py) says nothing about the normaliser; these tests do: the three wrong
+normalisers (the sequence count, 7x the token count, GRPO's per-sequence mean) fail them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from transformers import AutoModelForCausalLM
+
+import dapo_lightning.module as module_lib
+from dapo_lightning.module import DAPOModule
+from tests._module_harness import FixedBatches, fixed_batch
+
+LR = 0.5
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+
+
+def _sequences(batch):
+    """(prompt ids, response ids, reward, group) per row, read back from the padded batch."""
+    rows = []
+    P = batch.prompt_width
+    for i in range(batch.batch_size):
+        ids = batch.input_ids[i][batch.attention_mask[i].bool()].tolist()
+        n_resp = int(batch.response_length[i])
+        prompt_len = int(batch.attention_mask[i, :P].sum())
+        assert len(ids) == prompt_len + n_resp
+        rows.append(
+            (ids[:prompt_len], ids[prompt_len:], float(batch.reward[i]), int(batch.group_index[i]))
+        )
+    return rows
+
+
+def _grpo(rows):
+    """A_i = (r_i - mean_g) / (unbiased std_g + 1e-6), by hand."""
+    out = []
+    for _, _, r, g in rows:
+        group = [x for _, _, x, h in rows if h == g]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (len(group) - 1))
+        out.append((r - mean) / (std + 1e-6))
+    return out
+
+
+def _logp(model, prompt, response):
+    """log pi(y_t | x, y_<t) of each response token, one unpadded sequence."""
+    ids = torch.tensor([prompt + response])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def reference_updates(checkpoint, batch, groups_per_update):
+    """Parameters after SGD on DAPO's token-mean objective, mini-batch after mini-batch."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()
+    rows = _sequences(batch)
+    adv = _grpo(rows)
+    with torch.no_grad():
+        old = [_logp(model, p, y) for p, y, _, _ in rows]
+    num_groups = len({g for *_, g in rows})
+    for start in range(0, num_groups, groups_per_update):
+        members = [i for i, (*_, g) in enumerate(rows) if start <= g < start + groups_per_update]
+        tokens = sum(len(rows[i][1]) for i in members)
+        model.zero_grad()
+        objective = 0.0
+        for i in members:
+            ratio = torch.exp(_logp(model, rows[i][0], rows[i][1]) - old[i])
+            clipped = torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH)
+            objective = objective + torch.minimum(ratio * adv[i], clipped * adv[i]).sum()
+        (-objective / tokens).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def module_updates(checkpoint, batch, mini_batch_size, micro_batch_size=3):
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
+    module = DAPOModule(
+        policy=policy,
+        optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+        mini_batch_size=mini_batch_size,
+        micro_batch_size=micro_batch_size,
+        gradient_clip_val=None,
+        parity_check_every=0,
+    )
+    trainer = Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=FixedBatches(batch))
+    return {k: v.detach() for k, v in module.policy.named_parameters()}
+
+
+def rel_diff(a, b, start):
+    scale = max(float((a[k] - start[k]).abs().max()) for k in a)
+    assert scale > 1e-4, "the update is zero: the test would prove nothing"
+    return max(float((a[k] - b[k]).abs().max()) for k in a) / scale
+
+
+@pytest.fixture(scope="module")
+def start(tiny_checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float64)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("mini_batch_size", "groups_per_update"),
+    [(None, 4), (1, 1), (2, 2)],
+    ids=["one update per batch", "4 updates, old log-probs", "2 updates, old log-probs"],
+)
+def test_update_equals_sgd_on_the_token_mean_objective(
+    tiny_checkpoint, start, mini_batch_size, groups_per_update
+):
+    batch = fixed_batch()
+    ours = module_updates(str(tiny_checkpoint), batch, mini_batch_size)
+    ref = reference_updates(str(tiny_checkpoint), batch, groups_per_update)
+    assert rel_diff(ours, ref, start) < 1e-5
+
+
+WRONG_NORMALISERS = {
+    "sequence count": lambda kw: {**kw, "global_token_count": kw["global_seq_count"]},
+    "7x the token count": lambda kw: {**kw, "global_token_count": 7 * kw["global_token_count"]},
+    "GRPO's sequence mean": lambda kw: {**kw, "loss_agg_mode": "seq-mean-token-mean"},
+}
+
+
+@pytest.mark.parametrize("wrong", list(WRONG_NORMALISERS))
+def test_a_wrong_normaliser_fails_the_reference(tiny_checkpoint, start, monkeypatch, wrong):
+    """Negative control: the same comparison catches each normaliser bug of the loss call."""
+    real = module_lib.compute_policy_loss
+
+    def broken(*args, **kwargs):
+        return real(*args, **WRONG_NORMALISERS[wrong](kwargs))
+
+    monkeypatch.setattr(module_lib, "compute_policy_loss", broken)
+    batch = fixed_batch()
+    ours = module_updates(str(tiny_checkpoint), batch, None)
+    ref = reference_updates(str(tiny_checkpoint), batch, 4)
+    assert rel_diff(ours, ref, start) > 1e-2
