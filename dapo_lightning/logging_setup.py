@@ -92,6 +92,21 @@ KNOWN_NOISE: tuple[KnownNoise, ...] = (
         "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.",
     ),
     KnownNoise(
+        "vllm.engine.arg_utils",
+        r"The global random seed is set to \d+\. Since VLLM_ENABLE_V1_MULTIPROCESSING",
+        "VLLMRolloutEngine runs vLLM inside the training process on purpose (weights are pushed "
+        "in place); the run seeds that process itself and its checkpoints restore the RNGs.",
+        "The global random seed is set to 0. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to "
+        "False, this may affect the random state of the Python process that launched vLLM.",
+    ),
+    KnownNoise(
+        "vllm.config.vllm",
+        r"Enforce eager set, disabling|Inductor compilation was disabled by user settings",
+        "On CPU VLLMRolloutEngine sets enforce_eager on purpose (no compile warm-up); these "
+        "lines only restate it.",
+        "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup.",
+    ),
+    KnownNoise(
         "vllm.model_executor.models.utils",
         r"Attempted to load weight \S+ with dtype",
         "One line per tensor (122 for SmolLM2-135M) when a float32 checkpoint is loaded into a "
