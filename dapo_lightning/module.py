@@ -271,9 +271,11 @@ class DAPOModule(LightningModule):
 
     def on_fit_start(self) -> None:
         """Check the data's settings against the module's before any rollout is generated."""
-        config = getattr(self.trainer.datamodule, "dynamic_sampling", None)
-        if config is not None:
-            check_data_settings(self.hparams, config, self.policy)
+        from dapo_lightning.data.datamodule import DAPODataModule
+
+        data = self.trainer.datamodule
+        if isinstance(data, DAPODataModule):
+            check_data_settings(self.hparams, data, self.policy)
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -698,9 +700,19 @@ def check_module_settings(hp: Any, *, has_policy: bool) -> None:
         raise ValueError(f"parity_check_every must be >= 0 (0: off), got {hp.parity_check_every}.")
 
 
-def check_data_settings(hp: Any, config: Any, policy: nn.Module | None) -> None:
-    """Raise a clear error for dynamic-sampling settings this module cannot train on (before
-    any generation is wasted). ``config`` is the data's ``DynamicSamplingConfig``."""
+def check_data_settings(hp: Any, data: Any, policy: nn.Module | None) -> None:
+    """Raise a clear error for data settings this module cannot train on (before any generation
+    is wasted). ``data`` is the run's :class:`~dapo_lightning.data.datamodule.DAPODataModule`."""
+    config = data.dynamic_sampling
+    context = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+    longest = data.max_prompt_length + data.sampling.max_tokens
+    if isinstance(context, int) and longest > context:
+        raise ValueError(
+            f"data.max_prompt_length={data.max_prompt_length} + data.sampling.max_tokens="
+            f"{data.sampling.max_tokens} = {longest} tokens exceeds the model's context "
+            f"(max_position_embeddings={context}). Fix: lower max_prompt_length or "
+            "sampling.max_tokens so that their sum fits the context."
+        )
     if config.n < 2 and hp.advantage_estimator in ("grpo", "rloo"):
         raise ValueError(
             f"data.dynamic_sampling.n={config.n} with model.advantage_estimator="
@@ -712,6 +724,6 @@ def check_data_settings(hp: Any, config: Any, policy: nn.Module | None) -> None:
     if mini is not None and config.train_batch_size % mini:
         raise ValueError(
             f"model.mini_batch_size={mini} does not divide data.dynamic_sampling."
-            f"train_batch_size={config.train_batch_size} (prompts per rollout step): choose a "
-            "divisor of train_batch_size, or null for one update per rollout step."
+            f"train_batch_size={config.train_batch_size} (prompts per rollout step). Fix: choose "
+            "a divisor of train_batch_size, or null for one update per rollout step."
         )

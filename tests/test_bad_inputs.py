@@ -20,7 +20,7 @@ import torch
 
 from dapo_lightning import DAPODataModule, DAPOModule
 from dapo_lightning.cli import build_cli
-from dapo_lightning.data.buffer import DynamicSamplingError  # noqa: F401 - documented error type
+from dapo_lightning.data.producer import DynamicSamplingConfig, DynamicSamplingError  # noqa: F401
 from dapo_lightning.data.sources import PromptDataError
 from dapo_lightning.rewards import (
     RewardFailureError,
@@ -80,7 +80,7 @@ def test_cli_wrong_type_float(capsys):
 
 
 def test_cli_wrong_type_int(capsys):
-    err = _cli([*BASE, "--data.n=four"], capsys)
+    err = _cli([*BASE, "--data.dynamic_sampling.n=four"], capsys)
     assert "n" in err and "four" in err
 
 
@@ -106,20 +106,30 @@ def test_cli_eps_high_below_eps_low(capsys):
     ("kwargs", "match"),
     [
         ({"clip_ratio_low": 0.3, "clip_ratio_high": 0.2}, "clip_ratio_high .*0.28 and 0.2"),
-        ({"clip_ratio_low": 1.5}, "clip_ratio_low must be in"),
-        ({"clip_ratio_c": 0.5}, "clip_ratio_c must be > 1"),
-        ({"loss_agg_mode": "token-sum"}, "loss_agg_mode must be one of"),
+        ({"clip_ratio_low": 1.5}, r"clip_ratio_low \(eps_low\) must be in"),
+        ({"clip_ratio_c": 0.5}, r"clip_ratio_c \(dual clip\) must be > 1"),
+        ({"loss_agg_mode": "token-sum"}, "loss_agg_mode='token-sum' is not known; valid modes"),
         ({"advantage_estimator": "ppo"}, "advantage_estimator must be one of"),
-        ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "needs `max_response_length`"),
         ({"micro_batch_size": 0}, "micro_batch_size must be >= 1"),
         ({"mini_batch_size": 0}, "mini_batch_size must be >= 1"),
-        ({"temperature": 0.0}, "temperature must be > 0"),
         ({"tis_cap": 0.0}, "tis_cap must be > 0"),
+        ({"stale_tis_cap": -1.0}, "stale_tis_cap must be > 0"),
+        ({"gradient_clip_val": -1.0}, "gradient_clip_val must be >= 0.*flip the gradient"),
+        ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
+        ({"warmup_steps": -1}, "warmup_steps must be >= 0"),
+        ({"max_tokens_per_micro_batch": 0}, "max_tokens_per_micro_batch must be >= 1"),
     ],
 )
 def test_module_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DAPOModule("unused", **kwargs)
+
+
+def test_module_has_no_sampling_settings():
+    """Temperature and response length are the data's (``data.sampling``), carried by batches."""
+    for key in ("temperature", "max_response_length"):
+        with pytest.raises(TypeError, match=key):
+            DAPOModule("unused", **{key: 1})
 
 
 def test_module_without_policy():
@@ -140,12 +150,11 @@ def test_module_missing_model_path(tmp_path):
     ("kwargs", "error", "match"),
     [
         ({}, ValueError, "exactly one of train_files"),
-        ({"task": "algebra"}, ValueError, "task='algebra' is unknown"),
+        ({"task": "algebra"}, ValueError, "task='algebra' is not a built-in task"),
         ({"task": "arithmetic", "engine": "sglang"}, ValueError, "engine='sglang'"),
         ({"task": "arithmetic", "val_n": 0}, ValueError, "val_n and val_batch_size"),
         ({"task": "arithmetic", "steps_per_epoch": 0}, ValueError, "steps_per_epoch must be"),
-        ({"task": "arithmetic", "max_response_length": 0}, ValueError, "max_tokens must be >= 1"),
-        ({"task": "arithmetic", "top_p": 0.0}, ValueError, "top_p must be in"),
+        ({"task": "arithmetic", "max_prompt_length": 0}, ValueError, "max_prompt_length must be"),
     ],
 )
 def test_datamodule_bad_arguments(tiny_checkpoint, kwargs, error, match):
@@ -153,17 +162,52 @@ def test_datamodule_bad_arguments(tiny_checkpoint, kwargs, error, match):
         DAPODataModule(str(tiny_checkpoint), **kwargs)
 
 
-def _dm(path: Any, **kw: Any) -> DAPODataModule:
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": 4, "top_p": 0.0}, "top_p must be in"),
+        ({"max_tokens": 4, "temperature": 0.0}, "temperature must be > 0"),
+        ({"max_tokens": 4, "top_k": 0}, "top_k must be -1"),
+    ],
+)
+def test_sampling_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n": 1}, "n >= 2 or filter_metric: null"),
+        ({"train_batch_size": 0}, "train_batch_size must be >= 1"),
+        ({"gen_batch_size": 0}, "gen_batch_size must be >= 1 .prompts per round, or null"),
+        ({"max_num_gen_batches": -1}, "max_num_gen_batches must be >= 0"),
+        ({"on_exhausted": "retry"}, "on_exhausted must be"),
+        ({"filter_metric": "len"}, "filter_metric must be"),
+        ({"max_staleness": -1}, "max_staleness must be >= 0"),
+        ({"retire_after": -1}, "retire_after must be >= 0"),
+        ({"revisit_every": 0}, "revisit_every must be >= 1"),
+        ({"adaptive_n": True, "max_n": 2}, "max_n=2 must be >= n=16"),
+    ],
+)
+def test_dynamic_sampling_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DynamicSamplingConfig(**kwargs)
+
+
+def _dm(path: Any, dynamic: dict[str, Any] | None = None, **kw: Any) -> DAPODataModule:
     args: dict[str, Any] = dict(
         task="arithmetic",
         task_kwargs={"num_prompts": 8},
         apply_chat_template=False,
         reward="arithmetic",
         reward_in_process=True,
-        n=2,
-        train_batch_size=2,
         max_prompt_length=16,
-        max_response_length=4,
+        sampling=SamplingConfig(max_tokens=4),
+        dynamic_sampling=DynamicSamplingConfig(
+            **{"n": 2, "train_batch_size": 2, **(dynamic or {})}
+        ),
     )
     args.update(kw)
     return DAPODataModule(str(path), **args)
@@ -172,9 +216,7 @@ def _dm(path: Any, **kw: Any) -> DAPODataModule:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"n": 1}, "n >= 2 or filter_metric=None"),
-        ({"train_batch_size": 0}, "train_batch_size=0 is global"),
-        ({"max_num_gen_batches": -1}, "max_num_gen_batches must be >= 0"),
+        ({"dynamic": {"train_batch_size": 16}}, "more than the 8 training prompts"),
         ({"reward": "exact_match"}, "reward='exact_match' is not a built-in reward"),
         ({"reward_timeout_s": 0.0}, "timeout_s must be > 0"),
         ({"max_reward_failure_frac": 2.0}, "max_reward_failure_frac must be in"),
@@ -248,10 +290,18 @@ def _fit(module: DAPOModule, dm: DAPODataModule, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("module_kw", "data_kw", "match"),
     [
-        ({"advantage_estimator": "grpo"}, {"n": 1, "filter_metric": None}, "data.n=1 with"),
-        ({"advantage_estimator": "rloo"}, {"n": 1, "filter_metric": None}, "data.n=1 with"),
-        ({"mini_batch_size": 3}, {"train_batch_size": 4}, "mini_batch_size=3 does not divide"),
-        ({}, {"max_prompt_length": 500, "max_response_length": 100}, "max_position_embeddings"),
+        ({"advantage_estimator": "grpo"}, {"dynamic": {"n": 1, "filter_metric": None}}, "n=1 with"),
+        ({"advantage_estimator": "rloo"}, {"dynamic": {"n": 1, "filter_metric": None}}, "n=1 with"),
+        (
+            {"mini_batch_size": 3},
+            {"dynamic": {"train_batch_size": 4}},
+            "mini_batch_size=3 does not",
+        ),
+        (
+            {},
+            {"max_prompt_length": 500, "sampling": SamplingConfig(max_tokens=100)},
+            "max_position_embeddings",
+        ),
     ],
 )
 def test_model_data_mismatch_fails_before_generation(
@@ -301,10 +351,9 @@ def test_bad_prompt_rows(tiny_checkpoint, tmp_path, content, match):
         apply_chat_template=False,
         reward="arithmetic",
         reward_in_process=True,
-        n=2,
-        train_batch_size=1,
         max_prompt_length=16,
-        max_response_length=4,
+        sampling=SamplingConfig(max_tokens=4),
+        dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=1),
     )
     with pytest.raises(PromptDataError, match=match):
         dm.setup("fit")
