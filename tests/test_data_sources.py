@@ -13,11 +13,11 @@ from dapo_lightning.data import (
     PromptDataError,
     deduplicate,
     load_prompt_records,
-    make_arithmetic_rows,
     records_from_rows,
     split_train_val,
     tokenize_records,
 )
+from dapo_lightning.tasks.arithmetic import make_arithmetic_rows
 from dapo_lightning.testing import make_tiny_tokenizer
 
 AIME = "/work/shared/data/aime-2024.parquet"
