@@ -48,8 +48,9 @@ from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollout
 from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.loss import check_loss_settings, compute_policy_loss
 from dapo_lightning.metrics import MetricAccumulator, ReduceOp
+from dapo_lightning.rollout.session import is_sharded
 from dapo_lightning.schedules import WarmupConstantLR
-from dapo_lightning.strategy import StrategyAdapter
+from dapo_lightning.strategy import ShardingConfig, StrategyAdapter, shard_policy
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -186,6 +187,8 @@ class DAPOModule(LightningModule):
             trainer's on freshly sampled tokens (``parity/*`` metrics); 0 disables.
         skip_nonfinite: Skip an update whose gradient norm is not finite (counted in
             ``update/skipped_nonfinite``) instead of corrupting the weights.
+        sharding: FSDP2 settings (mixed precision, CPU offload), used when the trainer's
+            strategy is ``ModelParallelStrategy`` (:class:`~dapo_lightning.strategy.ShardingConfig`).
 
     Example::
 
@@ -222,6 +225,7 @@ class DAPOModule(LightningModule):
         gradient_checkpointing: bool = False,
         parity_check_every: int = 1,
         skip_nonfinite: bool = True,
+        sharding: ShardingConfig = ShardingConfig(),  # noqa: B008 - a plain dataclass
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "optimizer", "lr_scheduler"])
@@ -249,9 +253,12 @@ class DAPOModule(LightningModule):
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
-        """Load the policy (and, with ``kl_coef > 0``, a frozen reference copy)."""
+        """Load the policy (and, with ``kl_coef > 0``, a frozen reference copy); under
+        ``ModelParallelStrategy`` shard it with FSDP2 (each decoder layer, then the root)."""
         if self.policy is None:
             self.policy = load_policy(self.hparams.model_name_or_path, self.hparams.torch_dtype)
+        if self.adapter.kind == "fsdp2" and not is_sharded(self.policy):
+            self._shard()
         self.policy.train()  # from_pretrained returns eval mode; Lightning keeps modes as they are
         if self.hparams.gradient_checkpointing and hasattr(
             self.policy, "gradient_checkpointing_enable"
@@ -268,6 +275,17 @@ class DAPOModule(LightningModule):
             ref.requires_grad_(False)
             # Kept outside the module tree: it is neither trained nor checkpointed.
             object.__setattr__(self, "ref_policy", ref)
+
+    def _shard(self) -> None:
+        mesh = self.device_mesh
+        if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+            raise ValueError(
+                "ModelParallelStrategy(tensor_parallel_size > 1): the DAPO update shards the "
+                "policy over data-parallel ranks only (FSDP2). Fix: tensor_parallel_size=1; "
+                "tensor parallelism belongs to the vLLM engine (engine_kwargs)."
+            )
+        dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+        shard_policy(self.policy, dp, self.hparams.sharding)
 
     def on_fit_start(self) -> None:
         """Check the data's settings against the module's before any rollout is generated."""
@@ -453,6 +471,8 @@ class DAPOModule(LightningModule):
         if tokens == 0:  # same on every rank: no forward, no step
             return self._finish_update(acc, tokens, stepped=False, skipped_empty=True)
         micro_batches = self._micro_batches(batch, rows)
+        acc.add("micro_batches", float(len(micro_batches)), op="max")
+        acc.add("empty_micro_batches", float(sum(not m for m in micro_batches)), op="sum")
         for i, idx in enumerate(micro_batches):
             micro = self._micro(batch, idx)
             loss, m = self._micro_loss(

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -44,6 +45,68 @@ from lightning.pytorch.strategies import (
 from torch import Tensor
 
 StrategyKind = Literal["single", "ddp", "fsdp1", "fsdp2", "deepspeed"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class ShardingConfig:
+    """How the policy is sharded with FSDP2 (``fully_shard``) under Lightning's
+    ``ModelParallelStrategy``: each decoder layer is one unit, the root (embeddings, final
+    norm, LM head) another.
+
+    Args:
+        param_dtype: Dtype parameters are all-gathered in and compute runs in (FSDP2 mixed
+            precision; the sharded master weights keep their dtype); None: no cast.
+        reduce_dtype: Dtype of the gradient reduce-scatter; None: ``param_dtype``.
+        cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory
+            (``CPUOffloadPolicy``; the optimizer steps on the CPU).
+        reshard_after_forward: Free gathered parameters after each layer's forward (less
+            memory, one more all-gather in backward).
+    """
+
+    param_dtype: DType | None = None
+    reduce_dtype: DType | None = None
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+
+
+# The module's hyper-parameters (saved in checkpoints) hold it: allow it in weights_only loads.
+torch.serialization.add_safe_globals([ShardingConfig])
+
+
+def decoder_layers(policy: torch.nn.Module) -> list[torch.nn.Module]:
+    """The policy's repeated blocks: modules whose class is in HF's ``_no_split_modules``.
+
+    Raises:
+        ValueError: the model names no such class, or none is found.
+    """
+    names = set(getattr(policy, "_no_split_modules", None) or [])
+    layers = [m for m in policy.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"cannot find the decoder layers of {type(policy).__name__} to shard (no module of "
+            f"a class in _no_split_modules={sorted(names)}): shard the policy yourself in a "
+            "DAPOModule subclass's configure_model."
+        )
+    return layers
+
+
+def shard_policy(policy: torch.nn.Module, mesh: Any, config: ShardingConfig) -> None:
+    """``fully_shard`` every decoder layer, then the root, over the data-parallel ``mesh``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward}
+    if config.param_dtype is not None or config.reduce_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=dtypes.get(config.param_dtype),
+            reduce_dtype=dtypes.get(config.reduce_dtype or config.param_dtype),
+        )
+    if config.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(policy):
+        fully_shard(layer, **kwargs)
+    fully_shard(policy, **kwargs)
 
 
 def strategy_kind(strategy: Strategy | None) -> StrategyKind:

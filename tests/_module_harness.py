@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 import torch
+from dapo_lightning.callbacks.base import DAPOCallback
 from lightning.pytorch import LightningDataModule, Trainer
 from torch.utils.data import DataLoader
 
@@ -51,6 +52,16 @@ class FixedBatches(LightningDataModule):
         return DataLoader([local] * self.steps, batch_size=None)
 
 
+class UpdateRecorder(DAPOCallback):
+    """Keeps every update's metrics (as the module reduced them over ranks)."""
+
+    def __init__(self) -> None:
+        self.updates: list[dict[str, float]] = []
+
+    def on_dapo_update(self, trainer: Any, pl_module: Any, metrics: dict[str, float]) -> None:
+        self.updates.append(dict(metrics))
+
+
 def sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1.0)
 
@@ -77,6 +88,10 @@ def fit_update(
     module = DAPOModule(checkpoint, **kwargs)
     module.configure_model()
     before = {k: v.detach().clone() for k, v in module.policy.named_parameters()}
+    if strategy == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
     trainer = Trainer(
         accelerator="cpu",
         devices=devices,
@@ -89,8 +104,14 @@ def fit_update(
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
+    recorder = UpdateRecorder()
+    trainer.callbacks.append(recorder)
     trainer.fit(module, datamodule=FixedBatches(fixed_batch(batch_seed), steps=steps))
-    delta = {k: v.detach() - before[k] for k, v in module.policy.named_parameters()}
+    module.recorded_updates = recorder.updates
+    from dapo_lightning.rollout.session import full_named_tensors
+
+    after = dict(full_named_tensors(module.policy))  # gathered when sharded (FSDP2)
+    delta = {k: after[k] - v for k, v in before.items()}
     return delta, module
 
 
@@ -105,3 +126,4 @@ if __name__ == "__main__":
     )
     if module.trainer.global_rank == 0:
         torch.save(delta, out)
+        torch.save(module.recorded_updates, out + ".updates")

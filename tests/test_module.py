@@ -94,6 +94,37 @@ def test_two_ddp_ranks_give_the_same_update(tiny_checkpoint, one_micro_batch, tm
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
+def test_two_fsdp2_ranks_give_the_same_update(tiny_checkpoint, one_micro_batch, tmp_path):
+    """Real DTensor shards (ModelParallelStrategy, FSDP2 fully_shard per layer and root)."""
+    delta = two_rank_update(tiny_checkpoint, tmp_path, 3, strategy="fsdp2", port=29537)
+    assert max_rel_diff(one_micro_batch, delta) <= 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_fsdp2_ranks_run_equal_micro_batch_counts_under_a_token_budget(
+    tiny_checkpoint, one_micro_batch, tmp_path
+):
+    """With a 60-token budget rank 0 (long responses) needs more micro-batches than rank 1;
+    FSDP2 reduce-scatters in every backward, so rank 1 pads with empty micro-batches (else the
+    collectives would not match) and the update is still the single-process one."""
+    from dapo_lightning.module import micro_batch_rows
+
+    batch = fixed_batch()
+    lengths = batch.attention_mask.sum(-1)
+    per_rank = [len(micro_batch_rows(lengths[r * 8 : (r + 1) * 8], 16, 60)) for r in (0, 1)]
+    assert per_rank[0] != per_rank[1]
+    delta = two_rank_update(
+        tiny_checkpoint, tmp_path, 16, strategy="fsdp2", port=29539, max_tokens_per_micro_batch=60
+    )
+    assert max_rel_diff(one_micro_batch, delta) <= 1e-5
+    (update,) = torch.load(str(tmp_path / "delta.pt") + ".updates")
+    assert update["micro_batches"] == max(per_rank)
+    assert update["empty_micro_batches"] == abs(per_rank[0] - per_rank[1])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
 def test_reinforce_baseline_std_is_global_over_ranks(tiny_checkpoint, tmp_path):
     """(r - mean_g) / std over the whole batch: 2 ranks holding 2 groups each must use the std of
     all 4 groups, so their update equals the single-process one."""
