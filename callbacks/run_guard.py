@@ -1,12 +1,12 @@
 """RunGuard: nothing is lost when a fit ends, whatever ends it (see docs/design.md, "Stopping and
 resuming").
 
-* **End of fit** (``max_steps``, ``EarlyStopping``, any ``trainer.should_stop``): the final state is
-  saved as ``last.ckpt`` in the checkpoint directory of the trainer's ``ModelCheckpoint``
-  (``<default_root_dir>/checkpoints`` without one), where ``--ckpt_path auto`` finds it, unless
-  that exact update is already saved. Lightning's ``ModelCheckpoint(save_last=True)`` alone
-  saves only on its own schedule: a run stopping at update 50 with ``every_n_train_steps=20``
-  would end with update 40 on disk.
+* **End of fit** (``max_steps``, ``EarlyStopping``, any ``trainer.should_stop``): the final state
+  is saved as ``last.ckpt`` in the checkpoint directory of the trainer's ``ModelCheckpoint``,
+  where ``--ckpt_path auto`` finds it, unless that exact update is already saved (with
+  checkpointing off, ``enable_checkpointing=False``, nothing is saved). Lightning's
+  ``ModelCheckpoint(save_last=True)`` alone saves on its own schedule only: a run stopping at
+  update 50 with ``every_n_train_steps=20`` would end with update 40 on disk.
 * **SIGTERM / SIGINT** (:mod:`dapo_lightning.interrupt`): the signal only records a stop request.
   The rollout step under way finishes (or, during generation, the producer raises
   :class:`~dapo_lightning.interrupt.StopRequested` between rounds), the state is saved, and the
@@ -160,11 +160,14 @@ class RunGuard(DAPOCallback):
     # ------------------------------------------------------------------ saving
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        checkpoint = _model_checkpoint(trainer)
         why = f"stopped ({self._stopping})" if self._stopping else "final"
-        if not self._already_saved(trainer):
-            self._save(trainer, why)
-        elif trainer.global_step > 0:
-            self._report(trainer, self._last_path(trainer), why)
+        if checkpoint is None or trainer.global_step == 0:
+            return  # checkpointing is off, or nothing was trained
+        if self._already_saved(trainer, checkpoint):
+            self._report(trainer, _last_path(checkpoint), why)
+        else:
+            self._save(trainer, checkpoint, why)
 
     @override
     def on_exception(
@@ -172,9 +175,10 @@ class RunGuard(DAPOCallback):
     ) -> None:
         self._stop_guarding()
         try:
-            why_not = self._why_not_save(trainer, exception)
-            if why_not is None:
-                self._save(trainer, f"saved on {_describe(exception)}")
+            checkpoint = _model_checkpoint(trainer)
+            why_not = self._why_not_save(trainer, checkpoint, exception)
+            if why_not is None and checkpoint is not None:
+                self._save(trainer, checkpoint, f"saved on {_describe(exception)}")
             elif why_not:
                 _say(trainer, f"{_describe(exception)}: {why_not}")
         finally:
@@ -185,46 +189,41 @@ class RunGuard(DAPOCallback):
         self._stop_guarding()
         self._release()
 
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"saved_step": self._saved_step}
-
-    def _why_not_save(self, trainer: pl.Trainer, exception: BaseException) -> str | None:
+    def _why_not_save(
+        self, trainer: pl.Trainer, checkpoint: ModelCheckpoint | None, exception: BaseException
+    ) -> str | None:
         """None when the state can be saved now, else why not ('' for: nothing to say)."""
-        if not self._started or trainer.sanity_checking:
-            return ""  # before training: nothing trained, nothing to save
-        last = self._last_path(trainer)
-        if self._already_saved(trainer):
-            return f"update {trainer.global_step} is already saved ({last})."
+        if checkpoint is None or not self._started or trainer.sanity_checking:
+            return ""  # checkpointing is off, or training has not started
+        where = _last_path(checkpoint).parent
+        if self._already_saved(trainer, checkpoint):
+            return f"update {trainer.global_step} is already saved in {where}."
         if isinstance(exception, CheckpointDiskFullError):
-            return f"not saved again (the disk is full); the newest complete checkpoint is in {last.parent}."
+            return f"not saved again (the disk is full); the complete checkpoints are in {where}."
         if self._in_optimizer_step:
             return (
-                f"not saved: it came in the middle of an optimizer step (the weights may be half "
-                f"updated); resume from the checkpoints in {last.parent}."
+                "not saved: it came in the middle of an optimizer step (the weights may be half "
+                f"updated); resume from the checkpoints in {where}."
             )
         if trainer.world_size > 1 and not isinstance(exception, _COLLECTIVE_STOPS):
             return (
                 f"not saved: an exception on one rank of {trainer.world_size} leaves the others "
-                f"unable to join a collective save; resume from the checkpoints in {last.parent}."
+                f"unable to join a collective save; resume from the checkpoints in {where}."
             )
         return None
 
-    def _save(self, trainer: pl.Trainer, why: str) -> None:
-        """Write ``last.ckpt`` through the ModelCheckpoint (collective; rank 0 writes)."""
-        checkpoint = _model_checkpoint(trainer)
-        if checkpoint is not None and checkpoint.save_last:
+    def _save(self, trainer: pl.Trainer, checkpoint: ModelCheckpoint, why: str) -> None:
+        """Write ``last.ckpt`` through ``checkpoint`` (collective; rank 0 writes)."""
+        if checkpoint.save_last:
             candidates = checkpoint._monitor_candidates(trainer)
             if checkpoint.save_last == "link" and checkpoint.save_top_k != 0:
                 # "link" points last.ckpt at the newest top-k file: write one of this update
                 checkpoint._save_checkpoint(trainer, checkpoint.format_checkpoint_name(candidates))
             checkpoint._save_last_checkpoint(trainer, candidates)
-            path = Path(checkpoint.last_model_path)
         else:
-            path = self._last_path(trainer)
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(_last_path(checkpoint))
         self._saved_step = trainer.global_step
-        self._report(trainer, path, why)
+        self._report(trainer, _last_path(checkpoint), why)
 
     @staticmethod
     def _report(trainer: pl.Trainer, path: Path, why: str) -> None:
@@ -236,26 +235,15 @@ class RunGuard(DAPOCallback):
             "Resume with the same command plus --ckpt_path auto.",
         )
 
-    def _already_saved(self, trainer: pl.Trainer) -> bool:
+    def _already_saved(self, trainer: pl.Trainer, checkpoint: ModelCheckpoint) -> bool:
         """This update is on disk: saved by the guard, or as ``last`` by the ModelCheckpoint
         (which writes ``last`` whenever it saves, with ``save_last``)."""
-        checkpoint = _model_checkpoint(trainer)
         by_checkpoint = (
-            checkpoint is not None
-            and bool(checkpoint.save_last)
+            bool(checkpoint.save_last)
             and checkpoint._last_global_step_saved == trainer.global_step
             and bool(checkpoint.last_model_path)
         )
         return self._saved_step == trainer.global_step or by_checkpoint
-
-    @staticmethod
-    def _last_path(trainer: pl.Trainer) -> Path:
-        checkpoint = _model_checkpoint(trainer)
-        if checkpoint is not None and checkpoint.last_model_path:
-            return Path(checkpoint.last_model_path)
-        if checkpoint is not None and checkpoint.dirpath:
-            return Path(checkpoint.dirpath) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt"
-        return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
 
     def _stop_guarding(self) -> None:
         if self._restore_signals is not None:
@@ -269,9 +257,16 @@ class RunGuard(DAPOCallback):
 
 
 def _model_checkpoint(trainer: pl.Trainer) -> ModelCheckpoint | None:
-    """The trainer's ModelCheckpoint that keeps ``last.ckpt`` (else its first one)."""
+    """The trainer's ModelCheckpoint that keeps ``last.ckpt`` (else its first one; None: the
+    trainer has none, i.e. ``enable_checkpointing=False``, and the guard saves nothing)."""
     found = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
     return next((c for c in found if c.save_last), found[0] if found else None)
+
+
+def _last_path(checkpoint: ModelCheckpoint) -> Path:
+    if checkpoint.last_model_path:
+        return Path(checkpoint.last_model_path)
+    return Path(checkpoint.dirpath or ".") / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt"
 
 
 def _describe(exception: BaseException) -> str:

@@ -271,7 +271,8 @@ def optimizer_settings(trainer: Any) -> list[list[dict[str, Any]]]:
 
 def apply_optimizer_settings(trainer: Any, configured: list[list[dict[str, Any]]]) -> list[str]:
     """Put the configured optimizer hyper-parameters back after a resume restored the
-    checkpoint's; returns one line per value changed, e.g. ``"lr: 0.001 -> 0.0005"``.
+    checkpoint's; returns one line per value changed, e.g.
+    ``"lr: 0.001 (checkpoint) -> 0.0005 (config)"``.
 
     A resumed optimizer keeps its moments (``exp_avg`` ...) from the checkpoint, but its
     hyper-parameters (learning rate, weight decay, betas) follow the config: what the saved
@@ -288,9 +289,10 @@ def apply_optimizer_settings(trainer: Any, configured: list[list[dict[str, Any]]
             name = f"optimizer {i} group {j}: " if len(trainer.optimizers) * len(groups) > 1 else ""
             scheduled = "initial_lr" in group and "initial_lr" in wanted
             for key, value in wanted.items():
-                if (scheduled and key == "lr") or key not in group or group[key] == value:
+                if (scheduled and key == "lr") or key not in group or _same(group[key], value):
                     continue
-                changes.append(f"{name}{key}: {group[key]} (checkpoint) -> {value} (config)")
+                shown = "lr" if key == "initial_lr" else key  # the configured (peak) lr
+                changes.append(f"{name}{shown}: {group[key]} (checkpoint) -> {value} (config)")
                 if scheduled and key == "initial_lr" and group[key]:
                     group["lr"] *= value / group[key]
                     for scheduler in schedulers:
@@ -298,6 +300,16 @@ def apply_optimizer_settings(trainer: Any, configured: list[list[dict[str, Any]]
                             scheduler.base_lrs[j] = value
                 group[key] = value
     return changes
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, counting a list and a tuple of the same items as equal (betas come back as either)."""
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. tensors of another shape: not the same
+        return False
 
 
 def collect_rng_states() -> dict[str, Any]:

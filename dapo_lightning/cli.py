@@ -157,13 +157,14 @@ class DAPOLightningCLI(LightningCLI):
             raise ConfigError(f"{owner}: {original}") from original
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The configured Trainer, with a :class:`~dapo_lightning.callbacks.RunGuard` appended
-        when the config lists none (last: its stop check runs after every other callback)."""
+        """The configured Trainer, with a :class:`~dapo_lightning.callbacks.RunGuard` first
+        among its callbacks when the config lists none (first: it takes the run directory's lock
+        before the other callbacks write into it)."""
         from dapo_lightning.callbacks import RunGuard
 
         trainer = super().instantiate_trainer(**kwargs)
         if not any(isinstance(c, RunGuard) for c in trainer.callbacks):
-            trainer.callbacks.append(RunGuard())
+            trainer.callbacks.insert(0, RunGuard())
         return trainer
 
     def _resolve_ckpt_path(self, ckpt_path: Any) -> Any:

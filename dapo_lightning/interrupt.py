@@ -153,7 +153,8 @@ def install_stop_handlers() -> Callable[[], None]:
 def exit_on_stop() -> Iterator[None]:
     """Exit with :func:`exit_code` when the block was stopped by a stop request: a
     :class:`StopRequested` or Lightning's ``SIGTERMException`` raised out of it, or a stop
-    recorded while it ran and honoured at a clean point (``trainer.should_stop``).
+    recorded while it ran and honoured at a clean point (``trainer.should_stop``). The request
+    is cleared on the way out.
 
     Example::
 
@@ -165,8 +166,12 @@ def exit_on_stop() -> Iterator[None]:
     try:
         yield
     except StopRequested as stop:
+        clear_stop_request()  # consumed here: later runs in this process start clean
         raise SystemExit(stop.exit_code) from None
     except SIGTERMException:
+        clear_stop_request()
         raise SystemExit(exit_code("SIGTERM")) from None
-    if _reason is not None:
-        raise SystemExit(exit_code(_reason))
+    reason = stop_requested()
+    if reason is not None:
+        clear_stop_request()
+        raise SystemExit(exit_code(reason))

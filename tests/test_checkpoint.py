@@ -1,0 +1,186 @@
+"""Checkpoint files (dapo_lightning/checkpoint.py): the previous checkpoint kept beside the newest,
+loadability checks and the ``--ckpt_path auto`` fallback, a full disk, and the config's optimizer
+settings put back after a resume. (Killed writers: tests/test_resume_kill.py.)"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+from dapo_lightning.checkpoint import (
+    AtomicCheckpointIO,
+    CheckpointDiskFullError,
+    apply_optimizer_settings,
+    atomic_torch_save,
+    checkpoint_error,
+    find_resume_checkpoint,
+    optimizer_settings,
+    previous_path,
+    resume_candidates,
+)
+
+
+def _save(path: Path, step: int, mtime: float | None = None) -> Path:
+    AtomicCheckpointIO(keep_previous=False).save_checkpoint({"global_step": step}, path)
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_overwrite_keeps_the_previous_checkpoint(tmp_path):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(3)}, path)
+    assert not previous_path(path).exists()  # nothing replaced yet
+    io.save_checkpoint({"global_step": 2, "w": torch.zeros(3)}, path)
+    assert previous_path(path) == tmp_path / "last-previous.ckpt"
+    assert torch.load(path, weights_only=True)["global_step"] == 2
+    assert torch.load(previous_path(path), weights_only=True)["global_step"] == 1
+    io.save_checkpoint({"global_step": 3}, path)
+    assert torch.load(previous_path(path), weights_only=True)["global_step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last-previous.ckpt", "last.ckpt"]
+    io.remove_checkpoint(path)  # removing a checkpoint removes the one kept beside it
+    assert list(tmp_path.iterdir()) == []
+
+
+class _Custom:
+    """Not allowed by ``weights_only=True``: the file is complete all the same."""
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda p: _save(p, 1), None),
+        (lambda p: (_save(p, 1), _truncate(p)), "cannot"),
+        (lambda p: p.write_bytes(b""), "cannot"),
+        (lambda p: torch.save({"obj": _Custom()}, p), None),
+        (lambda p: p.mkdir(), "empty checkpoint folder"),
+        (lambda p: (p.mkdir(), (p / "shard_0.pt").write_bytes(b"x")), None),
+    ],
+    ids=["complete", "truncated", "empty", "custom-object", "empty-folder", "sharded-folder"],
+)
+def test_checkpoint_error(tmp_path, make, problem):
+    path = tmp_path / "last.ckpt"
+    make(path)
+    error = checkpoint_error(path)
+    if problem is None:
+        assert error is None
+    else:
+        assert error is not None and (problem == "cannot" or problem in error)
+
+
+def _trainer(root: Path) -> Trainer:
+    return Trainer(
+        default_root_dir=root,
+        callbacks=[ModelCheckpoint(dirpath=root / "ckpts", save_last=True)],
+        logger=False,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def test_resume_picks_the_newest_loadable_checkpoint(tmp_path):
+    trainer = _trainer(tmp_path)
+    assert find_resume_checkpoint(trainer) is None
+    now = time.time()
+    older = _save(tmp_path / "ckpts" / "last-previous.ckpt", 1, now - 200)
+    last = _save(tmp_path / "ckpts" / "last.ckpt", 2, now - 100)
+    _save(tmp_path / "ckpts" / "epoch=0-step=5.ckpt", 5, now)  # not a last checkpoint
+    assert resume_candidates(trainer) == [str(last), str(older)]
+    assert find_resume_checkpoint(trainer) == str(last)
+    hpc = _save(tmp_path / "hpc_ckpt_1.ckpt", 3, now - 50)  # SLURM requeue, newer
+    assert find_resume_checkpoint(trainer) == str(hpc)
+    os.utime(last, (now, now))  # a later last.ckpt beats an older requeue checkpoint
+    assert find_resume_checkpoint(trainer) == str(last)
+
+
+def test_truncated_newest_falls_back_to_the_previous_one(tmp_path):
+    trainer = _trainer(tmp_path)
+    io = AtomicCheckpointIO()
+    path = tmp_path / "ckpts" / "last.ckpt"
+    io.save_checkpoint({"global_step": 40}, path)
+    io.save_checkpoint({"global_step": 50}, path)
+    _truncate(path)  # e.g. copied back from a full disk, or written by a non-atomic tool
+    skipped: list[str] = []
+    chosen = find_resume_checkpoint(trainer, skipped.append)
+    assert chosen == str(previous_path(path))
+    assert torch.load(chosen, weights_only=True)["global_step"] == 40
+    assert len(skipped) == 1 and str(path) in skipped[0] and "cannot be loaded" in skipped[0]
+    _truncate(previous_path(path))
+    assert find_resume_checkpoint(trainer) is None  # nothing loadable: start fresh
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_full_disk_names_the_directory_and_keeps_the_old_checkpoint(tmp_path):
+    """A real ENOSPC from the kernel: the writer's temporary file is made a link to /dev/full
+    (every write to it fails with ENOSPC), so only where the full disk is met is arranged."""
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"global_step": 1}, path)
+    tmp = tmp_path / ".last.ckpt.tmp"
+    tmp.symlink_to("/dev/full")
+    with pytest.raises(CheckpointDiskFullError) as info:
+        atomic_torch_save({"global_step": 2, "w": torch.zeros(1000)}, path, keep_previous=True)
+    message = str(info.value)
+    assert "No space left on device" in message and str(path) in message
+    assert f"{tmp_path} has " in message and " free" in message  # the directory's free space
+    assert "--ckpt_path auto" in message
+    assert info.value.free_bytes > 0 and isinstance(info.value, OSError)
+    assert torch.load(path, weights_only=True) == {"global_step": 1}  # untouched
+    assert not tmp.exists() and not previous_path(path).exists()
+
+
+def _optimizer_and_scheduler(lr: float, weight_decay: float):
+    params = [torch.nn.Parameter(torch.ones(2))]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
+    return optimizer, scheduler
+
+
+def test_config_optimizer_settings_replace_the_checkpoints(tmp_path):
+    """What a resume does: the optimizer is built from the config (lr 1e-4), then the
+    checkpoint's state (lr 1e-3, two scheduler steps in) is loaded over it; the config's
+    hyper-parameters are put back, the schedule continues at the new peak, moments are kept."""
+    old_opt, old_sched = _optimizer_and_scheduler(1e-3, 0.0)
+    old_opt.param_groups[0]["params"][0].grad = torch.ones(2)
+    for _ in range(2):
+        old_opt.step()
+        old_sched.step()
+    saved_opt, saved_sched = old_opt.state_dict(), old_sched.state_dict()
+
+    new_opt, new_sched = _optimizer_and_scheduler(1e-4, 0.01)
+    # the container of the trainer's optimizers and schedulers; both are real torch objects
+    trainer = SimpleNamespace(
+        optimizers=[new_opt], lr_scheduler_configs=[LRSchedulerConfig(new_sched)]
+    )
+    configured = optimizer_settings(trainer)
+    new_opt.load_state_dict(saved_opt)
+    new_sched.load_state_dict(saved_sched)
+    assert new_opt.param_groups[0]["initial_lr"] == 1e-3  # the checkpoint's, silently
+
+    changes = apply_optimizer_settings(trainer, configured)
+    assert changes == [
+        "weight_decay: 0.0 (checkpoint) -> 0.01 (config)",
+        "lr: 0.001 (checkpoint) -> 0.0001 (config)",
+    ]
+    group = new_opt.param_groups[0]
+    assert group["initial_lr"] == 1e-4 and group["weight_decay"] == 0.01
+    assert group["lr"] == pytest.approx(1e-4 * 3 / 4)  # step 2 of the 4-step warm-up
+    assert new_sched.base_lrs == [1e-4]
+    new_sched.step()
+    assert group["lr"] == pytest.approx(1e-4)  # the schedule goes on, at the new peak
+    assert torch.equal(new_opt.state[group["params"][0]]["step"], torch.tensor(2.0))
+    assert apply_optimizer_settings(trainer, optimizer_settings(trainer)) == []

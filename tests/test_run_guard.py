@@ -1,0 +1,398 @@
+"""RunGuard (callbacks/run_guard.py), RunLock (dapo_lightning/run_lock.py) and ValidateAtStart.
+
+Through the real console script (tiny random model, 4 groups x 4 responses of <= 4 tokens,
+dynamic sampling off since the random model never answers right): the final checkpoint holds
+the last update when EarlyStopping ends the run between two ModelCheckpoint saves; everything
+lands under ``--trainer.default_root_dir``; the untrained validation is logged; a resume falls
+back from a truncated ``last.ckpt`` and applies the config's learning rate; SIGTERM saves and
+exits 143; a full disk and a held run directory end with one clear line.
+
+In process, on fixed rollout batches (tests/_module_harness.py): exceptions between updates are
+saved, one inside an optimizer step is not, a stop that ``min_steps`` overrules still stops, and
+checkpointing switched off saves nothing. SIGTERM / SIGINT during updates and generation, with
+exact resumes: tests/test_resume_kill.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dapo_lightning.callbacks import RunDirLockedError, RunGuard
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from dapo_lightning.checkpoint import previous_path
+from dapo_lightning.interrupt import exit_on_stop, stop_requested
+from dapo_lightning.module import DAPOModule
+from dapo_lightning.run_lock import LOCK_NAME, RunLock
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _module_harness import FixedBatches, fixed_batch, sgd  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = str(Path(sys.executable).parent / "dapo-lightning")
+QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
+
+TINY = """
+trainer:
+  max_steps: {max_steps}
+  val_check_interval: 1
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{dirpath: checkpoints, save_last: true, every_n_train_steps: 2, save_top_k: 0}}
+    - class_path: dapo_lightning.callbacks.ValidateAtStart
+{extra_callbacks}
+data:
+  init_args:
+    sampling: {{max_tokens: 4}}
+    dynamic_sampling: {{n: 4, train_batch_size: 4, gen_batch_size: 4, filter_metric: null}}
+"""
+# val/acc stays 0 on the random model: no improvement after the first validation, so patience 3
+# stops the run after update 3, between the ModelCheckpoint's saves at 2 and 4.
+EARLY_STOP = """    - class_path: lightning.pytorch.callbacks.EarlyStopping
+      init_args: {monitor: val/acc, mode: max, patience: 3}"""
+
+
+def tiny_config(path: Path, max_steps: int = 10, early_stop: bool = True) -> Path:
+    path.write_text(
+        TINY.format(max_steps=max_steps, extra_callbacks=EARLY_STOP if early_stop else "")
+    )
+    return path
+
+
+def cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2"}
+    return subprocess.run(
+        [CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def metrics(run: Path, version: int = 0) -> list[dict[str, str]]:
+    with open(run / "logs" / f"version_{version}" / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def series(rows: list[dict[str, str]], key: str) -> list[tuple[int, float]]:
+    return [(int(r["step"]), float(r[key])) for r in rows if r.get(key) not in (None, "")]
+
+
+def step_of(path: Path) -> int:
+    return torch.load(path, weights_only=True, map_location="cpu")["global_step"]
+
+
+@pytest.fixture(scope="module")
+def early_stopped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One fit through the console script, run from an empty folder with a *relative*
+    ``--trainer.default_root_dir``; EarlyStopping ends it after update 3."""
+    cwd = tmp_path_factory.mktemp("early_stopped")
+    override = tiny_config(cwd.parent / f"{cwd.name}-tiny.yaml")
+    proc = ok(
+        cli(
+            "fit", "--config", QUICKSTART, "--config", str(override),
+            "--trainer.default_root_dir", "run", "--create_model_if_missing.kind", "tiny",
+            "--ckpt_path", "auto",
+            cwd=cwd,
+        )
+    )  # fmt: skip
+    return {"cwd": cwd, "run": cwd / "run", "override": override, "proc": proc}
+
+
+def test_final_checkpoint_holds_the_last_update(early_stopped):
+    run, proc = early_stopped["run"], early_stopped["proc"]
+    updates = [v for _, v in series(metrics(run), "rollout/step")]  # one update per step
+    assert updates == [1.0, 2.0, 3.0]  # EarlyStopping stopped after update 3
+    last = run / "checkpoints" / "last.ckpt"
+    assert step_of(last) == 3  # not 2, the ModelCheckpoint's own last save
+    assert step_of(previous_path(last)) == 2  # the previous good checkpoint is kept
+    assert re.search(
+        r"Saved \S*/run/checkpoints/last\.ckpt \(final, update 3, val/acc=0\)", proc.stderr
+    )
+    assert "--ckpt_path auto" in proc.stderr.splitlines()[-1]
+    assert not (run / LOCK_NAME).exists()
+
+
+def test_default_root_dir_moves_everything(early_stopped):
+    """Logs, checkpoints, the saved config and the model created on first use are all under the
+    run directory given on the command line; nothing is written anywhere else."""
+    cwd, run = early_stopped["cwd"], early_stopped["run"]
+    assert sorted(p.name for p in cwd.iterdir()) == ["run"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "logs", "model"]
+    assert (run / "model" / "config.json").is_file()
+    assert (run / "logs" / "version_0" / "config.yaml").is_file()
+    saved = (run / "logs" / "version_0" / "config.yaml").read_text()
+    assert "model_name_or_path: run/model" in saved  # the resolved folder is what was recorded
+
+
+def test_initial_validation_is_logged_before_update_1(early_stopped):
+    """ValidateAtStart logs a real validation of the untrained model (Lightning's sanity check
+    would throw it away) at step -1: validations are logged at global_step - 1."""
+    val = series(metrics(early_stopped["run"]), "val/acc")
+    assert [step for step, _ in val] == [-1, 0, 1, 2]
+    assert all(v == 0.0 for _, v in val)
+
+
+def test_resume_falls_back_past_a_truncated_checkpoint_and_applies_the_config(
+    early_stopped, tmp_path
+):
+    """``last.ckpt`` cut in half: ``--ckpt_path auto`` names it, resumes from
+    ``last-previous.ckpt`` (update 2), and the resumed fit runs with the config's learning rate
+    and clip ratio, printing what differs from the checkpoint."""
+    shutil.copytree(early_stopped["run"], tmp_path / "run")
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    data = last.read_bytes()
+    last.write_bytes(data[: len(data) // 2])
+    proc = ok(
+        cli(
+            "fit", "--config", QUICKSTART, "--config", str(early_stopped["override"]),
+            "--trainer.default_root_dir", "run", "--create_model_if_missing.kind", "tiny",
+            "--ckpt_path", "auto", "--trainer.max_steps", "3",
+            "--model.init_args.optimizer.init_args.lr", "0.0001",
+            "--model.init_args.clip_ratio_high", "0.3",
+            cwd=tmp_path,
+        )
+    )  # fmt: skip
+    err = proc.stderr
+    assert re.search(r"skipping \S*/run/checkpoints/last\.ckpt: it cannot be loaded", err), err
+    assert re.search(r"auto: resuming from \S*/run/checkpoints/last-previous\.ckpt", err)
+    assert re.search(r"Resuming from \S*/run/checkpoints/last-previous\.ckpt at update 2", err)
+    assert "lr: 0.0005 (checkpoint) -> 0.0001 (config)" in err
+    assert "model.clip_ratio_high: 0.28 (checkpoint) -> 0.3 (config)" in err
+    rows = metrics(tmp_path / "run", version=1)
+    assert [v for _, v in series(rows, "rollout/step")] == [3.0]  # update 3 again, from 2
+    assert [step for step, _ in series(rows, "val/acc")] == [2]  # no initial validation
+    # the run folder was copied elsewhere, so Lightning's ModelCheckpoint does not recognise
+    # last.ckpt as its own and writes last-v1.ckpt: the newest is what the next resume takes
+    newest = max(last.parent.glob("last*.ckpt"), key=os.path.getmtime)
+    final = torch.load(newest, weights_only=True)
+    assert final["global_step"] == 3
+    assert final["optimizer_states"][0]["param_groups"][0]["initial_lr"] == 1e-4
+    assert final["hyper_parameters"]["clip_ratio_high"] == 0.3
+
+
+def test_sigterm_saves_and_exits_143(early_stopped, tmp_path):
+    """A real SIGTERM to the console script while it trains (whatever it is doing then)."""
+    override = tiny_config(tmp_path / "long.yaml", max_steps=200, early_stop=False)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2"}
+    shutil.copytree(early_stopped["run"] / "model", tmp_path / "run" / "model")
+    proc = subprocess.Popen(
+        [CLI, "fit", "--config", QUICKSTART, "--config", str(override),
+         "--trainer.default_root_dir", "run"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 240
+    while not last.exists():  # the ModelCheckpoint's save of update 2: training is under way
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, "no update 2 within 240 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 143, err[-4000:]
+    assert "SIGTERM received" in err
+    saved = re.search(r"Saved \S+ \(.*update (\d+)|update (\d+) is already saved", err)
+    assert saved, err[-3000:]
+    assert step_of(last) == int(saved.group(1) or saved.group(2)) >= 2
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_full_disk_ends_with_one_clear_line(early_stopped, tmp_path):
+    """A real ENOSPC (the checkpoint writer's temporary file links to /dev/full) at the
+    ModelCheckpoint's save of update 2: exit 1 with the directory and its free space named, no
+    traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(early_stopped["run"] / "model", run / "model")
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / ".last.ckpt.tmp").symlink_to("/dev/full")
+    proc = cli(
+        "fit", "--config", QUICKSTART, "--config", str(early_stopped["override"]),
+        "--trainer.default_root_dir", "run",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("dapo-lightning: error: [Errno 28] No space left on device")
+    assert "run/checkpoints/last.ckpt" in last_line and "run/checkpoints has " in last_line
+    assert " free" in last_line and "Traceback" not in proc.stderr
+    assert not (run / "checkpoints" / "last.ckpt").exists()
+
+
+def test_second_fit_in_a_held_run_directory_fails_at_once(early_stopped, tmp_path):
+    """A live process holds the run directory: the fit exits 1 naming its PID, and writes no
+    checkpoint."""
+    run = tmp_path / "run"
+    shutil.copytree(early_stopped["run"] / "model", run / "model")
+    holder = _hold_lock(run)
+    try:
+        proc = cli(
+            "fit", "--config", QUICKSTART, "--config", str(early_stopped["override"]),
+            "--trainer.default_root_dir", "run",
+            cwd=tmp_path,
+        )  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert f"run is in use by another fit: PID {holder.pid}" in last_line
+    assert "--trainer.default_root_dir" in last_line and "Traceback" not in proc.stderr
+    assert not (run / "checkpoints").exists()
+
+
+# ----------------------------------------------------------------------------- the lock
+def _hold_lock(directory: Path) -> subprocess.Popen:
+    """A real process holding ``directory``'s lock until killed."""
+    code = (
+        "import sys, time; from dapo_lightning.run_lock import RunLock; "
+        f"RunLock({str(directory)!r}).acquire(); print('held', flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_lock_held_by_a_live_process_is_refused(tmp_path):
+    holder = _hold_lock(tmp_path)
+    try:
+        with pytest.raises(RunDirLockedError, match=f"PID {holder.pid}") as info:
+            RunLock(tmp_path).acquire()
+        assert str(tmp_path / LOCK_NAME) in str(info.value)  # how to clear it if stale
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder was killed (SIGKILL: no clean-up): its lock is stale and is taken over
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_lock_of_a_reused_pid_or_another_host(tmp_path):
+    path = tmp_path / LOCK_NAME
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        # a live PID with another start time: the process that held the lock is gone
+        path.write_text(
+            json.dumps({"pid": sleeper.pid, "host": socket.gethostname(), "start": "1"})
+        )
+        lock = RunLock(tmp_path)
+        lock.acquire()
+        lock.release()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    path.write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "then", "command": "x"}))
+    with pytest.raises(RunDirLockedError, match="PID 1 on host elsewhere"):
+        RunLock(tmp_path).acquire()
+
+
+# ----------------------------------------------------------------------------- in process
+class _Raise(Callback):
+    """Raises ``error`` from hook ``hook`` when ``trainer.global_step == at`` (a real exception
+    from a real hook; only where it comes from is chosen)."""
+
+    def __init__(self, hook: str, at: int, error: BaseException) -> None:
+        self.at, self.error = at, error
+        setattr(self, hook, self._maybe_raise)
+
+    def _maybe_raise(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            raise self.error
+
+
+class _Signal(Callback):
+    """Sends this process a real ``sig`` at the start of the batch after update ``at``."""
+
+    def __init__(self, sig: signal.Signals, at: int) -> None:
+        self.sig, self.at = sig, at
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            os.kill(os.getpid(), self.sig)
+
+
+def _fit(root: Path, model: Path, *callbacks: Callback, steps: int = 6, **trainer_kw: Any):
+    module = DAPOModule(str(model), optimizer=sgd, micro_batch_size=16, parity_check_every=0)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[
+            ModelCheckpoint(dirpath=root / "ckpts", save_last=True, every_n_train_steps=10),
+            RunGuard(),
+            *callbacks,
+        ],
+        **trainer_kw,
+    )
+    trainer.fit(module, datamodule=FixedBatches(fixed_batch(), steps=steps))
+    return trainer
+
+
+def test_exception_between_updates_is_saved(tmp_path, tiny_checkpoint, capsys):
+    boom = RuntimeError("reward server went away")
+    with pytest.raises(RuntimeError, match="went away"):
+        _fit(tmp_path, tiny_checkpoint, _Raise("on_train_batch_start", 3, boom))
+    assert step_of(tmp_path / "ckpts" / "last.ckpt") == 3
+    assert "saved on RuntimeError: reward server went away, update 3" in capsys.readouterr().err
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_exception_inside_an_optimizer_step_is_not_saved(tmp_path, tiny_checkpoint, capsys):
+    boom = RuntimeError("CUDA error: an illegal memory access")
+    with pytest.raises(RuntimeError, match="illegal"):
+        _fit(tmp_path, tiny_checkpoint, _Raise("on_before_optimizer_step", 3, boom))
+    assert not (tmp_path / "ckpts" / "last.ckpt").exists()
+    err = capsys.readouterr().err
+    assert "not saved: it came in the middle of an optimizer step" in err
+
+
+def test_stop_overruled_by_min_steps_still_stops(tmp_path, tiny_checkpoint, capfd):
+    """A real SIGINT to this process: Lightning keeps going while ``min_steps`` is not reached
+    (``should_stop`` is not honoured), so the guard stops at the next batch and saves."""
+    with pytest.raises(SystemExit) as info, exit_on_stop():
+        _fit(tmp_path, tiny_checkpoint, _Signal(signal.SIGINT, 2), min_steps=5)
+    assert info.value.code == 130 and stop_requested() is None  # consumed by exit_on_stop
+    assert step_of(tmp_path / "ckpts" / "last.ckpt") == 3  # the step under way finished
+    assert "SIGINT received" in capfd.readouterr().err  # written to fd 2 by the handler
+    with pytest.raises(KeyboardInterrupt):  # after the fit, Ctrl-C is Ctrl-C again
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+
+
+def test_checkpointing_off_saves_nothing(tmp_path, tiny_checkpoint):
+    module = DAPOModule(str(tiny_checkpoint), optimizer=sgd, micro_batch_size=16)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[RunGuard()],
+    )
+    trainer.fit(module, datamodule=FixedBatches(fixed_batch(), steps=2))
+    assert trainer.global_step == 2 and list(tmp_path.iterdir()) == []
