@@ -1,4 +1,5 @@
-"""One rank of the 2-process gloo job in test_rollout_vllm.py (launched with RANK/WORLD_SIZE env).
+"""One rank of the 2-process gloo job in test_rollout_vllm.py, launched with RANK/WORLD_SIZE in
+the environment (torch.distributed.run style) or with SLURM's variables only (srun style).
 
 Each rank runs its own vLLM engine with ``external_launcher``, pushes a perturbed copy of the
 weights (same on both ranks), samples, and records its seed, samples and parity gap.
@@ -17,7 +18,14 @@ from dapo_lightning.rollout import SamplingConfig, VLLMRolloutEngine, full_named
 
 
 def main(checkpoint: str, out_path: str) -> None:
-    dist.init_process_group("gloo")
+    import os
+
+    if "RANK" in os.environ:  # torch.distributed.run style
+        dist.init_process_group("gloo")
+    else:  # SLURM style (srun, Lightning's SLURMEnvironment): no RANK in the environment
+        rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        assert "RANK" not in os.environ
     engine = VLLMRolloutEngine(checkpoint, dtype="float32", seed=0)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(7)

@@ -198,13 +198,21 @@ def test_sleep_is_noop_on_cpu(engine):
 @pytest.mark.vllm
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_gloo_ranks_each_run_an_engine(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_two_gloo_ranks_each_run_an_engine(tiny_checkpoint, tmp_path, launcher):
+    """Each rank runs its own engine (external_launcher). Under SLURM (and Lightning's own
+    launcher) there is no RANK in the environment: the engine exports it before vLLM starts."""
     pytest.importorskip("vllm")
     worker = Path(__file__).with_name("_dist_vllm_worker.py")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", WORLD_SIZE="2")
+    port = "29533" if launcher == "torchrun" else "29543"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     procs = []
     for rank in range(2):
-        e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        if launcher == "torchrun":
+            e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+        else:
+            e = dict(env, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2")
         out = tmp_path / f"rank{rank}.pt"
         procs.append(
             subprocess.Popen(

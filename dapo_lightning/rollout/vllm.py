@@ -89,6 +89,26 @@ def bucket_named_tensors(
         yield bucket
 
 
+def export_rank_environment() -> dict[str, str]:
+    """Set ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` from the initialised process group when
+    they are missing, and return what was set.
+
+    vLLM's ``external_launcher`` reads them from the environment, as ``torch.distributed.run``
+    sets them; Lightning's own launcher and SLURM's ``srun`` (``SLURM_PROCID``,
+    ``SLURM_LOCALID``) do not. The local rank comes from ``LOCAL_RANK``, else
+    ``SLURM_LOCALID``, else the global rank modulo the ranks per node (``LOCAL_WORLD_SIZE``,
+    else ``SLURM_NTASKS_PER_NODE``, else all ranks on one node).
+    """
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")
+    per_node_n = int(str(per_node).split("(")[0]) if per_node else world
+    local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or rank % per_node_n
+    wanted = {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world)}
+    missing = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(missing)
+    return missing
+
+
 def _dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -159,6 +179,8 @@ class VLLMRolloutEngine:
                 "VLLMRolloutEngine(distributed=True) needs torch.distributed initialised first "
                 "(the trainer's strategy does it); or pass distributed=None/False."
             )
+        if distributed:
+            export_rank_environment()
         self.model_path = str(model_path)
         self.dtype = dtype
         self.torch_dtype = _DTYPES[dtype]
