@@ -339,3 +339,28 @@ def test_grads_under_ddp_and_fsdp2_equal_naive(tiny_checkpoint, tmp_path, monkey
         assert isinstance(sharded.lm_head.weight, DTensor)  # sharded again after the step
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- benchmark smoke
+@pytest.mark.timeout(120)
+def test_logprob_memory_benchmark_quick():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    png = root / "benchmarks" / "out" / "logprob_memory_quick.png"
+    png.unlink(missing_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.logprob_memory", "--quick"],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root), COLUMNS="200"),
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "[naive (old)]: peak RSS" in proc.stdout and "[fused (new)]: peak RSS" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
