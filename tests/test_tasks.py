@@ -18,6 +18,7 @@ from dapo_lightning.tasks import TASKS, get_task
 from dapo_lightning.tasks.arithmetic import ArithmeticReward, make_arithmetic_rows
 from dapo_lightning.tasks.word_problems import (
     INSTRUCTION,
+    SINGULAR,
     TEMPLATES,
     LastNumberReward,
     last_number,
@@ -72,6 +73,7 @@ RECOMPUTE = {
 
 def test_word_problems_are_seeded_varied_and_right():
     rows = make_word_problem_rows(300, seed=0)
+    one_plural = re.compile(rf"\b1 (red |blue |more )?({'|'.join(SINGULAR)})\b")
     assert rows == make_word_problem_rows(300, seed=0)
     assert rows != make_word_problem_rows(300, seed=1)
     assert len({r["uid"] for r in rows}) == 300
@@ -86,6 +88,7 @@ def test_word_problems_are_seeded_varied_and_right():
         assert all(1 <= x <= 10 for x in operands), message["content"]
         answer = int(r["answer"])
         assert answer >= 0 and answer == RECOMPUTE[r["template"]](*numbers), message["content"]
+        assert not one_plural.search(message["content"]), message["content"]  # "1 box"
 
 
 def test_word_problem_options_and_bad_input():

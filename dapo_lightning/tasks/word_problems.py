@@ -9,9 +9,9 @@ are left?"). Every answer is a non-negative integer. Rows are::
      "answer": "10", "uid": "wp-mul_sub-3-4-2-tom-apples", "template": "mul_sub"}
 
 The prompt is a list of chat messages, so the data module needs ``apply_chat_template=True``
-(the default). The instruction asks for a short answer ending in the number: a 135M instruct
-model (SmolLM2-135M-Instruct, see :mod:`dapo_lightning.models`) then writes a sentence or two,
-which keeps rollouts short.
+(the default). The instruction (:data:`INSTRUCTION`) asks for one or two short sentences that
+end with "The answer is N.": a 135M instruct model (SmolLM2-135M-Instruct, see
+:mod:`dapo_lightning.models`) then writes ~35 tokens, which keeps rollouts short.
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ from typing import Any
 
 from dapo_lightning.rewards.base import RewardResult
 
-#: The instruction appended to every problem (``instruction=`` replaces it).
-INSTRUCTION = "Answer in one short sentence that ends with the number."
+#: The instruction appended to every problem (``instruction=`` replaces it). Measured on
+#: SmolLM2-135M-Instruct, 64 problems, greedy: 0.06 right with it (33 tokens on average),
+#: 0.05 with "Answer with just the number." (which it ignores, rambling past 40 tokens) and
+#: 0.02 with "Answer in one short sentence that ends with the number." (21 tokens).
+INSTRUCTION = "Solve it step by step in one or two short sentences, then write: The answer is N."
 
 #: (name, pronoun) pairs the problems are told about.
 PEOPLE: tuple[tuple[str, str], ...] = (
@@ -105,6 +108,7 @@ TEMPLATES: tuple[Template, ...] = (
         "{name} shares {ab} {item} equally among {b} friends. Then one friend finds {c} more "
         "{item}. How many {item} does that friend have now?",
         lambda a, b, c: a + c,
+        lambda a, b, c: b >= 2,
     ),
     Template(
         "add_sub",
@@ -117,6 +121,23 @@ TEMPLATES: tuple[Template, ...] = (
 
 #: Operands are drawn from this inclusive range.
 NUMBER_RANGE = (1, 10)
+
+#: Singular of every plural noun the templates put after a number ("1 box", not "1 boxes").
+SINGULAR: dict[str, str] = {
+    **{item: item[:-1] for item in ITEMS},
+    "boxes": "box",
+    "bags": "bag",
+    "packs": "pack",
+    "jars": "jar",
+    "friends": "friend",
+}
+_ONE_PLURAL_RE = re.compile(r"\b1 ((?:red |blue |more )?)([a-z]+)\b")
+
+
+def _agree(text: str) -> str:
+    """Singular nouns after a count of 1: "1 boxes" -> "1 box", "1 of them are" -> "1 of them is"."""
+    text = _ONE_PLURAL_RE.sub(lambda m: f"1 {m[1]}{SINGULAR.get(m[2], m[2])}", text)
+    return text.replace("1 of them are", "1 of them is")
 
 
 def _pick_templates(names: Sequence[str] | None) -> list[Template]:
@@ -175,7 +196,7 @@ def make_word_problem_rows(
         if uid in seen or not kind.valid(a, b, c):
             continue
         seen.add(uid)
-        text = kind.text.format(name=name, pron=pron, item=item, a=a, b=b, c=c, ab=a * b)
+        text = _agree(kind.text.format(name=name, pron=pron, item=item, a=a, b=b, c=c, ab=a * b))
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages.append({"role": "user", "content": f"{text} {instruction}".strip()})
         rows.append(
