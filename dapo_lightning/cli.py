@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from jsonargparse import Namespace
+from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
@@ -76,6 +76,13 @@ DAPO options (the Trainer's follow below):
   --ckpt_path auto                 resume from the run's newest loadable checkpoint
   --print_config                   the whole resolved config, as YAML
 """
+
+
+class _HelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's help, with the description's own line breaks kept."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line for line in text.splitlines(keepends=True))
 
 
 class ConfigError(ValueError):
@@ -143,11 +150,13 @@ class DAPOLightningCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         resolve_run_paths(config)
         fill_data_seed(config)
-        create_model_if_missing(config)
+        self._model_to_create = model_to_create(config)
 
     def instantiate_classes(self) -> None:
-        """Instantiate as LightningCLI does; an argument error of one of the classes is raised
-        as a :class:`ConfigError` with the class's own message (not jsonargparse's union dump)."""
+        """Instantiate as LightningCLI does, then write the first-use model (the classes check
+        their arguments first: a bad setting fails at once, not after a warm-up). An argument
+        error of one of the classes is raised as a :class:`ConfigError` with the class's own
+        message (not jsonargparse's union dump)."""
         try:
             super().instantiate_classes()
         except ValueError as error:
@@ -155,6 +164,9 @@ class DAPOLightningCLI(LightningCLI):
             if original is error:
                 raise
             raise ConfigError(f"{owner}: {original}") from original
+        if self._model_to_create is not None:
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            write_model(config, *self._model_to_create)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The configured Trainer, with a :class:`~dapo_lightning.callbacks.RunGuard` first
@@ -281,19 +293,24 @@ def _model_target(config: Namespace, option: Any) -> Path | None:
     return Path(target)
 
 
-def create_model_if_missing(config: Namespace) -> None:
-    """Write the tiny model ``create_model_if_missing`` asks for, atomically (a temporary folder
-    beside it, renamed when complete), one progress line per stage."""
+def model_to_create(config: Namespace) -> tuple[str, Path] | None:
+    """``(kind, folder)`` when ``create_model_if_missing`` asks for a folder that does not exist
+    yet (``model.model_name_or_path`` set to it), else None."""
     option = config.get("create_model_if_missing")
     if option is None:
-        return
+        return None
     target = _model_target(config, option)
     if target is None or target.exists():
-        return
+        return None
+    return (option if isinstance(option, str) else option.kind), target
+
+
+def write_model(config: Namespace, kind: str, target: Path) -> None:
+    """Write the tiny ``kind`` model at ``target`` atomically (a temporary folder beside it,
+    renamed when complete), one progress line per stage."""
     from dapo_lightning.export import atomic_folder
     from dapo_lightning.testing import make_tiny_checkpoint
 
-    kind = option if isinstance(option, str) else option.kind
     seed = config.get("seed_everything")
     # not `seed in (None, True, False)`: 1 == True would map seed 1 to 0
     seed = 0 if seed is None or isinstance(seed, bool) else int(seed)
@@ -353,9 +370,13 @@ def build_cli(args: list[str] | None = None, *, run: bool = True) -> DAPOLightni
         auto_configure_optimizers=False,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={
-            name: {"description": SUBCOMMAND_HELP.format(what=what)}
+            name: {
+                "description": SUBCOMMAND_HELP.format(what=what),
+                "usage": f"dapo-lightning {name} [--config FILE ...] [--print_config] [OPTIONS]",
+            }
             for name, what in descriptions.items()
-        },
+        }
+        | {"formatter_class": _HelpFormatter},  # the main parser's: subcommands inherit it
         run=run,
         args=args,
     )

@@ -553,3 +553,71 @@ def test_reward_result_score_not_a_number(score):
     with pytest.raises(RewardOutputError, match=rf"reward BadScoreReward returned RewardResult\("
                        rf"score={score!r}\) at position 0: the field score must be a number"):  # fmt: skip
         runner.score(["a"], ["1"])
+
+
+# ----------------------------------------------------------------------------- run set-up
+# (the CLI's model creation, the run directory, checkpoints; tests/test_run_guard.py and
+# tests/test_checkpoint.py run the same cases end to end)
+
+
+def test_cli_init_error_is_the_class_own_message(capsys):
+    """A class's ``__init__`` error arrives as its own message, naming the class, without
+    jsonargparse's union dump."""
+    from dapo_lightning.cli import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        build_cli([*BASE, "--model.clip_ratio_low=0.3", "--model.clip_ratio_high=0.2"], run=False)
+    message = str(info.value)
+    assert message.startswith("DAPOModule: clip_ratio_high (0.2) < clip_ratio_low (0.3)")
+    assert "Union" not in message and "Given value" not in message
+
+
+def test_cli_create_model_at_a_hub_id(tmp_path, monkeypatch):
+    from dapo_lightning.cli import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    args = [*BASE[:1], "--model.model_name_or_path=Qwen/Qwen2.5-0.5B", *BASE[2:]]
+    with pytest.raises(ConfigError, match=r"'Qwen/Qwen2\.5-0\.5B' looks like a Hugging Face hub "
+                       r"id.*write './Qwen/Qwen2\.5-0\.5B'"):  # fmt: skip
+        build_cli([*args, "--create_model_if_missing=tiny"], run=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_directory_held_by_another_fit(tmp_path):
+    import subprocess
+
+    from dapo_lightning.run_lock import RunDirLockedError, RunLock
+
+    code = (
+        "import time; from dapo_lightning.run_lock import RunLock; "
+        f"RunLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(600)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirLockedError, match=rf"in use by another fit: PID {holder.pid}.*"
+                           r"give this run its own --trainer\.default_root_dir"):  # fmt: skip
+            RunLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_checkpoint_on_a_full_disk(tmp_path):
+    """A real ENOSPC (the temporary file links to /dev/full): the directory and its free space
+    are named, and what to do."""
+    from dapo_lightning.checkpoint import CheckpointDiskFullError, atomic_torch_save
+
+    (tmp_path / ".last.ckpt.tmp").symlink_to("/dev/full")
+    with pytest.raises(CheckpointDiskFullError, match=rf"{tmp_path} has .* free\. Free space "
+                       r"there, or point the checkpoint directory"):  # fmt: skip
+        atomic_torch_save({"w": torch.zeros(1000)}, tmp_path / "last.ckpt")
+
+
+def test_cli_subcommand_that_does_not_exist(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_cli(["test", *BASE])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "test" in err and "fit" in err and "validate" in err

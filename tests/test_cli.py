@@ -1,9 +1,11 @@
 """The ``dapo-lightning`` console entry end to end: fit, resume, validate, --print_config,
-subclasses by ``class_path``, bad keys, and the SLURM script's launch line.
+subclasses by ``class_path``, help, bad keys and bad classes, model creation on first use, and
+the SLURM script's launch line.
 
 Every run goes through the real console script in a subprocess, on the tiny random model with
 tiny settings (2 updates of 4 groups x 4 responses of <= 4 tokens). The random model never
 answers right, so dynamic sampling is switched off (``filter_metric: null``) or it would give up.
+(The run guard's saves, signals and resumes: tests/test_run_guard.py.)
 """
 
 from __future__ import annotations
@@ -13,28 +15,17 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
 import pytest
-from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 
-from dapo_lightning.cli import main, resolve_auto_checkpoint
+from dapo_lightning.cli import ConfigError, build_cli, main
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "dapo-lightning")
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
-TINY = [
-    "--trainer.max_steps", "2",
-    "--trainer.val_check_interval", "1",
-    "--data.init_args.train_batch_size", "4",
-    "--data.init_args.gen_batch_size", "4",
-    "--data.init_args.n", "4",
-    "--data.init_args.max_response_length", "4",
-    "--data.init_args.filter_metric", "null",
-]  # fmt: skip
+TINY = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "1"]
 # Metrics that do not depend on wall-clock time: equal in two runs with the same config and seed.
 DETERMINISTIC = (
     "rollout/reward_mean",
@@ -46,7 +37,9 @@ DETERMINISTIC = (
 )
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: int = 240):
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: int = 240, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
     full_env = {
         **os.environ,
         "TOKENIZERS_PARALLELISM": "false",
@@ -54,35 +47,36 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: int = 240):
         **(env or {}),
     }
     return subprocess.run(
-        [CLI, *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
+        [CLI, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )
 
 
 def write_override(path: Path, run_dir: Path, model_dir: Path) -> Path:
-    """A second --config moving every path of quickstart.yaml into ``run_dir`` (lists such as
-    trainer.callbacks cannot be changed key by key, so the list is given whole)."""
+    """A second --config: quickstart.yaml's run in ``run_dir`` (its relative paths follow
+    default_root_dir), a checkpoint every update, on the tiny model with tiny batches (lists
+    such as trainer.callbacks are replaced whole)."""
     path.write_text(
         f"""
 trainer:
   default_root_dir: {run_dir}
-  logger:
-    class_path: lightning.pytorch.loggers.CSVLogger
-    init_args:
-      save_dir: {run_dir}
-      name: logs
   callbacks:
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args:
-        dirpath: {run_dir}/checkpoints
+        dirpath: checkpoints
         save_last: true
         every_n_train_steps: 1
         save_top_k: 0
     - class_path: dapo_lightning.callbacks.OverlongRewardShaping
       init_args:
         buffer_length: 2
+    - class_path: dapo_lightning.callbacks.ValidateAtStart
 model:
   init_args:
     model_name_or_path: {model_dir}
+data:
+  init_args:
+    sampling: {{max_tokens: 4}}
+    dynamic_sampling: {{n: 4, train_batch_size: 4, gen_batch_size: 4, filter_metric: null}}
 """
     )
     return path
@@ -122,11 +116,11 @@ def test_fit_end_to_end_hf(base_run):
     assert (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
     assert "no checkpoint yet, starting fresh" in base_run["proc"].stderr
     rows = read_csv(run_dir)
-    assert [v for _, v in series(rows, "update/update")] == [1.0, 2.0]
+    assert [v for _, v in series(rows, "rollout/step")] == [1.0, 2.0]
     assert len(series(rows, "rollout/reward_mean")) == 2
-    # one validation after each of the 2 rollout steps (Lightning does not log the sanity pass)
-    val = [v for _, v in series(rows, "val/acc")]
-    assert len(val) == 2 and all(0.0 <= v <= 1.0 for v in val)
+    # the untrained validation (ValidateAtStart, step -1), then one after each rollout step
+    val = series(rows, "val/acc")
+    assert [step for step, _ in val] == ["-1", "0", "1"] and all(0 <= v <= 1 for _, v in val)
     assert all(v == v and v >= 0 for _, v in series(rows, "update/grad_norm"))
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     saved = list(run_dir.rglob("config.yaml"))
@@ -140,7 +134,7 @@ def test_print_config_round_trip(base_run, tmp_path):
     override = write_override(tmp_path / "override.yaml", run_dir, base_run["model_dir"])
     args = ["--config", QUICKSTART, "--config", str(override), *TINY, "--ckpt_path", "auto"]
     printed = check(run_cli("fit", *args, "--print_config")).stdout
-    assert "max_response_length: 4" in printed and str(run_dir) in printed
+    assert "max_tokens: 4" in printed and str(run_dir) in printed
     saved = tmp_path / "printed.yaml"
     saved.write_text(printed)
     again = check(run_cli("fit", "--config", str(saved), "--print_config")).stdout
@@ -170,35 +164,8 @@ def test_resume_through_sbatch_script(base_run, tmp_path):
     )  # fmt: skip
     check(proc)
     assert "--trainer.num_nodes 1 --trainer.devices 1 --ckpt_path auto" in proc.stdout
-    assert f"resuming from {run_dir / 'checkpoints' / 'last.ckpt'}" in proc.stderr
-    assert [v for _, v in series(read_csv(run_dir), "update/update")] == [3.0]
-
-
-def _touch(path: Path, mtime: float) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"x")
-    os.utime(path, (mtime, mtime))
-    return path
-
-
-def test_resolve_auto_checkpoint_picks_newest(tmp_path):
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)],
-        logger=False,
-        accelerator="cpu",
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    assert resolve_auto_checkpoint(trainer) is None
-    now = time.time()
-    last = _touch(tmp_path / "ckpts" / "last.ckpt", now - 100)
-    _touch(tmp_path / "ckpts" / "epoch=0-step=5.ckpt", now)  # not a last checkpoint
-    assert resolve_auto_checkpoint(trainer) == str(last)
-    hpc = _touch(tmp_path / "hpc_ckpt_1.ckpt", now - 50)  # SLURM requeue, newer
-    assert resolve_auto_checkpoint(trainer) == str(hpc)
-    os.utime(last, (now, now))  # a later last.ckpt beats an older requeue checkpoint
-    assert resolve_auto_checkpoint(trainer) == str(last)
+    assert f"resuming from {(run_dir / 'checkpoints' / 'last.ckpt').resolve()}" in proc.stderr
+    assert [v for _, v in series(read_csv(run_dir), "rollout/step")] == [3.0]
 
 
 def test_validate_only(base_run, tmp_path):
@@ -213,7 +180,7 @@ def test_validate_only(base_run, tmp_path):
     )  # fmt: skip
     assert "val/acc" in proc.stdout
     rows = read_csv(run_dir)
-    assert len(series(rows, "val/acc")) == 1
+    assert len(series(rows, "val/acc")) == 1  # ValidateAtStart acts on fit only
     assert not any(k.startswith(("update/", "rollout/")) and r[k] for r in rows for k in r)
     assert not (run_dir / "checkpoints").exists()
 
@@ -288,9 +255,9 @@ def test_fit_end_to_end_vllm(base_run, tmp_path):
         )
     )  # fmt: skip
     rows = read_csv(run_dir)
-    assert [v for _, v in series(rows, "update/update")] == [1.0, 2.0]
-    assert len(series(rows, "val/acc")) == 2
-    # the engine sampled from the trainer's weights: float32 engine parity (DESIGN.md invariant 3)
+    assert [v for _, v in series(rows, "rollout/step")] == [1.0, 2.0]
+    assert len(series(rows, "val/acc")) == 3
+    # the engine sampled from the trainer's weights: float32 engine parity (docs/design.md)
     gaps = [v for _, v in series(rows, "parity/max_abs_diff")]
     assert gaps and max(gaps) < 1e-4, gaps
     saved = next(run_dir.rglob("config.yaml")).read_text()
@@ -302,7 +269,6 @@ def test_create_model_if_missing_uses_the_run_seed(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from dapo_lightning.cli import build_cli
     from dapo_lightning.testing import make_tiny_checkpoint
 
     model_dir = tmp_path / "model"
@@ -314,10 +280,109 @@ def test_create_model_if_missing_uses_the_run_seed(tmp_path):
         "--trainer.logger", "false",
         "--trainer.callbacks", "[]",
     ]  # fmt: skip
-    build_cli(args, run=False)
+    with mock.patch.object(sys, "argv", ["dapo-lightning"]):
+        build_cli(args, run=False)
     written = load_file(model_dir / "model.safetensors")
     seed1 = load_file(make_tiny_checkpoint(tmp_path / "s1", seed=1) / "model.safetensors")
     seed0 = load_file(make_tiny_checkpoint(tmp_path / "s0", seed=0) / "model.safetensors")
     name = "model.embed_tokens.weight"
     assert torch.equal(written[name], seed1[name])
     assert not torch.equal(written[name], seed0[name])
+
+
+# ----------------------------------------------------------------------------- help
+def test_top_level_help_lists_every_subcommand():
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    for name in ("fit", "validate", "plot", "export", "make-model"):
+        assert f"  {name} " in proc.stdout, name
+    assert "test" not in proc.stdout.split()
+
+
+def test_fit_help_starts_with_the_dapo_options():
+    proc = run_cli("fit", "--help")
+    assert proc.returncode == 0
+    head = "\n".join(proc.stdout.splitlines()[:20])
+    assert "--model.help DAPOModule" in head and "--data.help DAPODataModule" in head
+    assert "--ckpt_path auto" in head
+
+
+def test_lightning_test_subcommand_is_not_offered():
+    proc = run_cli("test", "--config", QUICKSTART)
+    assert proc.returncode == 2 and "test" in proc.stderr and "fit" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- bad classes
+def test_init_error_reaches_the_user_unwrapped(tmp_path):
+    """A DAPOModule argument error: one line with the class and its own message, no traceback,
+    no jsonargparse union dump."""
+    proc = run_cli(
+        "fit", "--config", QUICKSTART, "--trainer.default_root_dir", str(tmp_path),
+        "--model.init_args.clip_ratio_low", "0.3", "--model.init_args.clip_ratio_high", "0.2",
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert not (tmp_path / "model").exists()  # checked before the first-use model is written
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("dapo-lightning: error: DAPOModule: clip_ratio_high (0.2) < ")
+    assert "Union" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- first-use model
+def test_create_model_if_missing_refuses_a_hub_id(tmp_path):
+    proc = run_cli(
+        "fit", "--config", QUICKSTART, "--create_model_if_missing", "tiny",
+        "--model.init_args.model_name_or_path", "Qwen/Qwen2.5-0.5B",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "'Qwen/Qwen2.5-0.5B' looks like a Hugging Face hub id" in last
+    assert "'./Qwen/Qwen2.5-0.5B'" in last  # how to ask for a local folder of that name
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_create_model_if_missing_writes_only_its_own_folder(tmp_path, capsys):
+    """quickstart.yaml creates ``<run>/model``; a run pointed at another model writes nothing."""
+    elsewhere = tmp_path / "elsewhere"
+    args = [
+        "--config", QUICKSTART, "--trainer.default_root_dir", str(tmp_path / "run"),
+        "--model.init_args.model_name_or_path", str(elsewhere), "--trainer.logger", "false",
+    ]  # fmt: skip
+    with mock.patch.object(sys, "argv", ["dapo-lightning"]):
+        build_cli(args, run=False)
+    err = capsys.readouterr().err
+    assert "nothing written" in err and str(elsewhere) in err
+    assert not elsewhere.exists() and not (tmp_path / "run" / "model").exists()
+
+
+def test_create_model_if_missing_is_atomic_and_reports_each_stage(tmp_path, capsys):
+    """The folder appears complete or not at all (written beside it, then renamed)."""
+    run = tmp_path / "run"
+    args = [
+        "--config", QUICKSTART, "--trainer.default_root_dir", str(run),
+        "--create_model_if_missing.kind", "tiny", "--trainer.logger", "false",
+    ]  # fmt: skip
+    with mock.patch.object(sys, "argv", ["dapo-lightning"]):
+        cli = build_cli(args, run=False)
+    assert cli.model.hparams.model_name_or_path == str(run / "model")
+    assert sorted(p.name for p in run.iterdir()) == ["model"]  # no temporary folder left
+    assert (run / "model" / "model.safetensors").is_file()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "create_model" in line]
+    assert len(lines) == 2 and "does not exist: writing the 'tiny' model" in lines[0]
+    assert lines[1].startswith("create_model_if_missing: done in ")
+
+
+def test_unset_data_seed_is_the_run_seed(tiny_checkpoint):
+    base = [
+        "--config", QUICKSTART, "--model.init_args.model_name_or_path", str(tiny_checkpoint),
+        "--create_model_if_missing", "null", "--trainer.logger", "false",
+        "--seed_everything", "7",
+    ]  # fmt: skip
+    with mock.patch.object(sys, "argv", ["dapo-lightning"]):
+        cli = build_cli(base, run=False)
+        assert cli.datamodule.seed == 7
+        assert cli.config.data.init_args.seed == 7  # what config.yaml records
+        assert build_cli([*base, "--data.init_args.seed", "3"], run=False).datamodule.seed == 3
+    with pytest.raises(ConfigError):  # a ValueError subclass: tests can match the message
+        with mock.patch.object(sys, "argv", ["dapo-lightning"]):
+            build_cli([*base, "--model.init_args.clip_ratio_c", "0.5"], run=False)
