@@ -37,4 +37,4 @@ def test_zero2_micro_batches_give_the_same_update(tiny_checkpoint, tmp_path):
     scale = max(float(v.abs().max()) for v in one.values())
     assert scale > 0
     diff = max(float((one[k] - many[k]).abs().max()) for k in one)
-    assert diff / scale <= 1e-6
+    assert diff / scale <= 1e-5

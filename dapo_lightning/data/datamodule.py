@@ -419,17 +419,45 @@ class DAPODataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Prompt cursor, epoch, RNG, per-prompt statistics, carried groups, engine RNG."""
+        """Every rank's prompt cursor, RNGs, per-prompt statistics, carried groups and engine
+        RNG (ranks draw different prompts: each resumes its own). Collective: Lightning calls
+        it on every rank when it saves."""
         if self.producer is None:
             return dict(self._pending_state or {})
-        return {"producer": self.producer.state_dict(), "engine": self.session.state_dict()}
+        mine = {"producer": self.producer.state_dict(), "engine": self.session.state_dict()}
+        return {"ranks": _gather_objects(mine)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore this rank's part of :meth:`state_dict`.
+
+        Raises:
+            ValueError: the checkpoint was written by a different number of ranks.
+        """
         if self.producer is None:
             self._pending_state = state_dict
             return
         self._pending_state = None
-        if "producer" in state_dict:
-            self.producer.load_state_dict(state_dict["producer"])
-        if state_dict.get("engine"):
-            self.session.load_state_dict(state_dict["engine"])
+        ranks = state_dict.get("ranks")
+        if not ranks:
+            return
+        rank, world = self._rank_world()
+        if len(ranks) != world:
+            raise ValueError(
+                f"the checkpoint's data state is from {len(ranks)} ranks, this run has {world}: "
+                "resume with the same number of ranks (the prompt shards differ otherwise)."
+            )
+        mine = ranks[rank]
+        self.producer.load_state_dict(mine["producer"])
+        if mine.get("engine"):
+            self.session.load_state_dict(mine["engine"])
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (``[obj]`` without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
