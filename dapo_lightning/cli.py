@@ -214,8 +214,10 @@ class DAPOLightningCLI(LightningCLI):
 
 
 # ----------------------------------------------------------------------------- config rewriting
-def _under_root(root: str | None, value: str) -> str:
-    """``value`` relative to the run directory ``root`` (see the module docstring)."""
+def run_path(root: str | None, value: str) -> str:
+    """Where a configured path ``value`` points for the run directory ``root``
+    (``trainer.default_root_dir``): relative paths are under it unless they already start with
+    it; absolute paths and URLs are themselves (see the module docstring)."""
     if not root or "://" in value or os.path.isabs(value):
         return value
     norm_root, norm = os.path.normpath(root), os.path.normpath(value)
@@ -242,7 +244,7 @@ def resolve_run_paths(config: Namespace) -> None:
         for section in _sections(sections):
             value = section.init_args.get(key)
             if isinstance(value, str | os.PathLike):
-                section.init_args[key] = _under_root(root, os.fspath(value))
+                section.init_args[key] = run_path(root, os.fspath(value))
 
 
 def fill_data_seed(config: Namespace) -> None:
@@ -278,7 +280,7 @@ def _model_target(config: Namespace, option: Any) -> Path | None:
         _refuse_hub_id(str(given))
         return Path(given)
     _refuse_hub_id(option.path)
-    target = _under_root(config.trainer.get("default_root_dir"), option.path)
+    target = run_path(config.trainer.get("default_root_dir"), option.path)
     if given not in (None, option.path, target):
         print(
             f"create_model_if_missing: nothing written, model.model_name_or_path is {given!r}, "
