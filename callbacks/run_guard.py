@@ -31,11 +31,13 @@ the stop decision; only global rank 0 writes files and prints.
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from dapo_lightning.callbacks.base import DAPOCallback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -51,7 +53,9 @@ from dapo_lightning.checkpoint import (
 from dapo_lightning.interrupt import (
     StopRequested,
     clear_stop_request,
+    exit_code,
     install_stop_handlers,
+    request_stop,
     stop_requested,
 )
 from dapo_lightning.run_lock import RunDirLockedError, RunLock
@@ -151,10 +155,9 @@ class RunGuard(DAPOCallback):
         self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._in_optimizer_step = False
-        reason = stop_requested()
-        # collective: a signal that reached one rank stops every rank at the same step
-        if trainer.strategy.reduce_boolean_decision(reason is not None, all=False):
-            self._stopping = reason or "stop requested on another rank"
+        reason = _stop_on_any_rank(trainer)
+        if reason is not None:
+            self._stopping = reason
             trainer.should_stop = True
 
     # ------------------------------------------------------------------ saving
@@ -267,6 +270,24 @@ def _last_path(checkpoint: ModelCheckpoint) -> Path:
     if checkpoint.last_model_path:
         return Path(checkpoint.last_model_path)
     return Path(checkpoint.dirpath or ".") / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt"
+
+
+def _stop_on_any_rank(trainer: pl.Trainer) -> str | None:
+    """The stop request of any rank, recorded on every rank (a collective: a signal that
+    reached one rank stops all of them after the same step, with the same exit status)."""
+    reason = stop_requested()
+    if trainer.world_size == 1:
+        return reason
+    code = exit_code(reason) - 128 if reason is not None else 0  # the signal number, or -127
+    gathered = trainer.strategy.all_gather(
+        torch.tensor([code], device=trainer.strategy.root_device)
+    )
+    codes = [int(c) for c in gathered.flatten().tolist() if int(c) != 0]
+    if reason is None and codes:
+        signals = [c for c in codes if c > 0]
+        reason = signal.Signals(max(signals)).name if signals else "stop requested on another rank"
+        request_stop(reason)
+    return reason
 
 
 def _describe(exception: BaseException) -> str:

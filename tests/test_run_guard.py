@@ -396,3 +396,26 @@ def test_checkpointing_off_saves_nothing(tmp_path, tiny_checkpoint):
     )
     trainer.fit(module, datamodule=FixedBatches(fixed_batch(), steps=2))
     assert trainer.global_step == 2 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.distributed
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_update(tmp_path, tiny_checkpoint):
+    """Two real gloo ranks under torch.distributed.run; a real SIGINT reaches rank 0 only. Both
+    ranks stop after the same update, take part in one save (rank 0 writes it) and exit 130."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(port), str(Path(__file__).with_name("_guard_dist_worker.py")),
+         str(tmp_path), str(tiny_checkpoint)],
+        env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode != 0  # the launcher reports the workers' stop
+    assert "exitcode  : 130" in proc.stderr or "exit code 130" in proc.stderr, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks == [{"global_step": 3, "stop": "SIGINT"}] * 2  # rank 1 learned it collectively
+    assert step_of(tmp_path / "ckpts" / "last.ckpt") == 3
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["last.ckpt"]
+    assert not (tmp_path / LOCK_NAME).exists()
