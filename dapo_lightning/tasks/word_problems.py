@@ -26,9 +26,11 @@ from typing import Any
 from dapo_lightning.rewards.base import RewardResult
 
 #: The instruction appended to every problem (``instruction=`` replaces it). Measured on
-#: SmolLM2-135M-Instruct, 64 problems, greedy: 0.06 right with it (33 tokens on average),
-#: 0.05 with "Answer with just the number." (which it ignores, rambling past 40 tokens) and
-#: 0.02 with "Answer in one short sentence that ends with the number." (21 tokens).
+#: SmolLM2-135M-Instruct (``make_word_problem_rows(64, seed=0)``, HF ``generate``, 64 new
+#: tokens): greedy 3/64 right (34 tokens on average), sampled at temperature 1.0 3/128 (a
+#: number in 79% of the responses). Other wordings, greedy: "Answer with just the number."
+#: 3/64 (it rambles past 40 tokens), "Answer in one short sentence that ends with the number."
+#: 1/64.
 INSTRUCTION = "Solve it step by step in one or two short sentences, then write: The answer is N."
 
 #: (name, pronoun) pairs the problems are told about.
