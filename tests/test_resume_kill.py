@@ -213,7 +213,7 @@ def test_reference_checkpoint_holds_everything(reference):
     dapo = ckpt["dapo"]
     assert dapo["policy_version"] == 2 * STEPS and dapo["rollout_step"] == STEPS
     assert {"python", "torch"} <= set(dapo["rng"])  # global RNG states
-    data = ckpt["DAPODataModule"]
+    data = ckpt["DAPODataModule"]["ranks"][0]  # one entry per rank
     producer = data["producer"]
     assert producer["sampler"]["epoch"] >= 1 and "cursor" in producer["sampler"]  # prompt cursor
     assert producer["rng"]  # subsampling RNG
