@@ -231,6 +231,8 @@ class DAPOModule(LightningModule):
         self.save_hyperparameters(ignore=["policy", "optimizer", "lr_scheduler"])
         check_module_settings(self.hparams, has_policy=policy is not None)
         self.automatic_optimization = False
+        #: FSDP2 settings (the object itself: LightningCLI keeps hyper-parameters as dicts).
+        self.sharding = sharding
         self.policy: nn.Module | None = policy
         self.ref_policy: nn.Module | None = None
         self.optimizer_factory = optimizer
@@ -285,7 +287,7 @@ class DAPOModule(LightningModule):
                 "tensor parallelism belongs to the vLLM engine (engine_kwargs)."
             )
         dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
-        shard_policy(self.policy, dp, self.hparams.sharding)
+        shard_policy(self.policy, dp, self.sharding)
 
     def on_fit_start(self) -> None:
         """Check the data's settings against the module's before any rollout is generated."""
