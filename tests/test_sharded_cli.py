@@ -1,0 +1,116 @@
+"""``dapo-lightning fit`` on 2 CPU ranks launched by Lightning itself (``--trainer.devices 2``):
+FSDP2 (configs/fsdp2_cpu_2ranks.yaml) with the HF and the vLLM engine, DDP with vLLM, and a
+sharded (distributed-checkpoint) resume that ends with the weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dapo_lightning.testing import make_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = str(Path(sys.executable).parent / "dapo-lightning")
+CONFIGS = REPO / "configs"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("model"))
+
+
+def fit(run_dir: Path, model_dir: Path, *configs: str, extra=(), timeout=420):
+    args = [CLI, "fit", "--config", str(CONFIGS / "quickstart.yaml")]
+    for c in configs:
+        args += ["--config", str(CONFIGS / c)]
+    args += [
+        "--trainer.default_root_dir", str(run_dir),
+        "--trainer.val_check_interval", "2",
+        "--model.model_name_or_path", str(model_dir),
+        "--create_model_if_missing", "null",
+        "--data.reward", '{"class_path": "_length_reward.EvenLengthReward"}',
+        "--data.dynamic_sampling.max_num_gen_batches", "3",
+        *extra,
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The policy weights of a run's last.ckpt (a distributed checkpoint folder under FSDP2)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = next(run_dir.rglob("last.ckpt"))
+    if ckpt.is_dir():
+        flat = run_dir / "last_flat.pt"
+        dcp_to_torch_save(ckpt, flat)
+        state = torch.load(flat, weights_only=False)
+        state = state.get("state_dict", state.get("model", state))
+    else:
+        state = torch.load(ckpt, weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "configs",
+    [("fsdp2_cpu_2ranks.yaml",), ("quickstart_vllm.yaml", "fsdp2_cpu_2ranks.yaml")],
+    ids=["fsdp2-hf", "fsdp2-vllm"],
+)
+def test_fsdp2_fit_on_two_ranks(tmp_path, model_dir, configs):
+    if "quickstart_vllm.yaml" in configs:
+        pytest.importorskip("vllm")
+    proc = fit(tmp_path / "run", model_dir, *configs, extra=["--trainer.max_steps", "2"])
+    out = proc.stdout + proc.stderr
+    assert "max_steps=2 reached" in out
+    assert (next((tmp_path / "run").rglob("last.ckpt")) / "meta.pt").exists()  # sharded save
+
+
+@pytest.mark.distributed
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_ddp_fit_with_vllm_on_two_ranks(tmp_path, model_dir):
+    pytest.importorskip("vllm")
+    proc = fit(
+        tmp_path / "run", model_dir, "quickstart_vllm.yaml",
+        extra=["--trainer.max_steps", "2", "--trainer.devices", "2", "--trainer.strategy", "ddp"],
+    )  # fmt: skip
+    assert "max_steps=2 reached" in proc.stdout + proc.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp2_resume_reaches_the_uninterrupted_weights(tmp_path, model_dir):
+    straight = tmp_path / "straight"
+    fit(straight, model_dir, "fsdp2_cpu_2ranks.yaml", extra=["--trainer.max_steps", "4"])
+    resumed = tmp_path / "resumed"
+    fit(resumed, model_dir, "fsdp2_cpu_2ranks.yaml", extra=["--trainer.max_steps", "2"])
+    fit(
+        resumed, model_dir, "fsdp2_cpu_2ranks.yaml",
+        extra=["--trainer.max_steps", "4", "--ckpt_path", "auto"],
+    )  # fmt: skip
+    a, b = final_weights(straight), final_weights(resumed)
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    policy = {k.removeprefix("policy."): v for k, v in a.items() if k.startswith("policy.")}
+    assert policy.keys() >= set(
+        dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
+    )
+    assert max(float((policy[k] - start[k]).abs().max()) for k in policy) > 1e-4  # it trained
+    assert a.keys() == b.keys()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0  # bit-exact resume
