@@ -339,7 +339,7 @@ def worker_dapo(case: Case) -> dict[str, Any]:
     if case.extras:
         # Redundant-forward check: the same batch in two mini-batches (two updates) needs the
         # separate old-log-prob pass; a single update must not do it.
-        from dapo_lightning.module import micro_batch_rows
+        from dapo_lightning.update import micro_batch_rows
 
         lengths = batch.attention_mask.sum(-1)
         result["micro_batches"] = len(micro_batch_rows(lengths, case.micro_batch_size))

@@ -25,10 +25,8 @@ changes (updates applied, plus rollbacks), the version every rollout is stamped 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -37,108 +35,39 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
-from dapo_lightning.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    centered_moments,
-    compute_advantages,
-    std_from_moments,
-)
+from dapo_lightning.advantages import centered_moments, compute_advantages, std_from_moments
 from dapo_lightning.callbacks.base import call_dapo_hook
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
+from dapo_lightning.data.metrics import rollout_step_metrics, validation_metrics
 from dapo_lightning.logprobs import response_log_probs
-from dapo_lightning.loss import check_loss_settings, compute_policy_loss
-from dapo_lightning.metrics import MetricAccumulator, ReduceOp
+from dapo_lightning.loss import compute_policy_loss
+from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.rollout.session import is_sharded
 from dapo_lightning.schedules import WarmupConstantLR
 from dapo_lightning.strategy import ShardingConfig, StrategyAdapter, shard_policy
+from dapo_lightning.update import (
+    LOSS_METRIC_OPS,
+    StepTensors,
+    behaviour_log_probs,
+    check_data_settings,
+    check_module_settings,
+    enable_gradient_checkpointing,
+    eval_mode,
+    frozen_copy,
+    has_dropout,
+    load_policy,
+    micro_batch,
+    micro_batch_rows,
+    mini_batch_ranges,
+    rows_of_groups,
+)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-#: How each metric of :func:`~dapo_lightning.loss.compute_policy_loss` is reduced (default:
-#: token-weighted mean).
-LOSS_METRIC_OPS: dict[str, ReduceOp] = {
-    "ratio_max": "max",
-    "tis_weight_min": "min",
-    "token_count": "sum",
-}
+__all__ = ["DAPOModule", "default_optimizer"]
 
 
 def default_optimizer(params: Any) -> torch.optim.Optimizer:
     """AdamW at the paper's learning rate 1e-6 (betas 0.9/0.999, weight decay 0.01)."""
     return torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01)
-
-
-def split_groups(num_groups: int, parts: int) -> list[range]:
-    """``parts`` consecutive ranges of group ids covering ``num_groups`` as evenly as possible
-    (the first ``num_groups % parts`` get one more; some are empty when groups are fewer)."""
-    base, extra = divmod(num_groups, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (i < extra)
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
-def micro_batch_rows(
-    lengths: Tensor, max_rows: int, max_tokens: int | None = None
-) -> list[list[int]]:
-    """Split row indices into micro-batches of at most ``max_rows`` rows and, when
-    ``max_tokens`` is set, at most ``max_tokens`` padded tokens (rows x longest row).
-
-    Rows are first sorted by length so each micro-batch pads little; a single row longer
-    than ``max_tokens`` gets a micro-batch of its own.
-    """
-    order = torch.argsort(lengths, descending=True, stable=True).tolist()
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in order:
-        length = int(lengths[i])
-        new_longest = max(longest, length)
-        too_many_tokens = max_tokens is not None and new_longest * (len(current) + 1) > max_tokens
-        if current and (len(current) >= max_rows or too_many_tokens):
-            chunks.append(current)
-            current, new_longest = [], length
-        current.append(i)
-        longest = new_longest
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def load_policy(model_name_or_path: str, torch_dtype: str) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained`` with an error that names the field and the fix."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(
-            model_name_or_path, dtype=_DTYPES[torch_dtype], trust_remote_code=False
-        )
-    except OSError as err:
-        raise FileNotFoundError(
-            f"model.model_name_or_path={model_name_or_path!r} could not be loaded ({err}). Give "
-            "an existing folder written by save_pretrained or a hub id (with network access)."
-        ) from err
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Dropout off inside (as the engine samples), the previous mode restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
-def has_dropout(model: nn.Module) -> bool:
-    """True when a dropout layer with ``p > 0`` would make train-mode log-probs differ."""
-    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
-        float(getattr(getattr(model, "config", None), key, 0.0) or 0.0) > 0
-        for key in ("attention_dropout", "hidden_dropout", "dropout")
-    )
 
 
 class DAPOModule(LightningModule):
@@ -260,34 +189,13 @@ class DAPOModule(LightningModule):
         if self.policy is None:
             self.policy = load_policy(self.hparams.model_name_or_path, self.hparams.torch_dtype)
         if self.adapter.kind == "fsdp2" and not is_sharded(self.policy):
-            self._shard()
+            shard_policy(self.policy, self.device_mesh, self.sharding)
         self.policy.train()  # from_pretrained returns eval mode; Lightning keeps modes as they are
-        if self.hparams.gradient_checkpointing and hasattr(
-            self.policy, "gradient_checkpointing_enable"
-        ):
-            self.policy.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-            if hasattr(self.policy, "config"):
-                self.policy.config.use_cache = False
+        if self.hparams.gradient_checkpointing:
+            enable_gradient_checkpointing(self.policy)
         if self.hparams.kl_coef > 0 and self.ref_policy is None:
-            import copy
-
-            ref = copy.deepcopy(self.policy).eval()
-            ref.requires_grad_(False)
             # Kept outside the module tree: it is neither trained nor checkpointed.
-            object.__setattr__(self, "ref_policy", ref)
-
-    def _shard(self) -> None:
-        mesh = self.device_mesh
-        if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
-            raise ValueError(
-                "ModelParallelStrategy(tensor_parallel_size > 1): the DAPO update shards the "
-                "policy over data-parallel ranks only (FSDP2). Fix: tensor_parallel_size=1; "
-                "tensor parallelism belongs to the vLLM engine (engine_kwargs)."
-            )
-        dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
-        shard_policy(self.policy, dp, self.sharding)
+            object.__setattr__(self, "ref_policy", frozen_copy(self.policy))
 
     def on_fit_start(self) -> None:
         """Check the data's settings against the module's before any rollout is generated."""
@@ -331,29 +239,12 @@ class DAPOModule(LightningModule):
 
     # ------------------------------------------------------------------ the DAPO step
     def mini_batches(self, num_local_groups: int) -> list[range]:
-        """Mini-batches (ranges of local group ids) of one epoch: one per update.
-
-        The number of updates is fixed by the settings (``train_batch_size / mini_batch_size``,
-        read from the data's config); a short batch (dynamic sampling ran out of rounds) spreads
-        its groups over the same number of updates, so every rank makes the same updates.
-        """
-        mini = self.hparams.mini_batch_size
-        config = getattr(getattr(self._trainer, "datamodule", None), "dynamic_sampling", None)
-        if mini is None:
-            return [range(num_local_groups)]
+        """This rank's mini-batches of one epoch (:func:`~dapo_lightning.update.mini_batch_ranges`;
+        the full batch size is the data's ``dynamic_sampling.train_batch_size``)."""
         world = self.adapter.world_size
-        if mini % world:
-            raise ValueError(
-                f"model.mini_batch_size={mini} prompts must be divisible by the world size "
-                f"({world}): each rank takes mini_batch_size / world_size prompts per update."
-            )
+        config = getattr(getattr(self._trainer, "datamodule", None), "dynamic_sampling", None)
         full = config.train_batch_size // world if config is not None else num_local_groups
-        if full % (mini // world):
-            raise ValueError(
-                f"model.mini_batch_size={mini} does not divide the rollout batch "
-                f"({full * world} prompts): choose a divisor of data.train_batch_size."
-            )
-        return split_groups(num_local_groups, full // (mini // world))
+        return mini_batch_ranges(num_local_groups, self.hparams.mini_batch_size, world, full)
 
     def training_step(self, batch: RolloutBatch | EndOfTraining, batch_idx: int) -> None:
         if isinstance(batch, EndOfTraining):
@@ -363,30 +254,33 @@ class DAPOModule(LightningModule):
             return
         t_start = time.perf_counter()
         batch = batch.trim()
-        stale = batch.sample_version < self.policy_version
-        advantages = self._advantages(batch)
-        mini_batches = self.mini_batches(batch.num_groups)
-        exact_old = len(mini_batches) > 1 or self.hparams.ppo_epochs > 1 or bool(stale.any())
-        old_log_probs = (
-            self._old_log_probs(batch) if exact_old or has_dropout(self.policy) else None
-        )
-        behaviour = self._behaviour_log_probs(batch, old_log_probs, stale)
-        parity_logp = torch.zeros_like(batch.rollout_log_probs, dtype=self._logp_dtype())
+        step = self._step_tensors(batch)
         for _ in range(self.hparams.ppo_epochs):
-            for groups in mini_batches:
-                rows = [
-                    r
-                    for g in groups
-                    for r in range(g * batch.group_size, (g + 1) * batch.group_size)
-                ]
-                metrics = self._update(
-                    batch, rows, advantages, old_log_probs, behaviour, parity_logp
-                )
+            for groups in self.mini_batches(batch.num_groups):
+                metrics = self._update(batch, rows_of_groups(groups, batch.group_size), step)
                 self._log_update(metrics)
                 call_dapo_hook(self.trainer, "on_dapo_update", metrics)
         self.rollout_step += 1
-        trainer_logp = old_log_probs if old_log_probs is not None else parity_logp
-        self._log_rollout_step(batch, trainer_logp, stale, time.perf_counter() - t_start)
+        self._log_rollout_step(batch, step, time.perf_counter() - t_start)
+
+    def _step_tensors(self, batch: RolloutBatch) -> StepTensors:
+        """Advantages, old log-probs (skipped when the only update's forward gives them) and
+        the stale-sample correction of this rollout step."""
+        hp = self.hparams
+        stale = batch.sample_version < self.policy_version
+        exact_old = (
+            len(self.mini_batches(batch.num_groups)) > 1
+            or hp.ppo_epochs > 1
+            or bool(stale.any())
+            or has_dropout(self.policy)
+        )
+        old = self._old_log_probs(batch) if exact_old else None
+        return StepTensors(
+            advantages=self._advantages(batch),
+            old_log_probs=old,
+            behaviour=behaviour_log_probs(batch, old, stale, hp.tis_cap, hp.stale_tis_cap),
+            parity_logp=torch.zeros_like(batch.rollout_log_probs, dtype=self._logp_dtype()),
+        )
 
     def _advantages(self, batch: RolloutBatch) -> Tensor:
         estimator = self.hparams.advantage_estimator
@@ -405,32 +299,20 @@ class DAPOModule(LightningModule):
 
     @torch.no_grad()
     def _old_log_probs(self, batch: RolloutBatch) -> Tensor:
-        """Log-probs of the policy before this step's updates, in eval mode (dropout off)."""
+        """Log-probs of the policy before this step's updates, in eval mode (dropout off, as
+        the engine samples)."""
         out = torch.zeros_like(batch.rollout_log_probs, dtype=self._logp_dtype())
-        rows_list = self._micro_batches(batch, list(range(batch.batch_size)))
         with eval_mode(self.policy):
-            for rows in rows_list:
-                micro = self._micro(batch, rows)
+            for rows in self._micro_batches(batch, list(range(batch.batch_size))):
+                micro = micro_batch(batch, rows)
                 logp, _ = self.forward_log_probs(micro)
                 if rows:
                     out[rows, : micro.response_width] = logp
         return out
 
-    def _behaviour_log_probs(
-        self, batch: RolloutBatch, old: Tensor | None, stale: Tensor
-    ) -> tuple[Tensor, float] | None:
-        """``(log-probs the TIS weight divides by, cap)``: the engine's on every row with
-        ``tis_cap``; with ``stale_tis_cap``, the engine's on stale rows and the old policy's
-        (weight 1) on fresh ones; None without correction."""
-        hp = self.hparams
-        if hp.tis_cap is not None:
-            return batch.rollout_log_probs, hp.tis_cap
-        if hp.stale_tis_cap is None or not bool(stale.any()) or old is None:
-            return None
-        return torch.where(stale[:, None], batch.rollout_log_probs, old), hp.stale_tis_cap
-
     def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
-        """Micro-batches of ``rows``, padded with empty ones to the most any rank has."""
+        """Micro-batches of ``rows`` (by length, under the limits), padded with empty ones to
+        the most any rank has: FSDP syncs in every backward, so the counts must match."""
         hp = self.hparams
         lengths = batch.attention_mask[rows].sum(-1)
         local = micro_batch_rows(lengths, hp.micro_batch_size, hp.max_tokens_per_micro_batch)
@@ -438,102 +320,70 @@ class DAPOModule(LightningModule):
         most = int(self.adapter.reduce(torch.tensor([float(len(local))]), "max").item())
         return local + [[]] * (most - len(local))
 
-    @staticmethod
-    def _micro(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
-        """Rows ``rows`` trimmed; an empty list gives one fully masked row (it joins the
-        collectives of a rank with fewer micro-batches and contributes nothing)."""
-        if rows:
-            return batch.select(rows).trim()
-        if batch.batch_size:
-            pad = batch.select([0]).trim()
-            pad.response_mask = torch.zeros_like(pad.response_mask)
-            return pad
-        return batch.padding_row()
-
-    def _update(
-        self,
-        batch: RolloutBatch,
-        rows: list[int],
-        advantages: Tensor,
-        old_log_probs: Tensor | None,
-        behaviour: tuple[Tensor, float] | None,
-        parity_logp: Tensor,
-    ) -> dict[str, float]:
+    def _update(self, batch: RolloutBatch, rows: list[int], step: StepTensors) -> dict[str, float]:
         """One optimizer update on the mini-batch ``rows`` of ``batch`` (this rank's share)."""
-        hp = self.hparams
         mask = batch.response_mask[rows]
         local = torch.tensor(
             [float(mask.sum()), float((mask.sum(-1) > 0).sum()), float(len(rows))],
             dtype=torch.float64,
         )
         tokens, seqs, nrows = self.adapter.reduce(local, "sum").tolist()
-        if hp.loss_agg_mode == "seq-mean-token-sum-norm":
+        if self.hparams.loss_agg_mode == "seq-mean-token-sum-norm":
             seqs = nrows  # Dr. GRPO divides by a constant: every row counts
         acc = MetricAccumulator()
-        if tokens == 0:  # same on every rank: no forward, no step
+        if tokens == 0:  # the same on every rank: no forward, no step
             return self._finish_update(acc, tokens, stepped=False, skipped_empty=True)
         micro_batches = self._micro_batches(batch, rows)
         acc.add("micro_batches", float(len(micro_batches)), op="max")
         acc.add("empty_micro_batches", float(sum(not m for m in micro_batches)), op="sum")
         for i, idx in enumerate(micro_batches):
-            micro = self._micro(batch, idx)
-            loss, m = self._micro_loss(
-                micro, batch, idx, advantages, old_log_probs, behaviour, parity_logp, tokens, seqs
-            )
-            self.adapter.backward(
-                loss * self.adapter.grad_average_factor, last=i == len(micro_batches) - 1
-            )
+            loss, m = self._micro_loss(batch, idx, step, tokens, seqs)
+            last = i == len(micro_batches) - 1
+            self.adapter.backward(loss * self.adapter.grad_average_factor, last=last)
             acc.add_all(m, LOSS_METRIC_OPS, weight=float(m["token_count"]))
             acc.add("loss", float(loss.detach()), op="sum")
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        lr = float(optimizer.param_groups[0]["lr"])  # the rate this update uses
+        acc.add("lr", float(optimizer.param_groups[0]["lr"]), op="max")  # the rate it uses
         optimizer.step()  # -> on_before_optimizer_step: norm, clip, skip decision
         grad_norm, skipped = self._step_outcome
         optimizer.zero_grad(set_to_none=True)
-        if not skipped:
+        if skipped:
+            self.skipped_updates += 1
+        else:
             scheduler.step()
             self.policy_version += 1
-        else:
-            self.skipped_updates += 1
-        acc.add("lr", lr, op="max")
         return self._finish_update(acc, tokens, stepped=not skipped, grad_norm=grad_norm)
 
     def _micro_loss(
-        self,
-        micro: RolloutBatch,
-        batch: RolloutBatch,
-        idx: list[int],
-        advantages: Tensor,
-        old_log_probs: Tensor | None,
-        behaviour: tuple[Tensor, float] | None,
-        parity_logp: Tensor,
-        tokens: float,
-        seqs: float,
+        self, batch: RolloutBatch, idx: list[int], step: StepTensors, tokens: float, seqs: float
     ) -> tuple[Tensor, dict[str, Tensor]]:
+        """This micro-batch's share of the mini-batch loss (global normalisers ``tokens``,
+        ``seqs``: the loss shares of all micro-batches of all ranks sum to the loss)."""
         hp = self.hparams
+        micro = micro_batch(batch, idx)
         width = micro.response_width
         logp, entropy = self.forward_log_probs(
             micro, with_entropy=True, entropy_grad=self.entropy_coef != 0
         )
 
         def rows_of(t: Tensor) -> Tensor:
-            return t[idx, :width] if idx else torch.zeros_like(logp)
+            return t[idx, :width].to(logp.dtype) if idx else torch.zeros_like(logp)
 
-        if old_log_probs is None:
+        if step.old_log_probs is None:
             old = logp.detach()
             if idx:
-                parity_logp[idx, :width] = old
+                step.parity_logp[idx, :width] = old.to(step.parity_logp.dtype)
         else:
-            old = rows_of(old_log_probs)
+            old = rows_of(step.old_log_probs)
         ref_logp = None
         if hp.kl_coef > 0 and self.ref_policy is not None:
             with torch.no_grad():
                 ref_logp, _ = self.forward_log_probs(micro, model=self.ref_policy)
-        adv = advantages[idx] if idx else torch.zeros(1, device=logp.device)
+        behaviour = step.behaviour
         return compute_policy_loss(
             logp,
             old,
-            adv,
+            step.advantages[idx] if idx else torch.zeros(1, device=logp.device),
             micro.response_mask,
             clip_ratio_low=hp.clip_ratio_low,
             clip_ratio_high=hp.clip_ratio_high,
@@ -554,7 +404,7 @@ class DAPOModule(LightningModule):
         """Gradient norm and clipping (gradients are unscaled here under ``16-mixed``); a
         non-finite norm drops the gradients so the step leaves the weights as they are."""
         norm = self.adapter.clip_grad_norm(self.hparams.gradient_clip_val)
-        known = norm is not None and not (math.isnan(norm) and self.adapter.kind == "deepspeed")
+        known = not (math.isnan(norm) and self.adapter.kind == "deepspeed")
         skipped = bool(self.hparams.skip_nonfinite and known and not math.isfinite(norm))
         if skipped:
             optimizer.zero_grad(set_to_none=True)
@@ -571,6 +421,7 @@ class DAPOModule(LightningModule):
     ) -> dict[str, float]:
         metrics = acc.reduce(self.adapter.reduce)
         ds_norm = self.adapter.deepspeed_grad_norm()
+        metrics.pop("token_count", None)  # == tokens
         metrics.update(
             grad_norm=float(ds_norm if ds_norm is not None else grad_norm),
             entropy_coef=float(self.entropy_coef),
@@ -578,7 +429,6 @@ class DAPOModule(LightningModule):
             skipped_nonfinite=float(not stepped and not skipped_empty),
             skipped_empty=float(skipped_empty),
         )
-        metrics.pop("token_count", None)  # == tokens
         return metrics
 
     def _log_update(self, metrics: dict[str, float]) -> None:
@@ -588,46 +438,12 @@ class DAPOModule(LightningModule):
                     {f"update/{k}": v for k, v in metrics.items()}, step=self.global_step
                 )
 
-    def _log_rollout_step(
-        self, batch: RolloutBatch, trainer_logp: Tensor, stale: Tensor, seconds: float
-    ) -> None:
-        from dapo_lightning.data.producer import STAT_OPS
-        from dapo_lightning.rollout.parity import logprob_parity
-
-        rows = float(batch.batch_size)
-        lengths = batch.response_length.float()
-        staleness = (self.policy_version - batch.sample_version).float()
-        acc = MetricAccumulator()
-        per_row = {
-            "rollout/reward_mean": batch.reward.sum(),
-            "rollout/score_mean": batch.score.sum(),
-            "rollout/acc": batch.acc.sum(),
-            "rollout/response_length_mean": lengths.sum(),
-            "rollout/truncation_rate": batch.truncated.float().sum(),
-            "data/staleness_mean": staleness.sum(),
-        }
-        for name, total in per_row.items():
-            acc.add(name, float(total) / max(rows, 1.0), weight=rows)
-        acc.add("rollout/response_length_max", float(lengths.max()) if rows else 0.0, op="max")
-        acc.add("data/staleness_max", float(staleness.max()) if rows else 0.0, op="max")
-        stale_tokens = float((batch.response_mask * stale[:, None]).sum())
-        acc.add(
-            "data/stale_token_frac",
-            stale_tokens / max(float(batch.response_mask.sum()), 1.0),
-            weight=float(batch.response_mask.sum()),
-        )
-        acc.add("rollout/tokens", float(lengths.sum()), op="sum")
-        acc.add("time/update_s", seconds, op="max")
-        for key, value in batch.stats.items():
-            acc.add(key, float(value), op=STAT_OPS.get(key, "mean"))
+    def _log_rollout_step(self, batch: RolloutBatch, step: StepTensors, seconds: float) -> None:
         every = self.hparams.parity_check_every
-        if every and self.rollout_step % every == 0:
-            fresh = batch.response_mask * (~stale)[:, None].float()
-            parity = logprob_parity(trainer_logp, batch.rollout_log_probs, fresh)
-            tokens = parity.pop("parity/tokens")
-            for key, value in parity.items():
-                op: ReduceOp = "max" if key.endswith("_max") else "mean"
-                acc.add(key, value, op=op, weight=tokens)
+        check = bool(every) and self.rollout_step % every == 0
+        acc = rollout_step_metrics(
+            batch, self.policy_version, seconds, step.trainer_logp if check else None
+        )
         values = acc.reduce(self.adapter.reduce)
         gen_s = values.get("data/gen_seconds", 0.0)
         values.update(
@@ -643,7 +459,6 @@ class DAPOModule(LightningModule):
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: ScoredRollouts, batch_idx: int) -> None:
-        from dapo_lightning.data.metrics import validation_metrics
 
         metrics = validation_metrics(batch)
         self.log_dict(metrics, on_epoch=True, sync_dist=True, batch_size=len(batch))
@@ -674,78 +489,3 @@ class DAPOModule(LightningModule):
     def save_pretrained(self, path: str) -> None:
         """Write the policy in Hugging Face format (loadable with ``from_pretrained``)."""
         self.policy.save_pretrained(path)
-
-
-def check_module_settings(hp: Any, *, has_policy: bool) -> None:
-    """Raise a ValueError naming the field and the fix for an invalid module setting."""
-    if hp.model_name_or_path is None and not has_policy:
-        raise ValueError(
-            "DAPOModule needs a policy: set `model_name_or_path` (a Hugging Face id or folder) "
-            "or pass `policy=` a causal LM."
-        )
-    check_loss_settings(hp.clip_ratio_low, hp.clip_ratio_high, hp.clip_ratio_c, hp.loss_agg_mode)
-    if hp.clip_ratio_high < hp.clip_ratio_low:
-        raise ValueError(
-            f"clip_ratio_high ({hp.clip_ratio_high}) < clip_ratio_low ({hp.clip_ratio_low}): "
-            "clip-higher needs eps_high >= eps_low (paper: 0.28 and 0.2)."
-        )
-    if hp.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, "
-            f"got {hp.advantage_estimator!r}."
-        )
-    for name in ("micro_batch_size", "ppo_epochs"):
-        if getattr(hp, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(hp, name)}.")
-    if hp.mini_batch_size is not None and hp.mini_batch_size < 1:
-        raise ValueError(f"mini_batch_size must be >= 1 (or null), got {hp.mini_batch_size}.")
-    if hp.max_tokens_per_micro_batch is not None and hp.max_tokens_per_micro_batch < 1:
-        raise ValueError(
-            f"max_tokens_per_micro_batch must be >= 1 (or null), got {hp.max_tokens_per_micro_batch}."
-        )
-    for name in ("tis_cap", "stale_tis_cap"):
-        value = getattr(hp, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"{name} must be > 0 (or null to disable it), got {value}.")
-    if hp.gradient_clip_val is not None and hp.gradient_clip_val < 0:
-        raise ValueError(
-            f"gradient_clip_val must be >= 0 (0 or null: no clipping), got {hp.gradient_clip_val}; "
-            "a negative norm bound would flip the gradient."
-        )
-    if hp.kl_coef < 0:
-        raise ValueError(
-            f"kl_coef must be >= 0 (0: no KL penalty, no reference model), got {hp.kl_coef}."
-        )
-    if hp.warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be >= 0 optimizer updates, got {hp.warmup_steps}.")
-    if hp.parity_check_every < 0:
-        raise ValueError(f"parity_check_every must be >= 0 (0: off), got {hp.parity_check_every}.")
-
-
-def check_data_settings(hp: Any, data: Any, policy: nn.Module | None) -> None:
-    """Raise a clear error for data settings this module cannot train on (before any generation
-    is wasted). ``data`` is the run's :class:`~dapo_lightning.data.datamodule.DAPODataModule`."""
-    config = data.dynamic_sampling
-    context = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
-    longest = data.max_prompt_length + data.sampling.max_tokens
-    if isinstance(context, int) and longest > context:
-        raise ValueError(
-            f"data.max_prompt_length={data.max_prompt_length} + data.sampling.max_tokens="
-            f"{data.sampling.max_tokens} = {longest} tokens exceeds the model's context "
-            f"(max_position_embeddings={context}). Fix: lower max_prompt_length or "
-            "sampling.max_tokens so that their sum fits the context."
-        )
-    if config.n < 2 and hp.advantage_estimator in ("grpo", "rloo"):
-        raise ValueError(
-            f"data.dynamic_sampling.n={config.n} with model.advantage_estimator="
-            f"{hp.advantage_estimator!r}: a group of one response has no std / no other "
-            "responses to compare with. Fix: n >= 2 (paper 16), or advantage_estimator "
-            "'dr_grpo' / 'reinforce_baseline'."
-        )
-    mini = hp.mini_batch_size
-    if mini is not None and config.train_batch_size % mini:
-        raise ValueError(
-            f"model.mini_batch_size={mini} does not divide data.dynamic_sampling."
-            f"train_batch_size={config.train_batch_size} (prompts per rollout step). Fix: choose "
-            "a divisor of train_batch_size, or null for one update per rollout step."
-        )

@@ -91,9 +91,23 @@ def decoder_layers(policy: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def shard_policy(policy: torch.nn.Module, mesh: Any, config: ShardingConfig) -> None:
-    """``fully_shard`` every decoder layer, then the root, over the data-parallel ``mesh``."""
+def shard_policy(policy: torch.nn.Module, device_mesh: Any, config: ShardingConfig) -> None:
+    """``fully_shard`` every decoder layer, then the root, over the data-parallel dimension of
+    ``device_mesh`` (Lightning's ``ModelParallelStrategy`` mesh, or a 1-D mesh).
+
+    Raises:
+        ValueError: the mesh has a tensor-parallel dimension larger than 1.
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    names = device_mesh.mesh_dim_names or ()
+    if "tensor_parallel" in names and device_mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            "ModelParallelStrategy(tensor_parallel_size > 1): the DAPO update shards the "
+            "policy over data-parallel ranks only (FSDP2). Fix: tensor_parallel_size=1; "
+            "tensor parallelism belongs to the vLLM engine (engine_kwargs)."
+        )
+    mesh = device_mesh["data_parallel"] if "data_parallel" in names else device_mesh
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward}

@@ -13,7 +13,8 @@ from dapo_lightning.callbacks.base import DAPOCallback
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from dapo_lightning.module import DAPOModule, micro_batch_rows
+from dapo_lightning.module import DAPOModule
+from dapo_lightning.update import micro_batch_rows
 from tests._module_harness import FixedBatches, fit_update, fixed_batch
 
 HARNESS = Path(__file__).with_name("_module_harness.py")
@@ -108,7 +109,7 @@ def test_fsdp2_ranks_run_equal_micro_batch_counts_under_a_token_budget(
     """With a 60-token budget rank 0 (long responses) needs more micro-batches than rank 1;
     FSDP2 reduce-scatters in every backward, so rank 1 pads with empty micro-batches (else the
     collectives would not match) and the update is still the single-process one."""
-    from dapo_lightning.module import micro_batch_rows
+    from dapo_lightning.update import micro_batch_rows
 
     batch = fixed_batch()
     lengths = batch.attention_mask.sum(-1)

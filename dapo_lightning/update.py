@@ -1,0 +1,284 @@
+"""The parts of one DAPO update that need no Lightning: how a rollout batch is cut into
+mini-batches and micro-batches, which log-probs correct stale samples, loading the policy, and
+the checks of the module's and the data's settings (docs/design.md, "One training step")."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dapo_lightning.advantages import ADVANTAGE_ESTIMATORS
+from dapo_lightning.data.batch import RolloutBatch
+from dapo_lightning.loss import check_loss_settings
+from dapo_lightning.metrics import ReduceOp
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+#: How each metric of :func:`~dapo_lightning.loss.compute_policy_loss` is reduced (default:
+#: token-weighted mean).
+LOSS_METRIC_OPS: dict[str, ReduceOp] = {
+    "ratio_max": "max",
+    "tis_weight_min": "min",
+    "token_count": "sum",
+}
+
+
+def split_groups(num_groups: int, parts: int) -> list[range]:
+    """``parts`` consecutive ranges of group ids covering ``num_groups`` as evenly as possible
+    (the first ``num_groups % parts`` get one more; some are empty when groups are fewer)."""
+    base, extra = divmod(num_groups, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (i < extra)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def micro_batch_rows(
+    lengths: Tensor, max_rows: int, max_tokens: int | None = None
+) -> list[list[int]]:
+    """Split row indices into micro-batches of at most ``max_rows`` rows and, when
+    ``max_tokens`` is set, at most ``max_tokens`` padded tokens (rows x longest row).
+
+    Rows are first sorted by length so each micro-batch pads little; a single row longer
+    than ``max_tokens`` gets a micro-batch of its own.
+    """
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        length = int(lengths[i])
+        new_longest = max(longest, length)
+        too_many_tokens = max_tokens is not None and new_longest * (len(current) + 1) > max_tokens
+        if current and (len(current) >= max_rows or too_many_tokens):
+            chunks.append(current)
+            current, new_longest = [], length
+        current.append(i)
+        longest = new_longest
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def mini_batch_ranges(
+    num_local_groups: int, mini_batch_size: int | None, world_size: int, full_groups: int
+) -> list[range]:
+    """Mini-batches (ranges of local group ids) of one epoch: one per optimizer update.
+
+    Each rank takes ``mini_batch_size / world_size`` groups per update, so a full batch of
+    ``full_groups`` local groups makes ``full_groups / (mini_batch_size / world_size)``
+    updates. A short batch (dynamic sampling ran out of rounds) spreads the groups it has over
+    the same number of updates, so every rank makes the same updates (some maybe empty).
+
+    Raises:
+        ValueError: ``mini_batch_size`` does not split over the ranks or the batch.
+    """
+    if mini_batch_size is None:
+        return [range(num_local_groups)]
+    if mini_batch_size % world_size:
+        raise ValueError(
+            f"model.mini_batch_size={mini_batch_size} prompts must be divisible by the world "
+            f"size ({world_size}): each rank takes mini_batch_size / world_size per update."
+        )
+    local = mini_batch_size // world_size
+    if full_groups % local:
+        raise ValueError(
+            f"model.mini_batch_size={mini_batch_size} does not divide the rollout batch "
+            f"({full_groups * world_size} prompts): choose a divisor of train_batch_size."
+        )
+    return split_groups(num_local_groups, full_groups // local)
+
+
+def rows_of_groups(groups: range, group_size: int) -> list[int]:
+    """Row indices of the groups ``groups`` (groups are contiguous blocks of ``group_size``)."""
+    return list(range(groups.start * group_size, groups.stop * group_size))
+
+
+def micro_batch(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
+    """Rows ``rows`` of ``batch``, trimmed; no rows give one fully masked row (it joins the
+    collectives of a rank with fewer micro-batches and contributes nothing)."""
+    if rows:
+        return batch.select(rows).trim()
+    if batch.batch_size:
+        pad = batch.select([0]).trim()
+        pad.response_mask = torch.zeros_like(pad.response_mask)
+        return pad
+    return batch.padding_row()
+
+
+def behaviour_log_probs(
+    batch: RolloutBatch,
+    old: Tensor | None,
+    stale: Tensor,
+    tis_cap: float | None,
+    stale_tis_cap: float | None,
+) -> tuple[Tensor, float] | None:
+    """``(log-probs the TIS weight divides by, cap)`` for ``w = min(exp(old - b), cap)``.
+
+    With ``tis_cap``: the engine's log-probs on every row. Else with ``stale_tis_cap``: the
+    engine's on stale rows (sampled by an older policy version) and ``old`` on fresh ones,
+    whose weight is then exactly 1. None when nothing is corrected.
+    """
+    if tis_cap is not None:
+        return batch.rollout_log_probs, tis_cap
+    if stale_tis_cap is None or not bool(stale.any()) or old is None:
+        return None
+    return torch.where(stale[:, None], batch.rollout_log_probs.to(old.dtype), old), stale_tis_cap
+
+
+@dataclass
+class StepTensors:
+    """What every update of one rollout step shares.
+
+    Args:
+        advantages: ``[B]`` per response.
+        old_log_probs: ``[B, T]`` of the policy before the step (None: one update per step,
+            where the old policy is the current one and the update's own forward gives them).
+        behaviour: TIS correction (:func:`behaviour_log_probs`), or None.
+        parity_logp: ``[B, T]`` filled with the trainer's log-probs when ``old_log_probs`` is
+            None (compared with the engine's).
+    """
+
+    advantages: Tensor
+    old_log_probs: Tensor | None
+    behaviour: tuple[Tensor, float] | None
+    parity_logp: Tensor
+
+    @property
+    def trainer_logp(self) -> Tensor:
+        """The trainer's log-probs of the sampled tokens before the step's updates."""
+        return self.old_log_probs if self.old_log_probs is not None else self.parity_logp
+
+
+def load_policy(model_name_or_path: str, torch_dtype: str) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` with an error that names the field and the fix."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            model_name_or_path, dtype=_DTYPES[torch_dtype], trust_remote_code=False
+        )
+    except OSError as err:
+        raise FileNotFoundError(
+            f"model.model_name_or_path={model_name_or_path!r} could not be loaded ({err}). Give "
+            "an existing folder written by save_pretrained or a hub id (with network access)."
+        ) from err
+
+
+def enable_gradient_checkpointing(policy: nn.Module) -> None:
+    """Recompute activations in backward (non-reentrant), with the KV cache off."""
+    if hasattr(policy, "gradient_checkpointing_enable"):
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(policy, "config"):
+            policy.config.use_cache = False
+
+
+def frozen_copy(policy: nn.Module) -> nn.Module:
+    """A frozen eval-mode copy of ``policy`` (the reference of the KL penalty)."""
+    import copy
+
+    ref = copy.deepcopy(policy).eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Dropout off inside (as the engine samples), the previous mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """True when a dropout layer with ``p > 0`` would make train-mode log-probs differ."""
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
+        float(getattr(getattr(model, "config", None), key, 0.0) or 0.0) > 0
+        for key in ("attention_dropout", "hidden_dropout", "dropout")
+    )
+
+
+def check_module_settings(hp: Any, *, has_policy: bool) -> None:
+    """Raise a ValueError naming the field and the fix for an invalid module setting."""
+    if hp.model_name_or_path is None and not has_policy:
+        raise ValueError(
+            "DAPOModule needs a policy: set `model_name_or_path` (a Hugging Face id or folder) "
+            "or pass `policy=` a causal LM."
+        )
+    check_loss_settings(hp.clip_ratio_low, hp.clip_ratio_high, hp.clip_ratio_c, hp.loss_agg_mode)
+    if hp.clip_ratio_high < hp.clip_ratio_low:
+        raise ValueError(
+            f"clip_ratio_high ({hp.clip_ratio_high}) < clip_ratio_low ({hp.clip_ratio_low}): "
+            "clip-higher needs eps_high >= eps_low (paper: 0.28 and 0.2)."
+        )
+    if hp.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, "
+            f"got {hp.advantage_estimator!r}."
+        )
+    for name in ("micro_batch_size", "ppo_epochs"):
+        if getattr(hp, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(hp, name)}.")
+    if hp.mini_batch_size is not None and hp.mini_batch_size < 1:
+        raise ValueError(f"mini_batch_size must be >= 1 (or null), got {hp.mini_batch_size}.")
+    if hp.max_tokens_per_micro_batch is not None and hp.max_tokens_per_micro_batch < 1:
+        raise ValueError(
+            f"max_tokens_per_micro_batch must be >= 1 (or null), got {hp.max_tokens_per_micro_batch}."
+        )
+    for name in ("tis_cap", "stale_tis_cap"):
+        value = getattr(hp, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be > 0 (or null to disable it), got {value}.")
+    if hp.gradient_clip_val is not None and hp.gradient_clip_val < 0:
+        raise ValueError(
+            f"gradient_clip_val must be >= 0 (0 or null: no clipping), got {hp.gradient_clip_val}; "
+            "a negative norm bound would flip the gradient."
+        )
+    if hp.kl_coef < 0:
+        raise ValueError(
+            f"kl_coef must be >= 0 (0: no KL penalty, no reference model), got {hp.kl_coef}."
+        )
+    if hp.warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0 optimizer updates, got {hp.warmup_steps}.")
+    if hp.parity_check_every < 0:
+        raise ValueError(f"parity_check_every must be >= 0 (0: off), got {hp.parity_check_every}.")
+
+
+def check_data_settings(hp: Any, data: Any, policy: nn.Module | None) -> None:
+    """Raise a clear error for data settings this module cannot train on (before any generation
+    is wasted). ``data`` is the run's :class:`~dapo_lightning.data.datamodule.DAPODataModule`."""
+    config = data.dynamic_sampling
+    context = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+    longest = data.max_prompt_length + data.sampling.max_tokens
+    if isinstance(context, int) and longest > context:
+        raise ValueError(
+            f"data.max_prompt_length={data.max_prompt_length} + data.sampling.max_tokens="
+            f"{data.sampling.max_tokens} = {longest} tokens exceeds the model's context "
+            f"(max_position_embeddings={context}). Fix: lower max_prompt_length or "
+            "sampling.max_tokens so that their sum fits the context."
+        )
+    if config.n < 2 and hp.advantage_estimator in ("grpo", "rloo"):
+        raise ValueError(
+            f"data.dynamic_sampling.n={config.n} with model.advantage_estimator="
+            f"{hp.advantage_estimator!r}: a group of one response has no std / no other "
+            "responses to compare with. Fix: n >= 2 (paper 16), or advantage_estimator "
+            "'dr_grpo' / 'reinforce_baseline'."
+        )
+    mini = hp.mini_batch_size
+    if mini is not None and config.train_batch_size % mini:
+        raise ValueError(
+            f"model.mini_batch_size={mini} does not divide data.dynamic_sampling."
+            f"train_batch_size={config.train_batch_size} (prompts per rollout step). Fix: choose "
+            "a divisor of train_batch_size, or null for one update per rollout step."
+        )
