@@ -322,14 +322,12 @@ class DAPOModule(LightningModule):
 
     def _update(self, batch: RolloutBatch, rows: list[int], step: StepTensors) -> dict[str, float]:
         """One optimizer update on the mini-batch ``rows`` of ``batch`` (this rank's share)."""
-        mask = batch.response_mask[rows]
         local = torch.tensor(
-            [float(mask.sum()), float((mask.sum(-1) > 0).sum()), float(len(rows))],
-            dtype=torch.float64,
+            [float(batch.response_mask[rows].sum()), float(len(rows))], dtype=torch.float64
         )
-        tokens, seqs, nrows = self.adapter.reduce(local, "sum").tolist()
-        if self.hparams.loss_agg_mode == "seq-mean-token-sum-norm":
-            seqs = nrows  # Dr. GRPO divides by a constant: every row counts
+        # seq-* modes divide by every row of the mini-batch, fully masked (overlong-filtered)
+        # ones included, as verl's trainer does (its global_batch_size = mini-batch x n)
+        tokens, seqs = self.adapter.reduce(local, "sum").tolist()
         acc = MetricAccumulator()
         if tokens == 0:  # the same on every rank: no forward, no step
             return self._finish_update(acc, tokens, stepped=False, skipped_empty=True)

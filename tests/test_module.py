@@ -296,3 +296,26 @@ def test_mini_batch_must_divide_the_batch(tiny_checkpoint):
     module = DAPOModule(str(tiny_checkpoint), mini_batch_size=3)
     with pytest.raises(ValueError, match="mini_batch_size"):
         _fit(module, FixedBatches(fixed_batch()))
+
+
+def test_old_log_probs_are_taken_in_eval_mode(tmp_path):
+    """With dropout the old log-probs must be the eval-mode ones (as the engine samples, and as
+    verl computes them), not a dropout draw; the policy is back in train mode after."""
+    from dapo_lightning.logprobs import response_log_probs
+    from dapo_lightning.testing import make_random_rollout_batch, make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "dropout", attention_dropout=0.3)
+    module = DAPOModule(str(ckpt))
+    module.configure_model()
+    batch = make_random_rollout_batch(num_groups=2, group_size=2)
+    old = module._old_log_probs(batch)
+    assert module.policy.training
+    args = (batch.input_ids, batch.attention_mask, batch.response_width)
+    with torch.no_grad():
+        module.policy.eval()
+        eval_logp, _ = response_log_probs(module.policy, *args)
+        module.policy.train()
+        train_logp, _ = response_log_probs(module.policy, *args)
+    mask = batch.response_mask.bool()
+    assert torch.allclose(old[mask], eval_logp[mask], atol=1e-6)
+    assert (train_logp[mask] - eval_logp[mask]).abs().max() > 1e-3  # dropout is really on

@@ -57,31 +57,37 @@ def _logp(model, prompt, response):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
-def reference_updates(checkpoint, batch, groups_per_update):
-    """Parameters after SGD on DAPO's token-mean objective, mini-batch after mini-batch."""
+def reference_updates(checkpoint, batch, groups_per_update, seq_mean=False):
+    """Parameters after SGD on DAPO's token-mean objective, mini-batch after mini-batch; with
+    ``seq_mean``, GRPO's: the mean over the mini-batch's rows (fully masked rows included, as in
+    verl's trainer) of each response's token mean."""
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()
     rows = _sequences(batch)
     adv = _grpo(rows)
+    masked = [float(batch.response_mask[i].sum()) == 0 for i in range(batch.batch_size)]
     with torch.no_grad():
         old = [_logp(model, p, y) for p, y, _, _ in rows]
     num_groups = len({g for *_, g in rows})
     for start in range(0, num_groups, groups_per_update):
         members = [i for i, (*_, g) in enumerate(rows) if start <= g < start + groups_per_update]
-        tokens = sum(len(rows[i][1]) for i in members)
         model.zero_grad()
         objective = 0.0
+        tokens = sum(len(rows[i][1]) for i in members if not masked[i])
         for i in members:
+            if masked[i]:
+                continue
             ratio = torch.exp(_logp(model, rows[i][0], rows[i][1]) - old[i])
             clipped = torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH)
-            objective = objective + torch.minimum(ratio * adv[i], clipped * adv[i]).sum()
-        (-objective / tokens).backward()
+            term = torch.minimum(ratio * adv[i], clipped * adv[i]).sum()
+            objective = objective + (term / len(rows[i][1]) if seq_mean else term)
+        (-objective / (len(members) if seq_mean else tokens)).backward()
         with torch.no_grad():
             for p in model.parameters():
                 p -= LR * p.grad
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
-def module_updates(checkpoint, batch, mini_batch_size, micro_batch_size=3):
+def module_updates(checkpoint, batch, mini_batch_size, micro_batch_size=3, **module_kw):
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
     module = DAPOModule(
@@ -91,6 +97,7 @@ def module_updates(checkpoint, batch, mini_batch_size, micro_batch_size=3):
         micro_batch_size=micro_batch_size,
         gradient_clip_val=None,
         parity_check_every=0,
+        **module_kw,
     )
     trainer = Trainer(
         accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
@@ -123,6 +130,17 @@ def test_update_equals_sgd_on_the_token_mean_objective(
     batch = fixed_batch()
     ours = module_updates(str(tiny_checkpoint), batch, mini_batch_size)
     ref = reference_updates(str(tiny_checkpoint), batch, groups_per_update)
+    assert rel_diff(ours, ref, start) < 1e-5
+
+
+def test_seq_mean_counts_fully_masked_rows_as_verl_does(tiny_checkpoint, start):
+    """GRPO's sample-level loss with two overlong-filtered responses (response_mask all 0):
+    they add nothing but count in the denominator (verl 0.9.1: global_batch_size = rows)."""
+    batch = fixed_batch()
+    batch.response_mask = batch.response_mask.clone()
+    batch.response_mask[[1, 9]] = 0.0
+    ours = module_updates(str(tiny_checkpoint), batch, 2, loss_agg_mode="seq-mean-token-mean")
+    ref = reference_updates(str(tiny_checkpoint), batch, 2, seq_mean=True)
     assert rel_diff(ours, ref, start) < 1e-5
 
 
