@@ -42,6 +42,23 @@ def _scenario(rank: int, world: int, mode: str) -> dict:
     return result
 
 
+def _tensor_parallel(rank: int, world: int) -> dict:
+    """Both ranks form one engine group (tensor_parallel_size 2): same prompts, same engine
+    output (the scripted engine is deterministic), each rank trains on half of the groups."""
+    from test_producer import ScriptedEngine, make_producer
+
+    producer = make_producer(
+        ScriptedEngine(), num_prompts=64, train_batch_size=8, gen_batch_size=8, world_size=world,
+        rank=rank, tp_size=2, max_num_gen_batches=0,
+    )  # fmt: skip
+    out: dict = {"uids": [], "batches": []}
+    for step in range(2):
+        batch = producer.next_batch(policy_version=step)
+        out["uids"].append(list(producer.drawn_uids))
+        out["batches"].append(batch.input_ids.tolist())
+    return out
+
+
 def run(rank: int, world: int, port: int, out_dir: str) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -49,6 +66,7 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         out = {mode: _scenario(rank, world, mode) for mode in ("skewed", "hopeless", "short")}
+        out["tp"] = _tensor_parallel(rank, world)
         dist.barrier()
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

@@ -43,3 +43,11 @@ def test_two_ranks_disjoint_prompts_lockstep_and_shared_errors(tmp_path):
     assert k0["error"] is None and k1["error"] is None, (k0["error"], k1["error"])
     assert k0["sizes"] == [16, 16, 16] and k1["sizes"] == [0, 0, 0]
     assert k0["rounds"] == [1.0, 1.0, 1.0] and k1["rounds"] == [5.0, 5.0, 5.0]
+
+    # tensor_parallel_size 2: one engine group of both ranks draws one set of prompts; each
+    # rank trains on its own half of the group's 8 groups
+    t0, t1 = r0["tp"], r1["tp"]
+    assert t0["uids"] == t1["uids"] and len(t0["uids"][0]) >= 8
+    for b0, b1 in zip(t0["batches"], t1["batches"]):
+        assert len(b0) == len(b1) == 4 * 4  # 4 groups of n=4 each
+        assert not {tuple(r) for r in b0} & {tuple(r) for r in b1}

@@ -76,6 +76,7 @@ def make_producer(
     sync=None,
     on_scored=None,
     reward=None,
+    tp_size=1,
     **config,
 ):
     records = records_from_rows(make_arithmetic_rows(num_prompts, level=level, seed=seed), FIELDS)
@@ -96,6 +97,7 @@ def make_producer(
         seed=seed,
         rank=rank,
         world_size=world_size,
+        tp_size=tp_size,
         sync=sync,
         on_scored=on_scored,
     )

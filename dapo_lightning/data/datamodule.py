@@ -333,10 +333,11 @@ class DAPODataModule(pl.LightningDataModule):
             seed=self.seed,
             rank=rank,
             world_size=world,
+            tp_size=int(self.engine_kwargs.get("tensor_parallel_size", 1))
+            if self.engine_spec == "vllm"
+            else 1,
             sync=self._sum_over_ranks,
-            on_scored=lambda rollouts: call_dapo_hook(
-                self.trainer, "on_rollouts_scored", rollouts
-            ),
+            on_scored=lambda rollouts: call_dapo_hook(self.trainer, "on_rollouts_scored", rollouts),
         )
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)

@@ -261,6 +261,9 @@ class RolloutProducer:
         seed: Seeds the prompt order and the adaptive subsampling.
         rank: This rank.
         world_size: Number of ranks.
+        tp_size: Ranks per tensor-parallel engine group (vLLM ``tensor_parallel_size`` under
+            the external launcher): the ranks of a group submit the same prompts and receive
+            the same responses, and each trains on its own 1 / tp_size of the group's batch.
         sync: Sums integer flags over ranks (the data module passes the strategy's reduce;
             default: ``torch.distributed`` all-reduce when initialised).
         on_scored: Called with every round's scored rollouts before the filter (shaping).
@@ -282,9 +285,15 @@ class RolloutProducer:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        tp_size: int = 1,
         sync: Callable[[list[int]], list[int]] | None = None,
         on_scored: Callable[[ScoredRollouts], None] | None = None,
     ) -> None:
+        if tp_size < 1 or world_size % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} must divide the number of ranks ({world_size}): "
+                "each engine group is tensor_parallel_size consecutive ranks."
+            )
         config.check_split(world_size, len(records))
         missing = [r.uid for r in records if r.prompt_ids is None]
         if missing:
@@ -297,13 +306,16 @@ class RolloutProducer:
         self.pad_token_id = pad_token_id
         self.sampling = sampling
         self.world_size = world_size
-        self.local_train = config.train_batch_size // world_size
-        self.local_gen = config.prompts_per_round // world_size
+        self.tp_size, self.member = tp_size, rank % tp_size
+        group, groups = rank // tp_size, world_size // tp_size  # engine groups draw prompts
+        #: Groups of one engine group's batch (every rank of the group holds all of them).
+        self.local_train = config.train_batch_size // groups
+        self.local_gen = config.prompts_per_round // groups
         self.sync = sync or all_reduce_flags
         self.on_scored = on_scored
         self.tracker = config.make_tracker()
-        self.sampler = PromptSampler(len(self.records), seed=seed, rank=rank, world_size=world_size)
-        self.rng = random.Random(f"{seed}-{rank}-subsample")
+        self.sampler = PromptSampler(len(self.records), seed=seed, rank=group, world_size=groups)
+        self.rng = random.Random(f"{seed}-{group}-subsample")
         self.carried: list[tuple[ScoredRollouts, list[int]]] = []
         self.drawn_uids: list[str] = []  # uids drawn by the last next_batch (tests, logging)
 
@@ -527,8 +539,9 @@ class RolloutProducer:
         end = int((allr.group_index < self.local_train).sum())
         if end < len(allr) and self.config.carry_over:
             self.carried = [(allr.select(list(range(end, len(allr)))), versions[end:])]
-        batch_r = allr.select(list(range(end)))
-        sample_version = torch.tensor(versions[:end], dtype=torch.long)
+        mine = self._member_rows(allr, end)
+        batch_r = allr.select(mine)
+        sample_version = torch.tensor([versions[i] for i in mine], dtype=torch.long)
         gen = stats.get("data/generated_groups", 0.0)
         kept_frac = stats.get("data/kept_groups", 0.0) / gen if gen else 1.0
         for key in [k for k in stats if k.startswith("_count/")]:
@@ -547,13 +560,25 @@ class RolloutProducer:
         if self.tracker is not None:
             stats["data/retired"] = float(self.tracker.num_retired)
             stats["data/parked"] = float(self.tracker.num_parked)
+        if self.member:  # the group's counts are reported once, by its first rank
+            stats.update({k: 0.0 for k, op in STAT_OPS.items() if op == "sum"})
         return RolloutBatch.from_rollouts(
             batch_r,
             group_size=n,
             pad_token_id=self.pad_token_id,
-            sample_version=sample_version if end else None,
+            sample_version=sample_version if mine else None,
             stats=stats,
         )
+
+    def _member_rows(self, rollouts: ScoredRollouts, end: int) -> list[int]:
+        """Rows of this rank's share: of the first ``end`` rows (the engine group's batch),
+        its 1 / tp_size of the groups (all of them without tensor parallelism)."""
+        groups = int(rollouts.group_index[end - 1]) + 1 if end else 0
+        base, extra = divmod(groups, self.tp_size)
+        first = self.member * base + min(self.member, extra)
+        last = first + base + (self.member < extra)
+        index = rollouts.group_index[:end]
+        return ((index >= first) & (index < last)).nonzero().flatten().tolist()
 
     def _empty(self) -> ScoredRollouts:
         return ScoredRollouts(
