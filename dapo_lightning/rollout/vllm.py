@@ -10,6 +10,9 @@ What the engine guarantees:
   ``reload_weights`` and then clears the prefix cache (KV blocks computed with the old weights).
   With tied embeddings, ``named_parameters()`` has no ``lm_head.weight``; pushing it as is
   would leave vLLM sampling from wrong weights without an error, so it is refused.
+* Built with ``enable_lora=True`` (an ``engine_kwargs`` entry, with ``max_lora_rank``), it
+  serves a LoRA policy's adapters over its original base: ``load_adapter`` writes them as a
+  peft folder and every later ``generate`` runs with that ``LoRARequest``.
 
 vLLM is imported only when an engine is built: importing this module costs nothing.
 """
@@ -137,6 +140,8 @@ class VLLMRolloutEngine:
         weight_bucket_bytes: Bytes of converted tensors sent per ``reload_weights`` call
             (bounded extra memory during a push).
         **engine_kwargs: Passed to ``vllm.LLM`` (override the defaults set here).
+            ``enable_lora=True`` (with ``max_lora_rank`` >= the adapters' ``r``) makes the
+            engine session push a LoRA policy's adapters only (:meth:`load_adapter`).
     """
 
     def __init__(
@@ -185,7 +190,8 @@ class VLLMRolloutEngine:
         self.dtype = dtype
         self.torch_dtype = _DTYPES[dtype]
         self.rank = rank
-        self.seed = int(seed) + (rank if distributed else 0)
+        # one seed per engine: the ranks of a tensor-parallel group are one engine
+        self.seed = int(seed) + (rank // tensor_parallel_size if distributed else 0)
         self.distributed = bool(distributed)
         self.weight_bucket_bytes = int(weight_bucket_bytes)
         self.sleep_mode = bool(enable_sleep_mode and current_platform.is_sleep_mode_available())
@@ -210,6 +216,12 @@ class VLLMRolloutEngine:
         if self.distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(engine_kwargs)
+        #: Serves LoRA adapters itself (the session then pushes adapters, not merged weights).
+        self.lora_enabled = bool(kwargs.get("enable_lora", False))
+        #: The adapter every generate runs with (set by load_adapter), or None: the base.
+        self.lora_request: Any = None
+        self._adapter_dir: str | None = None
+        self._adapter_pushes = 0
         self.llm = vllm.LLM(**kwargs)
         hf_config = self.llm.llm_engine.model_config.hf_config
         text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
@@ -235,7 +247,9 @@ class VLLMRolloutEngine:
             seed=None,  # never per request: it would make identical prompts identical
         )
         requests = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(
+            requests, params, use_tqdm=False, lora_request=self.lora_request
+        )
         result: list[list[Completion]] = []
         for request in outputs:
             group = []
@@ -293,6 +307,44 @@ class VLLMRolloutEngine:
                 "named_parameters()."
             )
         self.llm.reset_prefix_cache()
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], peft_config: Any) -> None:
+        """Serve LoRA adapters over the engine's base from the next ``generate`` on.
+
+        The tensors (peft file names, :func:`~dapo_lightning.lora.adapter_named_tensors`) are
+        written with ``peft_config`` as a peft adapter folder in a temporary directory; each
+        push gets a new ``LoRARequest`` id, so vLLM loads it once, at the next generate (the
+        previous folder is removed). Needs the engine built with ``enable_lora=True``.
+
+        Raises:
+            RuntimeError: the engine was built without ``enable_lora``.
+            ValueError: no tensors were given.
+        """
+        import shutil
+        import tempfile
+        import weakref
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_enabled:
+            raise RuntimeError(
+                "load_adapter needs the vLLM engine built with enable_lora=True (engine_kwargs: "
+                "{enable_lora: true, max_lora_rank: R}); without it push merged weights."
+            )
+        tensors = {n: t.detach().to(self.torch_dtype).contiguous() for n, t in named_tensors}
+        if not tensors:
+            raise ValueError("load_adapter got no tensors: pass adapter_named_tensors(policy).")
+        folder = tempfile.mkdtemp(prefix="dapo-lora-")
+        weakref.finalize(self, shutil.rmtree, folder, True)
+        save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+        peft_config.save_pretrained(folder)
+        self._adapter_pushes += 1
+        n = self._adapter_pushes
+        self.lora_request = LoRARequest(f"policy-{n}", n, folder)
+        previous, self._adapter_dir = self._adapter_dir, folder
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
 
     def _reload(self, bucket: list[tuple[str, Tensor]]) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
