@@ -333,9 +333,7 @@ class DAPODataModule(pl.LightningDataModule):
             seed=self.seed,
             rank=rank,
             world_size=world,
-            tp_size=int(self.engine_kwargs.get("tensor_parallel_size", 1))
-            if self.engine_spec == "vllm"
-            else 1,
+            tp_size=self._tp_size,
             sync=self._sum_over_ranks,
             on_scored=lambda rollouts: call_dapo_hook(self.trainer, "on_rollouts_scored", rollouts),
         )
@@ -357,8 +355,17 @@ class DAPODataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_Tickets(RolloutTicket, self.steps_per_epoch), batch_size=None)
 
+    @property
+    def _tp_size(self) -> int:
+        """Ranks per rollout engine (vLLM tensor parallelism): they submit the same prompts."""
+        if self.engine_spec != "vllm":
+            return 1
+        return int(self.engine_kwargs.get("tensor_parallel_size", 1))
+
     def _val_shard(self) -> list[PromptRecord]:
+        """This engine group's held-out prompts (the ranks of one engine share them)."""
         rank, world = self._rank_world()
+        rank, world = rank // self._tp_size, world // self._tp_size
         if not self.val_records:
             return []
         per_rank = math.ceil(len(self.val_records) / world)
