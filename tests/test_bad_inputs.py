@@ -1,4 +1,4 @@
-"""Bad-input catalogue (DESIGN.md invariant 6): each bad setting or bad data gives a clear error that
+"""Bad-input catalogue (docs/design.md invariant 6): each bad setting or bad data gives a clear error that
 names the field and the fix, raised up front where it can be checked before work is wasted.
 
 Cases, in order: the CLI parser (unknown keys, wrong types, bad choices), DAPOModule arguments,

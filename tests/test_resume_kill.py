@@ -1,4 +1,4 @@
-"""Crash-safe resume (DESIGN.md invariant 5): SIGKILL a real fit at random moments, restart it from
+"""Crash-safe resume (docs/design.md invariant 5): SIGKILL a real fit at random moments, restart it from
 ``last.ckpt`` until it finishes, and require the result to equal an uninterrupted run bit for bit.
 
 The worker (``tests/_kill_worker.py``) is a small deterministic DAPO fit: tiny checkpoint,

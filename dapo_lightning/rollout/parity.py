@@ -1,7 +1,7 @@
 """Engine / trainer log-probability parity: is the engine sampling from the weights we train?
 
 After a weight push the engine's log-probabilities of its sampled tokens should equal the
-trainer's for the same tokens (DESIGN.md invariant 3). A silent mismatch (a wrong or partial
+trainer's for the same tokens (docs/design.md invariant 3). A silent mismatch (a wrong or partial
 push, tied embeddings left stale, dtype drift) shows up here and nowhere else.
 """
 
