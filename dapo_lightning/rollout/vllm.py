@@ -192,6 +192,9 @@ class VLLMRolloutEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not on_cuda:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gb)
+        from dapo_lightning.logging_setup import quiet_known_warnings
+
+        quiet_known_warnings()  # before vLLM is imported: it reads its log level then
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
