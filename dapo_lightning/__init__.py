@@ -16,6 +16,7 @@ from dapo_lightning.data import (
     ScoredRollouts,
     validation_metrics,
 )
+from dapo_lightning.lora import LoraSettings
 from dapo_lightning.loss import LOSS_AGG_MODES, aggregate_loss, compute_policy_loss
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.module import DAPOModule
@@ -41,6 +42,7 @@ __all__ = [
     "DynamicSamplingConfig",
     "EngineSession",
     "HFRolloutEngine",
+    "LoraSettings",
     "MetricAccumulator",
     "RolloutBatch",
     "RolloutEngine",

