@@ -13,7 +13,7 @@ convention of ``dapo_lightning.plot`` and the benchmarks). It runs on a fresh st
 resumed run's step-0 score is already in its logs. The global RNG states are put back
 afterwards (as Lightning does around its sanity check), so adding the callback does not change
 the training trajectory; the rollout engine's own generator advances as it would for a sanity
-check (see docs/design.md, "Validation").
+check (see docs/design.md, "Stopping and resuming").
 """
 
 from __future__ import annotations
