@@ -18,7 +18,7 @@ from jsonargparse import ArgumentParser
 from lightning.pytorch.strategies import Strategy
 
 from dapo_lightning import DAPODataModule, DAPOModule
-from dapo_lightning.cli import main
+from dapo_lightning.cli import main, run_path
 from dapo_lightning.rollout.vllm import VLLMRolloutEngine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,8 +87,8 @@ def test_config_parses_and_builds_module_and_data(path, capsys):
         cb for cb in cfg["trainer"]["callbacks"] if cb["class_path"].endswith("ModelCheckpoint")
     ]
     assert len(checkpoints) == 1 and checkpoints[0]["init_args"]["save_last"] is True
-    assert checkpoints[0]["init_args"]["dirpath"].startswith(root)
-    assert cfg["trainer"]["logger"]["init_args"]["save_dir"].startswith(root)
+    assert run_path(root, checkpoints[0]["init_args"]["dirpath"]).startswith(root)
+    assert run_path(root, cfg["trainer"]["logger"]["init_args"]["save_dir"]).startswith(root)
 
 
 def unknown_engine_kwargs(engine_kwargs: dict) -> list[str]:

@@ -380,3 +380,20 @@ def test_resume_draws_the_same_prompts(tmp_path):
     resumed.load_state_dict(torch.load(tmp_path / "producer.pt", weights_only=True))
     rest = run(resumed, 4, start=2)
     assert first + rest == full
+
+
+def test_a_stopped_batch_leaves_the_producer_as_it_was():
+    """A stop between rounds saves a checkpoint; resuming must draw this step's prompts again,
+    so the producer hands back its start-of-step state (cursor, RNG, statistics)."""
+    producer = make_producer(retire_after=2, gen_batch_size=4)
+    before = producer.state_dict()
+    producer.on_scored = lambda r: request_stop("SIGTERM")
+    try:
+        with pytest.raises(StopRequested, match="SIGTERM"):
+            producer.next_batch()
+    finally:
+        clear_stop_request()
+        producer.on_scored = None
+    assert producer.state_dict() == before
+    reference = make_producer(retire_after=2, gen_batch_size=4)
+    assert producer.next_batch().input_ids.tolist() == reference.next_batch().input_ids.tolist()

@@ -345,12 +345,6 @@ def test_signal_during_an_update_saves_and_resumes_exactly(sig, model_dir, refer
     _resume_and_compare(model_dir, run, reference[0])
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="core: when the producer raises StopRequested between rounds, its state_dict still "
-    "holds the interrupted step's draws (sampler cursor, subsampling RNG, engine generator), so "
-    "the resumed step 5 draws other prompts; the producer must hand back its start-of-step state",
-)
 def test_sigterm_during_generation_stops_between_rounds_and_resumes_exactly(
     model_dir, reference, tmp_path
 ):

@@ -36,7 +36,7 @@ from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.data.difficulty import DifficultyTracker, subsample_keep_variance
 from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted
 from dapo_lightning.data.sources import PromptRecord
-from dapo_lightning.interrupt import StopRequested, stop_requested
+from dapo_lightning.interrupt import StopRequested, request_stop, stop_requested
 from dapo_lightning.rewards.base import RewardRunner
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
@@ -450,8 +450,21 @@ class RolloutProducer:
         Raises:
             TrainingComplete: no eligible prompt is left, or rounds ran out with ``stop``.
             DynamicSamplingError: rounds ran out with ``on_exhausted="error"``.
-            StopRequested: a stop was requested (signal) between rounds.
+            StopRequested: a stop was requested (signal, on any rank) between rounds.
+
+        Whatever it raises, the producer and the engine's sampling RNG are back in their state
+        from before the call (prompt cursor, RNGs, statistics, carried groups), so a checkpoint
+        saved then resumes this step with the same prompts and samples.
         """
+        start, engine_start = self.state_dict(), self.session.state_dict()
+        try:
+            return self._next_batch(policy_version)
+        except BaseException:
+            self.load_state_dict(start)
+            self.session.load_state_dict(engine_start)
+            raise
+
+    def _next_batch(self, policy_version: int) -> RolloutBatch:
         stats = dict.fromkeys(STAT_OPS, 0.0)  # the same names on every rank (reduced over ranks)
         kept = self._carried_within_staleness(policy_version, stats)
         self.drawn_uids = []
@@ -473,13 +486,11 @@ class RolloutProducer:
                     except Exception as e:  # noqa: BLE001 - re-raised after the collective below
                         error = e
                 rounds += 1
-                short, failed, out_of_prompts, stop = self.sync(
-                    [
-                        int(have < self.local_train),
-                        int(error is not None),
-                        int(exhausted),
-                        int(stop_requested() is not None),
-                    ]
+                reason = stop_requested()
+                short, failed, out_of_prompts, *stops = self.sync(
+                    [int(have < self.local_train), int(error is not None), int(exhausted)]
+                    + [int(reason == name) for name in _STOP_NAMES]
+                    + [int(reason is not None and reason not in _STOP_NAMES)]
                 )
                 if error is not None:
                     raise error
@@ -487,8 +498,8 @@ class RolloutProducer:
                     raise RuntimeError(
                         "another rank failed during a generation round (its own error is in its log)."
                     )
-                if stop:
-                    raise StopRequested(stop_requested() or "a stop was requested on another rank")
+                if any(stops):
+                    raise StopRequested(_agreed_stop(reason, stops))
                 if out_of_prompts:
                     raise TrainingComplete(self._solved_message())
                 if not short:
@@ -611,6 +622,22 @@ class RolloutProducer:
         if self.tracker is not None and state.get("tracker") is not None:
             self.tracker.load_state_dict(state["tracker"])
         self.carried = [(ScoredRollouts.from_state_dict(r), list(v)) for r, v in state["carried"]]
+
+
+#: Stop reasons the ranks agree on by name (the signals a run guard turns into exit codes).
+_STOP_NAMES = ("SIGTERM", "SIGINT")
+
+
+def _agreed_stop(reason: str | None, stops: list[int]) -> str:
+    """The stop every rank reports: this rank's own reason, else a signal seen on another
+    rank (recorded here too, so this rank exits as that one does)."""
+    if reason is not None:
+        return reason
+    for name, seen in zip(_STOP_NAMES, stops):
+        if seen:
+            request_stop(name)
+            return name
+    return "a stop was requested on another rank"
 
 
 def _add(stats: dict[str, float], key: str, value: float) -> None:
