@@ -437,6 +437,9 @@ def main(args: list[str] | None = None) -> None:
 
         make_model_main(argv[1:])
         return
+    from dapo_lightning.logging_setup import quiet_known_warnings
+
+    quiet_known_warnings()  # before Lightning and vLLM print them (dapo_lightning/logging_setup.py)
     _run_lightning(args)
 
 
