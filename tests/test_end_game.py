@@ -54,8 +54,9 @@ def test_a_solved_training_set_stops_the_fit_with_a_final_checkpoint(tiny_checkp
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_quickstart_without_early_stopping_runs_until_solved(tmp_path):
-    """The real command with EarlyStopping removed: the model learns the training sums, they
-    retire, and the run ends with exit 0, the stop message and last.ckpt."""
+    """The real command with EarlyStopping removed and the library's default retire_after (3;
+    quickstart.yaml turns retiring off for its held-out target): the model learns the training
+    sums, they retire, and the run ends with exit 0, the stop message and last.ckpt."""
     override = tmp_path / "no_early_stop.yaml"
     override.write_text(
         """
@@ -77,6 +78,7 @@ trainer:
         str(override),
     ]
     args += ["--trainer.default_root_dir", str(tmp_path / "run")]
+    args += ["--data.init_args.dynamic_sampling.retire_after", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1750)
     out = proc.stdout + proc.stderr
