@@ -199,3 +199,12 @@ def completions_to_batch(
         sampling=sampling or SamplingConfig(max_tokens=max(len(c.token_ids) for c in flat)),
     )
     return RolloutBatch.from_rollouts(rollouts, group_size=n, pad_token_id=pad_token_id)
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (for a test's ``MASTER_PORT``)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

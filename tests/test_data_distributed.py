@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 from _dist_data_worker import run
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dapo_lightning.testing import free_port
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_two_ranks_disjoint_prompts_lockstep_and_shared_errors(tmp_path):
-    mp.spawn(run, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(run, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
 
     s0, s1 = r0["skewed"], r1["skewed"]

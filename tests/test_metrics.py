@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from dapo_lightning.metrics import MetricAccumulator
+from dapo_lightning.testing import free_port
 
 
 def test_token_weighted_mean_max_min_sum_in_one_process():
@@ -63,16 +63,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_rank_mean_is_token_weighted(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         out = torch.load(tmp_path / f"rank{rank}.pt")
         assert out["entropy"] == pytest.approx(0.0099, abs=1e-4)  # 10 / 1010

@@ -4,7 +4,6 @@ FSDP2- or ZeRO-3-wrapped policy; versions; sleep/wake; the HF engine's own copy 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ from dapo_lightning.rollout.session import (
     is_sharded,
     strip_wrapper_prefixes,
 )
-from dapo_lightning.testing import make_tiny_tokenizer
+from dapo_lightning.testing import free_port, make_tiny_tokenizer
 
 
 class RecordingEngine:
@@ -210,17 +209,11 @@ def _fsdp2_worker(rank: int, port: int, checkpoint: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_two_fsdp2_ranks_push_full_tensors_and_keep_parity(tiny_checkpoint, tmp_path):
     mp.spawn(
-        _fsdp2_worker, args=(_free_port(), str(tiny_checkpoint), str(tmp_path)), nprocs=2,
+        _fsdp2_worker, args=(free_port(), str(tiny_checkpoint), str(tmp_path)), nprocs=2,
         join=True,
     )  # fmt: skip
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
