@@ -98,13 +98,13 @@ def run_fit(
 
 
 def group_size(configs: tuple[str, ...]) -> int:
-    """``data.init_args.n`` of the configs (the last one that sets it wins)."""
+    """``data.init_args.dynamic_sampling.n`` of the configs (the last one that sets it wins)."""
     n = None
     for cfg in configs:
         data = (yaml.safe_load((REPO_ROOT / cfg).read_text()).get("data") or {}).get("init_args")
-        n = (data or {}).get("n", n)
+        n = ((data or {}).get("dynamic_sampling") or {}).get("n", n)
     if n is None:
-        raise ValueError(f"none of {configs} sets data.init_args.n")
+        raise ValueError(f"none of {configs} sets data.init_args.dynamic_sampling.n")
     return int(n)
 
 
