@@ -517,3 +517,35 @@ def test_qlora_on_cuda_trains_adapters_over_a_4bit_base(tiny_checkpoint):
         want = module.policy(input_ids=ids).logits.float()
         got = merged(input_ids=ids).logits.float()
     assert (want - got).abs().max() < 5e-2  # bf16 merged vs 4-bit + adapters forward
+
+
+# ---------------------------------------------------------------- the console script
+def test_console_script_fit_with_lora_then_export(tmp_path):
+    """``model.init_args.lora`` in YAML through LightningCLI: the checkpoint holds adapters
+    only, and ``dapo-lightning export`` writes the merged model or (``--adapter``) the adapters."""
+    from tests.test_cli import QUICKSTART, TINY, check, run_cli, write_override
+
+    run_dir, model_dir = tmp_path / "run", tmp_path / "model"
+    override = write_override(tmp_path / "override.yaml", run_dir, model_dir)
+    lora = tmp_path / "lora.yaml"
+    lora.write_text("model:\n  init_args:\n    lora: {r: 4, alpha: 8, target_modules: [q_proj]}\n")
+    args = ["--config", QUICKSTART, "--config", str(override), "--config", str(lora), *TINY]
+    check(run_cli("fit", *args, "--create_model_if_missing", "tiny"))
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert (
+        checkpoint["dapo"]["lora"]["settings"]
+        == LoraSettings(r=4, alpha=8.0, target_modules=("q_proj",)).to_dict()
+    )
+    assert len(checkpoint["state_dict"]) == 4  # q_proj's A and B in 2 layers
+    check(run_cli("export", str(ckpt), str(tmp_path / "merged")))
+    check(run_cli("export", str(ckpt), str(tmp_path / "adapter"), "--adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    policy = apply_lora(base, LoraSettings(r=4, alpha=8.0, target_modules=("q_proj",)))
+    policy.load_state_dict(
+        {k.removeprefix("policy."): v for k, v in checkpoint["state_dict"].items()}, strict=False
+    )
+    want = dict(merged_named_tensors(policy))
+    assert all(torch.equal(merged.state_dict()[k], v) for k, v in want.items())
+    assert os.path.isfile(tmp_path / "adapter" / "adapter_config.json")
