@@ -7,8 +7,8 @@ warm-up is part of the measured time), runs the CLI, then reads the run's CSVLog
 ``metrics.csv``. Wall-clock times come from :class:`WallClock`, a callback the override adds:
 at every validation it appends ``{"step", "val_acc", "wall_s"}`` to ``wall_clock.jsonl``, where
 ``wall_s`` counts from the moment the script launched the CLI (so it includes Python start-up,
-the checkpoint warm-up and every validation). The sanity validation before the first update
-gives the initial ``val/acc`` (Lightning does not write sanity metrics to ``metrics.csv``).
+the checkpoint warm-up and every validation). The validation before the first update
+gives the initial ``val/acc`` (ValidateAtStart logs it at step -1, i.e. update 0).
 The override keeps quickstart.yaml's ``EarlyStopping`` (the run ends at the first validation with
 ``val/acc`` >= :data:`TARGET`), so the measured run is the one a user gets.
 A run that exits with an error is still reported (its exit code is a column).
@@ -191,11 +191,16 @@ def run_seed(
     sanity = [r for r in clock if r["sanity"]]
     wall_by_update = {r["step"]: r["wall_s"] for r in clock if not r["sanity"]}
     timed = [(u, acc, wall_by_update.get(u)) for u, acc in curve]
+    # the untrained model's validation: ValidateAtStart's row (update 0), else a sanity check
+    start = [(acc, w) for u, acc, w in timed if u == 0] or [
+        (r["val_acc"], r["wall_s"]) for r in sanity
+    ]
+    timed = [t for t in timed if t[0] > 0]
     hit = next(((u, w) for u, acc, w in timed if acc >= TARGET), (None, None))
     return {
         "seed": seed,
-        "initial": sanity[0]["val_acc"] if sanity else None,
-        "initial_wall_s": sanity[0]["wall_s"] if sanity else None,
+        "initial": start[0][0] if start else None,
+        "initial_wall_s": start[0][1] if start else None,
         "curve": timed,
         "updates_to_target": hit[0],
         "seconds_to_target": hit[1],

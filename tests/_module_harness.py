@@ -127,3 +127,5 @@ if __name__ == "__main__":
     if module.trainer.global_rank == 0:
         torch.save(delta, out)
         torch.save(module.recorded_updates, out + ".updates")
+    if torch.distributed.is_initialized():  # a clean exit (gloo threads joined)
+        torch.distributed.destroy_process_group()
