@@ -8,6 +8,9 @@ Usage::
 
     python benchmarks/rollout_throughput.py --quick          # < 1 minute on 2 CPU cores
     python benchmarks/rollout_throughput.py --model-path /path/to/ckpt --dtype bfloat16
+    # SmolLM2-135M-Instruct on the recipe's chat prompts (folder from make-model):
+    python -m benchmarks.rollout_throughput --model-path benchmarks/out/smollm2-135m-instruct \
+        --dtype bfloat16 --word-problems --prompts 16 --n 8 16 --max-tokens 128 512
 
 The HF engine is measured first, before vLLM's CPU worker binds threads and memory in this
 process (its log says it reduces torch threads to 1), so vLLM's start cannot handicap it.
@@ -16,6 +19,7 @@ process (its log says it reduces torch threads to 1), so vLLM's start cannot han
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -34,6 +38,17 @@ def make_prompts(num_prompts: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(8, 41, (num_prompts,), generator=g)
     return [torch.randint(3, 259, (int(k),), generator=g).tolist() for k in lengths]
+
+
+def word_problem_prompts(tokenizer, num_prompts: int, seed: int = 0) -> list[list[int]]:
+    """The SmolLM2 recipe's prompts: word problems through the model's chat template."""
+    from dapo_lightning.tasks.word_problems import make_word_problem_rows
+
+    rows = make_word_problem_rows(num_prompts, seed=seed)
+    return [
+        list(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True))
+        for r in rows
+    ]
 
 
 def measure(
@@ -62,6 +77,12 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int, int], tuple[floa
     parser.add_argument("--max-tokens", type=int, nargs="+", default=None)
     parser.add_argument("--n", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
+    parser.add_argument(
+        "--word-problems",
+        action="store_true",
+        help="prompts: the word-problem task through the model's chat template (real models)",
+    )
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="vLLM CPU KV cache, GiB")
     args = parser.parse_args(argv)
     num_prompts = args.prompts or (4 if args.quick else 16)
     repeats = args.repeats or (2 if args.quick else 3)
@@ -74,16 +95,29 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int, int], tuple[floa
     if model_path is None:
         tmp = tempfile.TemporaryDirectory()
         model_path = str(make_tiny_checkpoint(Path(tmp.name) / "tiny"))
-    prompts = make_prompts(num_prompts)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if args.word_problems:
+        prompts = word_problem_prompts(tokenizer, num_prompts)
+    else:
+        prompts = make_prompts(num_prompts)
     dtype = getattr(torch, args.dtype)
+    print(f"load average at start: {os.getloadavg()}", flush=True)
     results: dict[tuple[str, int, int], tuple[float, float]] = {}
     threads: dict[str, int] = {}
     for kind in args.engines:
         if kind == "hf":
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-            engine: RolloutEngine = HFRolloutEngine(model, eos_token_id=1, pad_token_id=0, seed=0)
+            engine: RolloutEngine = HFRolloutEngine(model, tokenizer, seed=0)
         else:
-            engine = create_engine("vllm", model_path=model_path, dtype=args.dtype, seed=0)
+            engine = create_engine(
+                "vllm",
+                model_path=model_path,
+                dtype=args.dtype,
+                seed=0,
+                kv_cache_space_gb=args.kv_cache_gb,
+            )
         threads[kind] = torch.get_num_threads()
         engine.generate(prompts[:2], 2, SamplingConfig(max_tokens=8))  # warm-up
         for n in args.n:
@@ -91,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int, int], tuple[floa
                 results[(kind, n, length)] = measure(engine, prompts, n, length, repeats)
         del engine
 
+    print(f"load average at end: {os.getloadavg()}", flush=True)
     _print_table(results, args, num_prompts, repeats, threads)
     _plot(results, args, lengths)
     if tmp is not None:

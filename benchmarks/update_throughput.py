@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -557,6 +558,13 @@ def main(argv: list[str] | None = None) -> int:
         help="sequences of the --full case (64; a multiple of 8, or fewer than 8)",
     )
     parser.add_argument("--skip-trl", action="store_true", help="run our module only")
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=None,
+        help="glibc MALLOC_MMAP_THRESHOLD_ (bytes) for every worker, ours and TRL alike: "
+        "allocations this large get their own pages, returned to the OS when freed",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -567,6 +575,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.roofline import mfu, peak_flops, update_model_flops
 
+    if args.mmap_threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    print(
+        f"load average at start: {os.getloadavg()}; MALLOC_MMAP_THRESHOLD_="
+        f"{os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset (glibc dynamic)')}",
+        flush=True,
+    )
     cases = build_cases(args.quick, args.full or args.only_full, args.full_sequences)
     if args.only_full:
         cases = cases[-1:]
@@ -605,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(
                 f"  {case.name} [{impl}]: {results[impl]['seconds']:.2f} s/update "
-                f"(worker {time.perf_counter() - t0:.0f} s)",
+                f"(worker {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f})",
                 flush=True,
             )
         for impl, r in results.items():
@@ -708,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
         ylabel="response tokens / s",
         log_y=not args.quick,
     )
+    print(f"load average at end: {os.getloadavg()}")
     print(f"wrote {png}")
     return 0
 

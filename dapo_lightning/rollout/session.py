@@ -27,6 +27,7 @@ version; the rollout producer does so at the start of every batch.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -142,6 +143,9 @@ class EngineSession:
         self.version = 0
         #: Weight pushes done.
         self.pushes = 0
+        #: Wall seconds of the last push and of all pushes so far (``time.perf_counter``).
+        self.last_push_seconds = 0.0
+        self.push_seconds_total = 0.0
         self._pending_state: dict[str, Any] | None = None
 
     def attach(self, policy: Callable[[], nn.Module]) -> None:
@@ -211,7 +215,10 @@ class EngineSession:
         if version == self.version:
             return False
         if self._policy is not None and not self.shares_policy:
+            start = time.perf_counter()
             self._push(self._policy_module())
+            self.last_push_seconds = time.perf_counter() - start
+            self.push_seconds_total += self.last_push_seconds
             self.pushes += 1
         self.version = version
         return True
