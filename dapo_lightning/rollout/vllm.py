@@ -93,6 +93,26 @@ def bucket_named_tensors(
         yield bucket
 
 
+def kv_cache_gib(
+    config: Any, sequences: int, tokens_per_sequence: int, dtype_bytes: int = 2, block: int = 16
+) -> float:
+    """GiB of KV cache that holds ``sequences`` sequences of ``tokens_per_sequence`` tokens at
+    once (vLLM's paged cache, ``block`` tokens per page)::
+
+        bytes = 2 * L * kv_heads * head_dim * dtype_bytes * sequences * ceil(tokens / block) * block
+
+    ``config`` is the model's (Hugging Face) config: ``num_hidden_layers``,
+    ``num_key_value_heads`` (else ``num_attention_heads``), ``head_dim`` (else
+    ``hidden_size / num_attention_heads``). E.g. SmolLM2-135M (30 layers, 3 KV heads of 64),
+    bf16, 16 prompts x 8 responses of 96 + 128 tokens: 0.62 GiB.
+    """
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    pages = -(-int(tokens_per_sequence) // block)
+    per_token = 2 * config.num_hidden_layers * heads * head_dim * dtype_bytes
+    return per_token * sequences * pages * block / 2**30
+
+
 @contextlib.contextmanager
 def keep_torch_threads() -> Iterator[int]:
     """Keep the trainer's torch threads across an in-process vLLM start on CPU.
@@ -149,7 +169,9 @@ class VLLMRolloutEngine:
             parity checks against a float32 trainer.
         max_model_len: Longest prompt + response the engine accepts; ``None`` = the model's.
         gpu_memory_utilization: Fraction of GPU memory vLLM may take (CUDA only).
-        kv_cache_space_gb: KV-cache size in GiB on CPU (sets ``VLLM_CPU_KVCACHE_SPACE``).
+        kv_cache_space_gb: KV-cache size in GiB on CPU (fractions allowed: passed to vLLM as
+            ``kv_cache_memory_bytes``; :func:`kv_cache_gib` sizes it for a batch). A smaller
+            cache than a call needs only makes vLLM run fewer sequences at a time.
         tensor_parallel_size: GPUs one engine shards the model over.
         enable_sleep_mode: Let :meth:`sleep` free the weights / KV cache between rollouts
             (only where the platform supports it, i.e. CUDA/ROCm/XPU; ignored with a warning
@@ -188,10 +210,16 @@ class VLLMRolloutEngine:
             raise ValueError(
                 f"VLLMRolloutEngine.weight_bucket_bytes must be >= 1, got {weight_bucket_bytes}."
             )
+        if kv_cache_space_gb <= 0:
+            raise ValueError(
+                f"VLLMRolloutEngine.kv_cache_space_gb must be > 0 GiB, got {kv_cache_space_gb}; "
+                "kv_cache_gib(config, sequences, tokens) gives what a batch needs."
+            )
         on_cuda = torch.cuda.is_available()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not on_cuda:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gb)
+            # vLLM's legacy VLLM_CPU_KVCACHE_SPACE (whole GiB only) would override the size
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         from dapo_lightning.logging_setup import quiet_known_warnings
 
         quiet_known_warnings()  # before vLLM is imported: it reads its log level then
@@ -237,6 +265,7 @@ class VLLMRolloutEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:
             kwargs["enforce_eager"] = True
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * 2**30)
         if self.distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(engine_kwargs)
