@@ -55,6 +55,7 @@ from dapo_lightning.interrupt import (
     clear_stop_request,
     exit_code,
     install_stop_handlers,
+    reassert_stop_handlers,
     request_stop,
     stop_requested,
 )
@@ -123,6 +124,7 @@ class RunGuard(DAPOCallback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        reassert_stop_handlers()  # Lightning composed ours into its own (see that function)
         self._started = True
         self._saved_step = trainer.global_step  # a fresh start has nothing new; a resume is on disk
         if trainer.ckpt_path:

@@ -149,6 +149,19 @@ def install_stop_handlers() -> Callable[[], None]:
     return restore
 
 
+def reassert_stop_handlers() -> None:
+    """Put the stop handlers back on top after someone composed them into their own.
+
+    Lightning's signal connector does so when ``fit`` starts, and its SIGTERM handler runs a
+    ``torch.distributed.broadcast`` inside the handler: on several ranks that collective meets
+    whatever collective the other ranks are in (an FSDP all-gather, say) and the run hangs
+    (seen with 2 FSDP2 ranks). Ours only records the request; the ranks agree at clean points.
+    """
+    if _active and threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _handle)
+
+
 @contextlib.contextmanager
 def exit_on_stop() -> Iterator[None]:
     """Exit with :func:`exit_code` when the block was stopped by a stop request: a

@@ -114,3 +114,50 @@ def test_fsdp2_resume_reaches_the_uninterrupted_weights(tmp_path, model_dir):
     assert max(float((policy[k] - start[k]).abs().max()) for k in policy) > 1e-4  # it trained
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0  # bit-exact resume
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp2_sigterm_mid_run_resumes_to_the_uninterrupted_weights(tmp_path, model_dir):
+    """A real SIGTERM to rank 0 of a 2-rank FSDP2 fit after a few updates: every rank stops at
+    the same clean point, the sharded state is saved, the command exits 143, and the resumed run
+    ends with the weights of an uninterrupted one."""
+    import signal
+    import time
+
+    straight = tmp_path / "straight"
+    fit(straight, model_dir, "fsdp2_cpu_2ranks.yaml", extra=["--trainer.max_steps", "6"])
+    run = tmp_path / "killed"
+    args = [CLI, "fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config",
+            str(CONFIGS / "fsdp2_cpu_2ranks.yaml"), "--trainer.default_root_dir", str(run),
+            "--trainer.val_check_interval", "2", "--model.model_name_or_path", str(model_dir),
+            "--create_model_if_missing", "null", "--data.reward",
+            '{"class_path": "_length_reward.EvenLengthReward"}',
+            "--data.dynamic_sampling.max_num_gen_batches", "3", "--trainer.max_steps", "6"]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 600
+    while (
+        not list(run.rglob("metrics.csv"))
+        or "update/loss" not in next(run.rglob("metrics.csv")).read_text()
+    ):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=600)[0]
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the signal arrived (a loaded machine)")
+    assert proc.returncode == 143, out[-4000:]
+    fit(run, model_dir, "fsdp2_cpu_2ranks.yaml",
+        extra=["--trainer.max_steps", "6", "--ckpt_path", "auto"])  # fmt: skip
+    a, b = final_weights(straight), final_weights(run)
+    assert a.keys() == b.keys()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
