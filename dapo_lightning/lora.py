@@ -509,3 +509,80 @@ def merged_model(model: nn.Module) -> nn.Module:
     if getattr(base, "generation_config", None) is not None:
         out.generation_config = copy.deepcopy(base.generation_config)
     return out.eval()
+
+
+def load_base_policy(
+    model_name_or_path: str, torch_dtype: str, settings: LoraSettings | None
+) -> nn.Module:
+    """The policy's base: 4-bit (QLoRA, CUDA) when ``settings.quantize_4bit``, else as is."""
+    if settings is not None and settings.quantize_4bit:
+        return load_quantized_policy(model_name_or_path, torch_dtype)
+    from dapo_lightning.update import load_policy
+
+    return load_policy(model_name_or_path, torch_dtype)
+
+
+def with_adapters(policy: nn.Module, settings: LoraSettings, strategy_kind: str) -> nn.Module:
+    """``policy`` wrapped with LoRA adapters (:func:`apply_lora`).
+
+    Raises:
+        ValueError: a 4-bit base under a sharding strategy (FSDP, DeepSpeed).
+    """
+    if settings.quantize_4bit and strategy_kind not in ("single", "ddp"):
+        raise ValueError(
+            f"lora.quantize_4bit with the {strategy_kind} strategy: 4-bit bases are not sharded "
+            "here. Use one GPU or DDP, or set lora.quantize_4bit: false."
+        )
+    return apply_lora(policy, settings)
+
+
+def reference_policy(policy: nn.Module) -> nn.Module:
+    """The frozen initial policy of the KL penalty: with adapters, the policy itself with them
+    switched off (no copy of the base); else a frozen copy."""
+    if is_peft_model(policy):
+        return reference_without_adapters(policy)
+    from dapo_lightning.update import frozen_copy
+
+    return frozen_copy(policy)
+
+
+def keep_adapters_only(module: nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Drop the frozen base from ``checkpoint["state_dict"]`` (it comes back from
+    ``model_name_or_path``) and mark the checkpoint adapter-only."""
+    keep = adapter_state_keys(module)
+    state = checkpoint.get("state_dict", {})
+    checkpoint["state_dict"] = {k: v for k, v in state.items() if k in keep}
+    settings = module.lora.to_dict() if module.lora is not None else None
+    checkpoint["dapo"][LORA_CHECKPOINT_KEY] = {"adapter_only": True, "settings": settings}
+
+
+def restore_adapter_checkpoint(
+    module: nn.Module, checkpoint: dict[str, Any], lora_state: dict[str, Any] | None
+) -> None:
+    """Check an adapter-only checkpoint against ``module`` (a DAPOModule) and fill in the
+    frozen base (the module's own, loaded from ``model_name_or_path``), so the load is strict.
+
+    Raises:
+        ValueError: the checkpoint and the module disagree on LoRA, or the adapters do not
+            fit (names the setting to fix).
+    """
+    peft = is_peft_model(module.policy)
+    weights = checkpoint.get("state_dict")
+    if lora_state is None:
+        if peft and weights:
+            raise ValueError(
+                "the checkpoint holds a full policy (written without model.lora) but this "
+                "module trains LoRA adapters: resume it without model.lora, or export it and "
+                "start a LoRA run from the exported folder."
+            )
+        return
+    if not peft:
+        raise ValueError(
+            "the checkpoint holds LoRA adapter weights only (written with model.lora="
+            f"{lora_state.get('settings')}): set model.lora to those settings to load it."
+        )
+    if weights is None:  # distributed checkpoint: the strategy loads it (non-strict)
+        return
+    check_adapter_checkpoint(weights, module)
+    own = module.state_dict()
+    checkpoint["state_dict"] = {**{k: v for k, v in own.items() if k not in weights}, **weights}

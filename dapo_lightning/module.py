@@ -43,15 +43,15 @@ from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.lora import (
     LORA_CHECKPOINT_KEY,
     LoraSettings,
-    adapter_state_keys,
-    apply_lora,
     as_lora_settings,
-    check_adapter_checkpoint,
     check_quantize_supported,
     is_peft_model,
-    load_quantized_policy,
+    keep_adapters_only,
+    load_base_policy,
     merged_model,
-    reference_without_adapters,
+    reference_policy,
+    restore_adapter_checkpoint,
+    with_adapters,
 )
 from dapo_lightning.loss import compute_policy_loss
 from dapo_lightning.metrics import MetricAccumulator
@@ -66,9 +66,7 @@ from dapo_lightning.update import (
     check_module_settings,
     enable_gradient_checkpointing,
     eval_mode,
-    frozen_copy,
     has_dropout,
-    load_policy,
     micro_batch,
     micro_batch_rows,
     mini_batch_ranges,
@@ -214,31 +212,17 @@ class DAPOModule(LightningModule):
         layer, then the root)."""
         hp = self.hparams
         if self.policy is None:
-            if self.lora is not None and self.lora.quantize_4bit:
-                self.policy = load_quantized_policy(hp.model_name_or_path, hp.torch_dtype)
-            else:
-                self.policy = load_policy(hp.model_name_or_path, hp.torch_dtype)
+            self.policy = load_base_policy(hp.model_name_or_path, hp.torch_dtype, self.lora)
         if self.lora is not None and not is_peft_model(self.policy):
-            if self.lora.quantize_4bit and self.adapter.kind not in ("single", "ddp"):
-                raise ValueError(
-                    f"lora.quantize_4bit with the {self.adapter.kind} strategy: 4-bit bases are "
-                    "not sharded here. Use one GPU or DDP, or set lora.quantize_4bit: false."
-                )
-            self.policy = apply_lora(self.policy, self.lora)
+            self.policy = with_adapters(self.policy, self.lora, self.adapter.kind)
         if self.adapter.kind == "fsdp2" and not is_sharded(self.policy):
             shard_policy(self.policy, self.device_mesh, self.sharding)
         self.policy.train()  # from_pretrained returns eval mode; Lightning keeps modes as they are
-        if self.hparams.gradient_checkpointing:
+        if hp.gradient_checkpointing:
             enable_gradient_checkpointing(self.policy)
-        if self.hparams.kl_coef > 0 and self.ref_policy is None:
-            # Kept outside the module tree: it is neither trained nor checkpointed. With LoRA
-            # the initial policy is the base: the policy itself with its adapters switched off.
-            ref = (
-                reference_without_adapters(self.policy)
-                if is_peft_model(self.policy)
-                else frozen_copy(self.policy)
-            )
-            object.__setattr__(self, "ref_policy", ref)
+        if hp.kl_coef > 0 and self.ref_policy is None:
+            # Kept outside the module tree: it is neither trained nor checkpointed.
+            object.__setattr__(self, "ref_policy", reference_policy(self.policy))
 
     def on_fit_start(self) -> None:
         """Check the data's settings against the module's before any rollout is generated."""
@@ -516,16 +500,11 @@ class DAPOModule(LightningModule):
             "rng": collect_rng_states(),  # global RNGs (the engine's is in the data module)
         }
         if is_peft_model(self.policy):
-            # The frozen base comes back from model_name_or_path: keep what trains only.
-            keep = adapter_state_keys(self)
-            state = checkpoint.get("state_dict", {})
-            checkpoint["state_dict"] = {k: v for k, v in state.items() if k in keep}
-            settings = self.lora.to_dict() if self.lora is not None else None
-            checkpoint["dapo"][LORA_CHECKPOINT_KEY] = {"adapter_only": True, "settings": settings}
+            keep_adapters_only(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("dapo", {})
-        self._restore_adapter_checkpoint(checkpoint, state.get(LORA_CHECKPOINT_KEY))
+        restore_adapter_checkpoint(self, checkpoint, state.get(LORA_CHECKPOINT_KEY))
         self.policy_version = int(state.get("policy_version", 0))
         self.rollout_step = int(state.get("rollout_step", 0))
         self.skipped_updates = int(state.get("skipped_updates", 0))
@@ -534,37 +513,6 @@ class DAPOModule(LightningModule):
             from dapo_lightning.checkpoint import restore_rng_states
 
             restore_rng_states(state["rng"])
-
-    def _restore_adapter_checkpoint(
-        self, checkpoint: dict[str, Any], lora_state: dict[str, Any] | None
-    ) -> None:
-        """Check an adapter-only checkpoint against the module and fill in the frozen base
-        (this module's own, loaded from ``model_name_or_path``), so the load is strict.
-
-        Raises:
-            ValueError: the checkpoint and the module disagree on LoRA, or the adapters do not
-                fit (names the setting to fix).
-        """
-        peft = is_peft_model(self.policy)
-        weights = checkpoint.get("state_dict")
-        if lora_state is None:
-            if peft and weights:
-                raise ValueError(
-                    "the checkpoint holds a full policy (written without model.lora) but this "
-                    "module trains LoRA adapters: resume it without model.lora, or export it and "
-                    "start a LoRA run from the exported folder."
-                )
-            return
-        if not peft:
-            raise ValueError(
-                "the checkpoint holds LoRA adapter weights only (written with model.lora="
-                f"{lora_state.get('settings')}): set model.lora to those settings to load it."
-            )
-        if weights is None:  # distributed checkpoint: the strategy loads it (non-strict)
-            return
-        check_adapter_checkpoint(weights, self)
-        own = self.state_dict()
-        checkpoint["state_dict"] = {**{k: v for k, v in own.items() if k not in weights}, **weights}
 
     def save_pretrained(self, path: str) -> None:
         """Write the policy in Hugging Face format (loadable with ``from_pretrained``); with
