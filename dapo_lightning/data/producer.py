@@ -501,41 +501,18 @@ class RolloutProducer:
                 if any(stops):
                     raise StopRequested(_agreed_stop(reason, stops))
                 if out_of_prompts:
-                    raise TrainingComplete(self._solved_message())
+                    raise TrainingComplete(
+                        solved_message(self.tracker, len(self.records), self.config)
+                    )
                 if not short:
                     break
                 if self.config.max_num_gen_batches and rounds >= self.config.max_num_gen_batches:
-                    self._out_of_rounds(have, short, stats)
+                    stats["data/short_batch"] = 1.0
+                    out_of_rounds(
+                        self.config, have, self.local_train, short, self.world_size, stats
+                    )
                     break
         return self._assemble(kept, policy_version, stats)
-
-    def _solved_message(self) -> str:
-        t = self.tracker
-        retired, parked = (t.num_retired, t.num_parked) if t is not None else (0, 0)
-        return (
-            f"no training prompt is left to sample: {retired} of {len(self.records)} are retired "
-            f"(all-correct {self.config.retire_after} visits in a row) and {parked} parked. "
-            "The training set is solved; add harder prompts to continue."
-        )
-
-    def _out_of_rounds(self, have: int, short_ranks: int, stats: dict[str, float]) -> None:
-        gen = stats.get("data/generated_groups", 0.0)
-        frac = 1 - stats.get("data/kept_groups", 0.0) / gen if gen else 0.0
-        msg = (
-            f"dynamic sampling ran out of rounds (max_num_gen_batches="
-            f"{self.config.max_num_gen_batches}): this rank kept {have} of the {self.local_train} "
-            f"groups a batch needs ({short_ranks} of {self.world_size} ranks short); of "
-            f"{int(gen)} groups generated here {frac:.0%} had zero variance of "
-            f"{self.config.filter_metric!r}."
-        )
-        if self.config.on_exhausted == "error":
-            raise DynamicSamplingError(
-                msg + " Raise n, add prompts, raise max_num_gen_batches (0 = unlimited), set "
-                "on_exhausted: train_on_kept, or filter_metric: null."
-            )
-        if self.config.on_exhausted == "stop":
-            raise TrainingComplete(msg + " Stopping (on_exhausted: stop).")
-        stats["data/short_batch"] = 1.0
 
     def _assemble(
         self,
@@ -544,13 +521,13 @@ class RolloutProducer:
         stats: dict[str, float],
     ) -> RolloutBatch:
         n = self.config.n
-        parts = [r for r, _ in kept] or [self._empty()]
+        parts = [r for r, _ in kept] or [empty_rollouts(self.sampling)]
         allr = concat_rollouts(parts)
         versions = [v for _, vs in kept for v in vs]
         end = int((allr.group_index < self.local_train).sum())
         if end < len(allr) and self.config.carry_over:
             self.carried = [(allr.select(list(range(end, len(allr)))), versions[end:])]
-        mine = self._member_rows(allr, end)
+        mine = member_rows(allr.group_index[:end], self.member, self.tp_size)
         batch_r = allr.select(mine)
         sample_version = torch.tensor([versions[i] for i in mine], dtype=torch.long)
         gen = stats.get("data/generated_groups", 0.0)
@@ -581,29 +558,6 @@ class RolloutProducer:
             stats=stats,
         )
 
-    def _member_rows(self, rollouts: ScoredRollouts, end: int) -> list[int]:
-        """Rows of this rank's share: of the first ``end`` rows (the engine group's batch),
-        its 1 / tp_size of the groups (all of them without tensor parallelism)."""
-        groups = int(rollouts.group_index[end - 1]) + 1 if end else 0
-        base, extra = divmod(groups, self.tp_size)
-        first = self.member * base + min(self.member, extra)
-        last = first + base + (self.member < extra)
-        index = rollouts.group_index[:end]
-        return ((index >= first) & (index < last)).nonzero().flatten().tolist()
-
-    def _empty(self) -> ScoredRollouts:
-        return ScoredRollouts(
-            prompt_ids=[],
-            response_ids=[],
-            rollout_log_probs=[],
-            finish_reason=[],
-            group_index=torch.zeros(0, dtype=torch.long),
-            prompt_uid=[],
-            score=torch.zeros(0),
-            acc=torch.zeros(0),
-            sampling=self.sampling,
-        )
-
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Prompt cursor and epoch, subsampling RNG, per-prompt statistics, carried groups."""
@@ -622,6 +576,68 @@ class RolloutProducer:
         if self.tracker is not None and state.get("tracker") is not None:
             self.tracker.load_state_dict(state["tracker"])
         self.carried = [(ScoredRollouts.from_state_dict(r), list(v)) for r, v in state["carried"]]
+
+
+def solved_message(
+    tracker: DifficultyTracker | None, prompts: int, config: DynamicSamplingConfig
+) -> str:
+    """Why the run ends when no prompt is eligible any more."""
+    retired, parked = (tracker.num_retired, tracker.num_parked) if tracker is not None else (0, 0)
+    return (
+        f"no training prompt is left to sample: {retired} of {prompts} are retired "
+        f"(all-correct {config.retire_after} visits in a row) and {parked} parked. "
+        "The training set is solved; add harder prompts to continue."
+    )
+
+
+def out_of_rounds(
+    config: DynamicSamplingConfig,
+    have: int,
+    need: int,
+    short_ranks: int,
+    world_size: int,
+    stats: dict[str, float],
+) -> None:
+    """Act on ``config.on_exhausted`` when the rounds ran out with ``have`` of ``need`` groups.
+
+    Raises:
+        DynamicSamplingError: ``on_exhausted="error"``.
+        TrainingComplete: ``on_exhausted="stop"``.
+    """
+    gen = stats.get("data/generated_groups", 0.0)
+    frac = 1 - stats.get("data/kept_groups", 0.0) / gen if gen else 0.0
+    msg = (
+        f"dynamic sampling ran out of rounds (max_num_gen_batches={config.max_num_gen_batches}): "
+        f"this rank kept {have} of the {need} groups a batch needs ({short_ranks} of "
+        f"{world_size} ranks short); of {int(gen)} groups generated here {frac:.0%} had zero "
+        f"variance of {config.filter_metric!r}."
+    )
+    if config.on_exhausted == "error":
+        raise DynamicSamplingError(
+            msg + " Raise n, add prompts, raise max_num_gen_batches (0 = unlimited), set "
+            "on_exhausted: train_on_kept, or filter_metric: null."
+        )
+    if config.on_exhausted == "stop":
+        raise TrainingComplete(msg + " Stopping (on_exhausted: stop).")
+
+
+def member_rows(group_index: Tensor, member: int, tp_size: int) -> list[int]:
+    """Rows of tensor-parallel rank ``member``'s share of an engine group's batch: its
+    1 / tp_size of the groups, as evenly as possible (all of them when ``tp_size`` is 1)."""
+    groups = int(group_index[-1]) + 1 if len(group_index) else 0
+    base, extra = divmod(groups, tp_size)
+    first = member * base + min(member, extra)
+    last = first + base + (member < extra)
+    return ((group_index >= first) & (group_index < last)).nonzero().flatten().tolist()
+
+
+def empty_rollouts(sampling: SamplingConfig) -> ScoredRollouts:
+    """No rollouts (a rank that kept no group)."""
+    return ScoredRollouts(
+        prompt_ids=[], response_ids=[], rollout_log_probs=[], finish_reason=[],
+        group_index=torch.zeros(0, dtype=torch.long), prompt_uid=[], score=torch.zeros(0),
+        acc=torch.zeros(0), sampling=sampling,
+    )  # fmt: skip
 
 
 #: Stop reasons the ranks agree on by name (the signals a run guard turns into exit codes).
