@@ -105,12 +105,13 @@ def packed_log_probs(model: nn.Module, batch: Any, rows: list[int]) -> Tensor:
 
 def run_case(name: str, model: nn.Module, batch: Any, micro: int, repeats: int) -> dict[str, Any]:
     """Time forward + backward of every micro-batch in both layouts, interleaved."""
-    from dapo_lightning.update import micro_batch_rows
+    from dapo_lightning.update import micro_batch, micro_batch_rows
 
     lengths = batch.attention_mask.sum(-1)
     chunks = micro_batch_rows(lengths, micro)
     real = int(lengths.sum())
-    padded = sum(len(c) * int(lengths[c].max()) for c in chunks)
+    # trimmed micro-batch = rows x (longest prompt + longest response)
+    padded = sum(micro_batch(batch, c).input_ids.numel() for c in chunks)
 
     def padded_pass() -> list[Tensor]:
         out = []
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts, responses = recipe_lengths(32)
         cases.append(
             (
-                "SmolLM2 shape bf16, 32 x (74..85 + 20..128), micro 16 (recipe lengths)",
+                "SmolLM2 shape bf16 + grad ckpt, 32 x (74..85 + 20..128), micro 16 (recipe)",
                 "smol",
                 make_random_rollout_batch(
                     num_groups=4,
@@ -204,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, kind, batch, micro, dtype in cases:
         model = AutoModelForCausalLM.from_pretrained(checkpoint_for(kind), dtype=torch.float32)
         model.config._attn_implementation = "sdpa"
+        if kind == "smol":  # as the recipe's lowmem settings; packed rows' masks are L x L
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         model.train()
         ctx = (
             torch.autocast("cpu", dtype=torch.bfloat16)

@@ -45,10 +45,11 @@ def word_problem_prompts(tokenizer, num_prompts: int, seed: int = 0) -> list[lis
     from dapo_lightning.tasks.word_problems import make_word_problem_rows
 
     rows = make_word_problem_rows(num_prompts, seed=seed)
-    return [
-        list(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True))
+    texts = [
+        tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
         for r in rows
     ]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
 def measure(

@@ -110,6 +110,11 @@ def worker(p: dict[str, Any]) -> dict[str, Any]:
         build.update(
             seconds=time.perf_counter() - t, rss_gib=(current_rss_bytes() - before) / 2**30
         )
+        llm = getattr(engine, "llm", None)
+        if llm is not None:  # vLLM: the KV cache it was given and the pages it made of it
+            cache = llm.llm_engine.vllm_config.cache_config
+            build["kv_cache_gib"] = (cache.kv_cache_memory_bytes or 0) / 2**30
+            build["kv_blocks"] = float(cache.num_gpu_blocks or 0)
         return engine
 
     session_mod.EngineSession._build = timed_build  # type: ignore[method-assign]

@@ -91,6 +91,7 @@ class Case:
         gradient_checkpointing: Recompute activations in backward (both sides).
         warmup / repeats: Untimed and timed updates.
         impls: Which implementations run (``"dapo"`` ours, ``"trl"``).
+        profile: Ours only: profile one extra (untimed) update (top ops by self CPU time).
         extras: Ours only: also measure the rollout-step shares, profile one update and count
             policy forwards (single update vs two mini-batches).
     """
@@ -108,6 +109,7 @@ class Case:
     repeats: int = 3
     impls: tuple[str, ...] = ("dapo", "trl")
     extras: bool = False
+    profile: bool = False
     timeout: float = 600.0
     ckpt: str = field(default="", repr=False)
 
@@ -158,6 +160,7 @@ def build_cases(quick: bool, full: bool, full_sequences: int = 64) -> list[Case]
             gradient_checkpointing=True,
             warmup=0,
             repeats=2,
+            profile=True,
         ),
     ]
     if full:
@@ -220,7 +223,8 @@ def _profile_summary(prof: Any, path: Path) -> dict[str, Any]:
 
 def worker_dapo(case: Case) -> dict[str, Any]:
     import torch
-    from lightning.pytorch import Callback, LightningDataModule, Trainer
+    from dapo_lightning.callbacks.base import DAPOCallback
+    from lightning.pytorch import LightningDataModule, Trainer
     from torch.utils.data import DataLoader
 
     from dapo_lightning.module import DAPOModule
@@ -228,14 +232,14 @@ def worker_dapo(case: Case) -> dict[str, Any]:
     torch.manual_seed(0)
     batch = _make_batch(case)
     rss_start = current_rss_bytes()
-    profile = case.extras
+    profile = case.extras or case.profile
     steps = case.warmup + case.repeats + (1 if profile else 0)
 
     class Fixed(LightningDataModule):
         def train_dataloader(self) -> DataLoader:
             return DataLoader([batch] * steps, batch_size=None)
 
-    class Timer(Callback):
+    class Timer(DAPOCallback):  # DAPO hooks (on_dapo_update) reach DAPOCallback subclasses
         def __init__(self, profile_step: int | None = None) -> None:
             self.profile_step = profile_step
             self.times: list[float] = []
@@ -595,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, labels, tps = [], [], {"dapo (ours)": [], "trl GRPOTrainer": []}
     extras: dict[str, Any] = {}
+    profiles: dict[str, Any] = {}
     for case in cases:
         case.ckpt = checkpoint_for(case.model)
         from transformers import AutoConfig
@@ -661,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if case.extras:
             extras[case.name] = results["dapo"]
+        elif "dapo" in results and results["dapo"].get("profile"):
+            profiles[case.name] = results["dapo"]["profile"]
 
     print_table(
         "One DAPO optimizer update (median of repeats)",
@@ -715,6 +722,14 @@ def main(argv: list[str] | None = None) -> int:
                 [list(t) for t in prof["top"]],
                 caption=f"full table: {prof['table']}",
             )
+    for name, prof in profiles.items():
+        print_table(
+            f"Profile of our update ({name}): top ops by self CPU time "
+            f"(GEMM/attention share {prof['gemm_share']:.0%})",
+            ["op", "self CPU ms", "share"],
+            [list(t) for t in prof["top"]],
+            caption=f"full table: {prof['table']}",
+        )
     png = bar_chart(
         out_dir() / ("update_throughput_quick.png" if args.quick else "update_throughput.png"),
         "One DAPO update: response tokens / s (higher is better)",
