@@ -23,7 +23,7 @@ It prints one row per run (initial val/acc, when val/acc first reached 0.8 in up
 minutes and idle-equivalent minutes, best and final val/acc, updates and samples, the load
 average at the start and end) and the curve of every run, and writes
 ``benchmarks/out/smollm2_curve.png``: val/acc against training wall minutes, idle-equivalent
-minutes and optimizer updates, DAPO solid and GRPO dashed, one colour per seed.
+minutes and optimizer updates, DAPO solid, GRPO dashed, LoRA dotted, one colour per seed.
 
 Usage::
 
@@ -31,6 +31,8 @@ Usage::
     .venv/bin/python benchmarks/smollm2_curve.py --methods dapo --seeds 0 --budget-min 10
     .venv/bin/python benchmarks/smollm2_curve.py --clock cpu           # equal compute under load
     .venv/bin/python benchmarks/smollm2_curve.py --quick     # smoke: DAPO, 1 seed, 2 updates
+    .venv/bin/python benchmarks/smollm2_curve.py --methods lora --seeds 0   # LoRA adapters
+    .venv/bin/python benchmarks/smollm2_curve.py --report    # tables + PNG of the runs on disk
 
 Extra arguments go to every ``dapo-lightning fit`` (e.g. ``--trainer.val_check_interval 10``).
 """
@@ -63,7 +65,10 @@ RECIPE = "configs/smollm2_135m.yaml"
 METHODS: dict[str, list[str]] = {
     "dapo": [RECIPE],
     "grpo": [RECIPE, "configs/smollm2_grpo_baseline.yaml"],
+    "lora": [RECIPE, "configs/smollm2_lora.yaml"],  # DAPO with LoRA adapters (r 16)
 }
+#: Line style of each method in the PNG.
+STYLES = {"dapo": "-", "grpo": "--", "lora": ":"}
 #: The held-out accuracy the recipe is tuned to reach.
 TARGET = 0.8
 #: The default training-time budget per run (minutes).
@@ -215,6 +220,44 @@ def _group_size(run_dir: Path) -> int:
     return int(config["data"]["init_args"]["dynamic_sampling"]["n"])
 
 
+def summarize(
+    method: str,
+    seed: int,
+    run_dir: Path,
+    cores: int,
+    exit_code: int,
+    total_s: float,
+    load_start: str,
+    load_end: str,
+) -> dict[str, Any]:
+    """One run's summary row and curve, from its folder (``clock.jsonl``, ``metrics.csv``)."""
+    run = read_run(run_dir, cores)
+    curve = run["curve"]
+    trained = [p for p in curve if p[0] > 0]
+    hit = next((p for p in trained if p[1] >= TARGET), None)
+    result = {
+        "method": method,
+        "seed": seed,
+        "initial": curve[0][1] if curve and curve[0][0] == 0 else None,
+        "curve": curve,
+        "updates_to_target": hit[0] if hit else None,
+        "minutes_to_target": hit[2] / 60 if hit else None,
+        "idle_minutes_to_target": hit[3] / 60 if hit else None,
+        "best": max((p[1] for p in trained), default=None),
+        "final": trained[-1][1] if trained else None,
+        "updates": trained[-1][0] if trained else 0,
+        "train_minutes": trained[-1][2] / 60 if trained else 0.0,
+        "idle_minutes": trained[-1][3] / 60 if trained else 0.0,
+        "samples": run["samples"],
+        "total_s": total_s,
+        "load_start": load_start,
+        "load_end": load_end,
+        "exit_code": exit_code,
+        "run_dir": str(run_dir),
+    }
+    return result
+
+
 def run_one(
     method: str,
     seed: int,
@@ -261,30 +304,8 @@ def run_one(
     if proc.returncode != 0:
         tail = (run_dir / "fit.log").read_text()[-1500:]
         print(f"{method} seed {seed}: exit {proc.returncode}:\n{tail}", file=sys.stderr)
-    run = read_run(run_dir, cores)
-    curve = run["curve"]
-    trained = [p for p in curve if p[0] > 0]
-    hit = next((p for p in trained if p[1] >= TARGET), None)
-    result = {
-        "method": method,
-        "seed": seed,
-        "initial": curve[0][1] if curve and curve[0][0] == 0 else None,
-        "curve": curve,
-        "updates_to_target": hit[0] if hit else None,
-        "minutes_to_target": hit[2] / 60 if hit else None,
-        "idle_minutes_to_target": hit[3] / 60 if hit else None,
-        "best": max((p[1] for p in trained), default=None),
-        "final": trained[-1][1] if trained else None,
-        "updates": trained[-1][0] if trained else 0,
-        "train_minutes": trained[-1][2] / 60 if trained else 0.0,
-        "idle_minutes": trained[-1][3] / 60 if trained else 0.0,
-        "samples": run["samples"],
-        "total_s": total_s,
-        "load_start": load_start,
-        "load_end": load_end,
-        "exit_code": proc.returncode,
-        "run_dir": str(run_dir),
-    }
+    result = summarize(method, seed, run_dir, cores, proc.returncode, total_s, load_start, load_end)
+    (run_dir / "result.json").write_text(json.dumps(result, indent=1))
     print(
         f"{method} seed {seed}: exit {proc.returncode}, {result['updates']} updates, final "
         f"val/acc {result['final']}, {total_s:.0f} s (load {load_end})",
@@ -309,7 +330,7 @@ def plot(results: list[dict[str, Any]], path: Path, budget_min: float, clock: st
     colors: dict[int, str] = {}
     for r in results:
         color = colors.setdefault(r["seed"], f"C{len(colors)}")
-        style = "-" if r["method"] == "dapo" else "--"
+        style = STYLES[r["method"]]
         label = f"{r['method'].upper()} seed {r['seed']}"
         for ax, (x, _) in zip(axes, xs):
             ax.plot([x(p) for p in r["curve"]], [p[1] for p in r["curve"]], style, color=color,
@@ -346,18 +367,32 @@ def _num(value: float | None, digits: int = 1) -> Any:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=["dapo", "grpo"])
+    parser.add_argument(
+        "--methods", nargs="+", choices=sorted(METHODS), default=["dapo", "grpo"]
+    )  # lora: DAPO + configs/smollm2_lora.yaml, on request
     parser.add_argument("--budget-min", type=float, default=BUDGET_MIN, help="training minutes")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="budget clock")
     parser.add_argument("--cores", type=int, default=2, help="cores (OMP_NUM_THREADS, cpu clock)")
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--quick", action="store_true", help="smoke: DAPO, first seed, 2 updates")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep each run's ckpts")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: the tables and PNG from the runs already in the output folder "
+        "(each run writes result.json; runs taken by separate invocations are reported together)",
+    )
     args, extra = parser.parse_known_args(argv)
     methods = ["dapo"] if args.quick else args.methods
     seeds = args.seeds[:1] if args.quick else args.seeds
     name = "smollm2_curve_quick" if args.quick else "smollm2_curve"
     root = out_dir() / name
+    if args.report:
+        found = [root / m / f"seed{s}" / "result.json" for s in seeds for m in methods]
+        results = [json.loads(p.read_text()) for p in found if p.exists()]
+        if not results:
+            raise SystemExit(f"--report: no result.json under {root} for {methods} x {seeds}.")
+        return report(results, name, args.budget_min, args.clock)
     model_dir = ensure_model(args.model_dir)
     results = []
     for seed in seeds:  # the methods back to back per seed: a change of load hits both alike
@@ -376,6 +411,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
             if not args.keep_checkpoints:
                 shutil.rmtree(Path(r["run_dir"]) / "checkpoints", ignore_errors=True)
             results.append(r)
+    return report(results, name, args.budget_min, args.clock)
+
+
+def report(
+    results: list[dict[str, Any]], name: str, budget_min: float, clock: str
+) -> list[dict[str, Any]]:
+    """Print the summary and curve tables of ``results``; write ``<name>.png`` and ``.json``."""
     rows = [
         [
             r["method"].upper(),
@@ -396,8 +438,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         for r in results
     ]
     print_table(
-        f"SmolLM2-135M-Instruct word problems: held-out val/acc, {args.budget_min:g}-minute "
-        f"{args.clock} budget",
+        f"SmolLM2-135M-Instruct word problems: held-out val/acc, {budget_min:g}-minute "
+        f"{clock} budget",
         [
             "method",
             "seed",
@@ -427,7 +469,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         curve_rows,
     )
     png = out_dir() / f"{name}.png"
-    plot(results, png, args.budget_min, args.clock)
+    plot(results, png, budget_min, clock)
     (out_dir() / f"{name}.json").write_text(json.dumps(results, indent=1))
     print(f"wrote {png}")
     print(f"load average at the end (1/5/15 min): {_loadavg()}")
