@@ -19,6 +19,8 @@ import logging
 import os
 import re
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 #: Where ``KnownNoise.source`` names Python's ``warnings`` module instead of a logger.
@@ -123,6 +125,26 @@ KNOWN_NOISE: tuple[KnownNoise, ...] = (
     ),
 )
 
+#: What vLLM logs for every layer that one ``reload_weights`` call did not carry. A push of
+#: several buckets (:meth:`~dapo_lightning.rollout.vllm.VLLMRolloutEngine.load_weights`)
+#: leaves most layers out of each call by design (they keep their values, and the other buckets
+#: carry them), so during such a push these lines are hidden (:func:`quiet_partial_reload`);
+#: in a one-call push they still show, where they mean a layer got no weights at all.
+PARTIAL_RELOAD_NOISE: tuple[KnownNoise, ...] = (
+    KnownNoise(
+        "vllm.model_executor.model_loader.reload.layerwise",
+        r"\w+: Failed to load weights",
+        "The layer was in another bucket of the same push; vLLM keeps its current values.",
+        "RMSNorm: Failed to load weights",
+    ),
+    KnownNoise(
+        "vllm.model_executor.model_loader.reload.inplace",
+        r"Following weights were not loaded from checkpoint",
+        "Lists every parameter the other buckets of the same push carry.",
+        "Following weights were not loaded from checkpoint: {'model.layers.0.mlp.down_proj.weight'}",
+    ),
+)
+
 #: vLLM's log level unless the user set ``VLLM_LOGGING_LEVEL``: its INFO lines (engine
 #: configuration, KV-cache size, every weight reload) drown the training progress.
 VLLM_DEFAULT_LOG_LEVEL = "WARNING"
@@ -159,3 +181,26 @@ def quiet_known_warnings() -> None:
     for name, patterns in by_logger.items():
         flt = _FILTERS.setdefault(name, _DropKnown(patterns))
         logging.getLogger(name).addFilter(flt)  # no-op when already added
+
+
+@contextmanager
+def quiet_partial_reload() -> Iterator[None]:
+    """Hide :data:`PARTIAL_RELOAD_NOISE` while the block runs (a push of several buckets).
+
+    Example::
+
+        with quiet_partial_reload():
+            for bucket in buckets:
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
+    """
+    by_logger: dict[str, list[str]] = {}
+    for noise in PARTIAL_RELOAD_NOISE:
+        by_logger.setdefault(noise.source, []).append(noise.pattern)
+    added = [(logging.getLogger(n), _DropKnown(p)) for n, p in by_logger.items()]
+    for logger, flt in added:
+        logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        for logger, flt in added:
+            logger.removeFilter(flt)

@@ -29,7 +29,13 @@ from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 
 from dapo_lightning import interrupt
 from dapo_lightning.cli import build_cli
-from dapo_lightning.logging_setup import KNOWN_NOISE, WARNINGS, quiet_known_warnings
+from dapo_lightning.logging_setup import (
+    KNOWN_NOISE,
+    PARTIAL_RELOAD_NOISE,
+    WARNINGS,
+    quiet_known_warnings,
+    quiet_partial_reload,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
@@ -281,6 +287,16 @@ def test_each_known_message_is_hidden_and_others_are_not(noise):
             assert _logged(noise.source, noise.example) == []
             assert _logged(noise.source, "an unrelated message") == ["an unrelated message"]
             assert len(logging.getLogger(noise.source).filters) == 1
+
+
+@pytest.mark.parametrize("noise", PARTIAL_RELOAD_NOISE, ids=lambda n: n.source.split(".")[-1])
+def test_partial_reload_lines_are_hidden_only_during_a_bucketed_push(noise):
+    before = list(logging.getLogger(noise.source).filters)
+    with quiet_partial_reload():
+        assert _logged(noise.source, noise.example) == []
+        assert _logged(noise.source, "an unrelated message") == ["an unrelated message"]
+    assert logging.getLogger(noise.source).filters == before
+    assert _logged(noise.source, noise.example) == [noise.example]  # a one-call push shows it
 
 
 def test_user_metrics_keep_the_sync_dist_hint():

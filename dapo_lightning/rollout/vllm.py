@@ -20,6 +20,7 @@ vLLM is imported only when an engine is built: importing this module costs nothi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dapo_lightning.logging_setup import quiet_partial_reload
 from dapo_lightning.rollout.base import Completion, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -334,7 +336,8 @@ class VLLMRolloutEngine:
         is the one caller in the library). Tensors are converted to the engine dtype lazily,
         one bucket of about ``weight_bucket_bytes`` at a time. vLLM's ``reload_weights``
         accepts partial weights: layers absent from a call keep their current values, so each
-        bucket is one call; buckets never split a decoder block (fused q/k/v, gate/up must
+        bucket is one call (the warnings vLLM logs for the absent layers are hidden during a
+        push of several buckets, :func:`~dapo_lightning.logging_setup.quiet_partial_reload`); buckets never split a decoder block (fused q/k/v, gate/up must
         arrive together). Call it on every rank (collective under ``distributed``).
 
         Raises:
@@ -349,8 +352,15 @@ class VLLMRolloutEngine:
                 seen.add(name)
                 yield name, tensor.detach().to(dtype=self.torch_dtype)
 
-        for bucket in bucket_named_tensors(converted(), self.weight_bucket_bytes):
-            self._reload(bucket)
+        buckets = bucket_named_tensors(converted(), self.weight_bucket_bytes)
+        first, second = next(buckets, None), next(buckets, None)
+        if second is None:  # one call: vLLM's "Failed to load weights" would be real, keep it
+            if first is not None:
+                self._reload(first)
+        else:  # several calls: each leaves the others' layers out by design (logging_setup)
+            with quiet_partial_reload():
+                for bucket in itertools.chain((first, second), buckets):
+                    self._reload(bucket)
         if not seen:
             raise ValueError("load_weights got no tensors: pass full_named_tensors(policy).")
         if self.tie_word_embeddings and "lm_head.weight" not in seen:
