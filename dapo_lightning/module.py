@@ -279,7 +279,7 @@ class DAPOModule(LightningModule):
             rank_zero_info(f"DAPO: stopping: {batch.reason}")
             self.trainer.should_stop = True
             return
-        t_start = time.perf_counter()
+        t_start, version = time.perf_counter(), self.policy_version  # the version it was drawn for
         batch = batch.trim()
         step = self._step_tensors(batch)
         for _ in range(self.hparams.ppo_epochs):
@@ -288,7 +288,7 @@ class DAPOModule(LightningModule):
                 self._log_update(metrics)
                 call_dapo_hook(self.trainer, "on_dapo_update", metrics)
         self.rollout_step += 1
-        self._log_rollout_step(batch, step, time.perf_counter() - t_start)
+        self._log_rollout_step(batch, step, version, time.perf_counter() - t_start)
 
     def _step_tensors(self, batch: RolloutBatch) -> StepTensors:
         """Advantages, old log-probs (skipped when the only update's forward gives them) and
@@ -463,12 +463,14 @@ class DAPOModule(LightningModule):
                     {f"update/{k}": v for k, v in metrics.items()}, step=self.global_step
                 )
 
-    def _log_rollout_step(self, batch: RolloutBatch, step: StepTensors, seconds: float) -> None:
+    def _log_rollout_step(
+        self, batch: RolloutBatch, step: StepTensors, version: int, seconds: float
+    ) -> None:
+        """Logs the step's metrics; staleness and parity against ``version``, the policy version
+        before this step's updates (after them every row would look stale)."""
         every = self.hparams.parity_check_every
         check = bool(every) and self.rollout_step % every == 0
-        acc = rollout_step_metrics(
-            batch, self.policy_version, seconds, step.trainer_logp if check else None
-        )
+        acc = rollout_step_metrics(batch, version, seconds, step.trainer_logp if check else None)
         values = acc.reduce(self.adapter.reduce)
         gen_s = values.get("data/gen_seconds", 0.0)
         values.update(

@@ -319,3 +319,31 @@ def test_old_log_probs_are_taken_in_eval_mode(tmp_path):
     mask = batch.response_mask.bool()
     assert torch.allclose(old[mask], eval_logp[mask], atol=1e-6)
     assert (train_logp[mask] - eval_logp[mask]).abs().max() > 1e-3  # dropout is really on
+
+
+def test_step_metrics_measure_staleness_and_parity_before_the_updates(tiny_checkpoint):
+    """A freshly sampled batch is 0 versions stale although the step makes 4 updates, and the
+    parity metrics compare the engine's log-probs with the policy that sampled (before any
+    update): pinned against an independent forward of the untouched checkpoint."""
+    from dapo_lightning.logprobs import response_log_probs
+
+    batch = fixed_batch()
+    module = DAPOModule(str(tiny_checkpoint), optimizer=adam, mini_batch_size=1,
+                        parity_check_every=1)  # fmt: skip
+    trainer = _fit(module, FixedBatches(batch))
+    assert module.policy_version == 4
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert logged["data/staleness_mean"] == 0.0 and logged["data/staleness_max"] == 0.0
+    assert logged["data/stale_token_frac"] == 0.0
+
+    reference = DAPOModule(str(tiny_checkpoint))
+    reference.configure_model()
+    reference.policy.eval()
+    with torch.no_grad():
+        logp, _ = response_log_probs(
+            reference.policy, batch.input_ids, batch.attention_mask, batch.response_width
+        )
+    mask = batch.response_mask.bool()
+    gap = (logp.float() - batch.rollout_log_probs.float())[mask].abs()
+    assert logged["parity/mean_abs_diff"] == pytest.approx(float(gap.mean()), rel=1e-5)
+    assert logged["parity/max_abs_diff"] == pytest.approx(float(gap.max()), rel=1e-5)
