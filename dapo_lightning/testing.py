@@ -8,6 +8,8 @@ both written with ``save_pretrained`` so that ``AutoTokenizer``,
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +210,27 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_process_group(path: str | Path) -> Iterator[None]:
+    """A world-size-1 gloo process group for the block (file store at ``path``).
+
+    An in-process vLLM engine leaves its own one-process default group behind (a later test
+    cannot create another); that one is used as it is and left in place.
+
+    Raises:
+        RuntimeError: a default group of more than one process is already up.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError("one_process_group: a multi-process group is already initialised.")
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

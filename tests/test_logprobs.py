@@ -13,7 +13,7 @@ from dapo_lightning.logprobs import (
     output_head,
     response_log_probs,
 )
-from dapo_lightning.testing import make_tiny_checkpoint
+from dapo_lightning.testing import make_tiny_checkpoint, one_process_group
 
 B, L, T = 3, 24, 14
 
@@ -302,7 +302,6 @@ def test_naive_path_when_no_linear_head_or_head_forward_is_hooked(model, monkeyp
 
 
 def test_grads_under_ddp_and_fsdp2_equal_naive(tiny_checkpoint, tmp_path, monkeypatch):
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -321,8 +320,7 @@ def test_grads_under_ddp_and_fsdp2_equal_naive(tiny_checkpoint, tmp_path, monkey
         return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).train()
 
     _, _, ref = _loss_grads(fresh(), ids, mask, w1, w2, temperature=0.7, chunk_size=None)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
+    with one_process_group(tmp_path / "pg"):  # or the group an in-process vLLM left
         ddp = torch.nn.parallel.DistributedDataParallel(fresh())
         _, _, got = _loss_grads(ddp, ids, mask, w1, w2, temperature=0.7, chunk_size=4)
         _assert_grads_close(got, ref, prefix="module.")
@@ -337,8 +335,6 @@ def test_grads_under_ddp_and_fsdp2_equal_naive(tiny_checkpoint, tmp_path, monkey
         _assert_grads_close(got, ref)
         assert len(fused_calls) == 2
         assert isinstance(sharded.lm_head.weight, DTensor)  # sharded again after the step
-    finally:
-        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- benchmark smoke

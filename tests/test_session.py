@@ -19,7 +19,7 @@ from dapo_lightning.rollout.session import (
     is_sharded,
     strip_wrapper_prefixes,
 )
-from dapo_lightning.testing import free_port, make_tiny_tokenizer
+from dapo_lightning.testing import free_port, make_tiny_tokenizer, one_process_group
 
 
 class RecordingEngine:
@@ -75,13 +75,11 @@ def test_full_named_tensors_plain_ddp_fsdp1_fsdp2(hf_model, tmp_path):
     assert "lm_head.weight" not in dict(hf_model.named_parameters())
     assert plain.keys() == ref.keys()
 
-    import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
+    with one_process_group(tmp_path / "pg"):  # or the group an in-process vLLM left
         ddp = torch.nn.parallel.DistributedDataParallel(_perturbed(hf_model, seed=1))
         got = dict(full_named_tensors(ddp))
         assert got.keys() == ref.keys()
@@ -105,8 +103,6 @@ def test_full_named_tensors_plain_ddp_fsdp1_fsdp2(hf_model, tmp_path):
         for k, v in expected.items():
             assert not isinstance(got[k], DTensor)
             assert torch.equal(got[k], v), k
-    finally:
-        dist.destroy_process_group()
 
 
 def test_session_pushes_full_state_once_per_new_version(hf_model):
