@@ -228,6 +228,7 @@ def worker_dapo(case: Case) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from dapo_lightning.module import DAPOModule
+    from dapo_lightning.rollout.session import full_named_tensors
 
     torch.manual_seed(0)
     batch = _make_batch(case)
@@ -309,7 +310,7 @@ def worker_dapo(case: Case) -> dict[str, Any]:
         result["gen_seconds"] = time.perf_counter() - t
         result["gen_tokens"] = sum(len(c.token_ids) for g in completions for c in g)
         t = time.perf_counter()
-        engine.load_weights(module.named_checkpoint_tensors())
+        engine.load_weights(full_named_tensors(module.policy))  # what EngineSession pushes
         result["push_seconds"] = time.perf_counter() - t
         module.policy.train()
         timer._n = 0
