@@ -80,7 +80,9 @@ def test_recipe_runs_validates_at_start_checkpoints_and_exports(model_dir, tmp_p
     rows = val_rows(run_dir)
     steps = [int(r["step"]) for r in rows]
     assert steps[0] == -1, steps  # ValidateAtStart: the untrained model's val/acc
-    assert steps[-1] == 1, steps  # after update 2 (logged at updates - 1)
+    # one validation per rollout step; with one generation round a step may keep fewer than 8
+    # groups (train_on_kept), so 2 updates can take 1 or 2 rollout steps
+    assert steps == sorted(steps) and steps[-1] >= 1, steps
     for r in rows:
         assert 0.0 <= float(r["val/acc"]) <= 1.0
     # the recipe's paths follow default_root_dir: logs, checkpoints
