@@ -221,6 +221,17 @@ def _profile_summary(prof: Any, path: Path) -> dict[str, Any]:
     }
 
 
+def print_profile(name: str, prof: dict[str, Any]) -> None:
+    """The top ops of one profiled update of ours (:func:`_profile_summary`) as a table."""
+    print_table(
+        f"Profile of our update ({name}): top ops by self CPU time "
+        f"(GEMM/attention share {prof['gemm_share']:.0%})",
+        ["op", "self CPU ms", "share"],
+        [list(t) for t in prof["top"]],
+        caption=f"full table: {prof['table']}",
+    )
+
+
 def worker_dapo(case: Case) -> dict[str, Any]:
     import torch
     from dapo_lightning.callbacks.base import DAPOCallback
@@ -716,21 +727,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         prof = r.get("profile")
         if prof:
-            print_table(
-                f"Profile of our update ({name}): top ops by self CPU time "
-                f"(GEMM/attention share {prof['gemm_share']:.0%})",
-                ["op", "self CPU ms", "share"],
-                [list(t) for t in prof["top"]],
-                caption=f"full table: {prof['table']}",
-            )
+            print_profile(name, prof)
     for name, prof in profiles.items():
-        print_table(
-            f"Profile of our update ({name}): top ops by self CPU time "
-            f"(GEMM/attention share {prof['gemm_share']:.0%})",
-            ["op", "self CPU ms", "share"],
-            [list(t) for t in prof["top"]],
-            caption=f"full table: {prof['table']}",
-        )
+        print_profile(name, prof)
     png = bar_chart(
         out_dir() / ("update_throughput_quick.png" if args.quick else "update_throughput.png"),
         "One DAPO update: response tokens / s (higher is better)",
