@@ -33,6 +33,7 @@ Usage::
     .venv/bin/python benchmarks/smollm2_curve.py --quick     # smoke: DAPO, 1 seed, 2 updates
     .venv/bin/python benchmarks/smollm2_curve.py --methods lora --seeds 0   # LoRA adapters
     .venv/bin/python benchmarks/smollm2_curve.py --report    # tables + PNG of the runs on disk
+    .venv/bin/python benchmarks/smollm2_curve.py --name smollm2_curve_lr1e-4 --model.optimizer.init_args.lr 1e-4
 
 Extra arguments go to every ``dapo-lightning fit`` (e.g. ``--trainer.val_check_interval 10``).
 """
@@ -377,6 +378,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser.add_argument("--quick", action="store_true", help="smoke: DAPO, first seed, 2 updates")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep each run's ckpts")
     parser.add_argument(
+        "--name", default=None, help="output folder and PNG name (default smollm2_curve)"
+    )  # a variant (extra arguments) in its own folder: --name smollm2_curve_additive
+    parser.add_argument(
         "--report",
         action="store_true",
         help="run nothing: the tables and PNG from the runs already in the output folder "
@@ -385,7 +389,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     args, extra = parser.parse_known_args(argv)
     methods = ["dapo"] if args.quick else args.methods
     seeds = args.seeds[:1] if args.quick else args.seeds
-    name = "smollm2_curve_quick" if args.quick else "smollm2_curve"
+    name = args.name or ("smollm2_curve_quick" if args.quick else "smollm2_curve")
     root = out_dir() / name
     if args.report:
         found = [root / m / f"seed{s}" / "result.json" for s in seeds for m in methods]

@@ -18,6 +18,7 @@ from dapo_lightning.tasks import TASKS, get_task
 from dapo_lightning.tasks.arithmetic import ArithmeticReward, make_arithmetic_rows
 from dapo_lightning.tasks.word_problems import (
     INSTRUCTION,
+    MIXES,
     SINGULAR,
     TEMPLATES,
     LastNumberReward,
@@ -68,17 +69,14 @@ RECOMPUTE = {
     "sub_mul": lambda a, b, c: (a - b) * c,
     "share_add": lambda ab, b, c: ab // b + c,
     "add_sub": lambda a, b, c: a + b - c,
+    "add_add": lambda a, b, c: a + b + c,
+    "sub_sub": lambda a, b, c: a - b - c,
+    "sub_add": lambda a, b, c: a - b + c,
 }
 
 
-def test_word_problems_are_seeded_varied_and_right():
-    rows = make_word_problem_rows(300, seed=0)
+def _check_rows(rows: list[dict]) -> None:
     one_plural = re.compile(rf"\b1 (red |blue |more )?({'|'.join(SINGULAR)})\b")
-    assert rows == make_word_problem_rows(300, seed=0)
-    assert rows != make_word_problem_rows(300, seed=1)
-    assert len({r["uid"] for r in rows}) == 300
-    assert len({r["prompt"][-1]["content"] for r in rows}) == 300
-    assert {r["template"] for r in rows} == {t.name for t in TEMPLATES} == set(RECOMPUTE)
     for r in rows:
         (message,) = r["prompt"]
         assert message["role"] == "user" and message["content"].endswith(INSTRUCTION)
@@ -91,6 +89,28 @@ def test_word_problems_are_seeded_varied_and_right():
         assert not one_plural.search(message["content"]), message["content"]  # "1 box"
 
 
+def test_word_problems_are_seeded_varied_and_right():
+    rows = make_word_problem_rows(300, seed=0)
+    assert rows == make_word_problem_rows(300, seed=0)
+    assert rows != make_word_problem_rows(300, seed=1)
+    assert len({r["uid"] for r in rows}) == 300
+    assert len({r["prompt"][-1]["content"] for r in rows}) == 300
+    assert {r["template"] for r in rows} == set(MIXES["mixed"])  # the default mix
+    assert {t.name for t in TEMPLATES} == set(RECOMPUTE)
+    _check_rows(rows)
+    # the default mix is the one the recorded SmolLM2 runs used (their first and last problems)
+    recorded = make_word_problem_rows(320, seed=0)
+    assert (recorded[0]["uid"], recorded[-1]["uid"]) == (
+        "wp-mul_sub-7-7-1-sam-cards",
+        "wp-mul_add-4-7-7-mia-stickers",
+    )
+    additive = make_word_problem_rows(200, seed=0, templates="additive")
+    assert {r["template"] for r in additive} == {"add_sub", "add_add", "sub_sub", "sub_add"}
+    _check_rows(additive)
+    # 7 + 7 - 1, 7 + 5 + 8, 9 - 3 - 5, 10 - 5 + 9
+    assert [r["answer"] for r in additive[:4]] == ["13", "20", "1", "14"]
+
+
 def test_word_problem_options_and_bad_input():
     rows = make_word_problem_rows(10, seed=2, templates=["mul_sub"], system_prompt="Be brief.")
     assert {r["template"] for r in rows} == {"mul_sub"}
@@ -98,6 +118,10 @@ def test_word_problem_options_and_bad_input():
     assert get_task("word_problems").make_rows(seed=2, num_prompts=4)[0]["uid"].startswith("wp-")
     with pytest.raises(ValueError, match=r"templates=\['nope'\].*'mul_sub'"):
         make_word_problem_rows(5, templates=["nope"])
+    with pytest.raises(
+        ValueError, match=r"templates='easy': name a mix in \['mixed', 'additive'\]"
+    ):
+        make_word_problem_rows(5, templates="easy")
     with pytest.raises(ValueError, match="num_prompts must be in"):
         make_word_problem_rows(0)
 

@@ -77,7 +77,7 @@ class Template:
     valid: Callable[[int, int, int], bool] = lambda a, b, c: True
 
 
-#: The problem kinds (``templates=`` picks a subset by name).
+#: The problem kinds (``templates=`` picks a subset by name, or a mix of :data:`MIXES`).
 TEMPLATES: tuple[Template, ...] = (
     Template(
         "mul_sub",
@@ -119,7 +119,36 @@ TEMPLATES: tuple[Template, ...] = (
         lambda a, b, c: a + b - c,
         lambda a, b, c: c <= a + b,
     ),
+    Template(
+        "add_add",
+        "{name} has {a} {item}. {pron} finds {b} more {item} and then gets {c} more. "
+        "How many {item} does {name} have now?",
+        lambda a, b, c: a + b + c,
+    ),
+    Template(
+        "sub_sub",
+        "{name} has {a} {item}. {pron} gives {b} to a friend and then loses {c}. "
+        "How many {item} are left?",
+        lambda a, b, c: a - b - c,
+        lambda a, b, c: b + c <= a,
+    ),
+    Template(
+        "sub_add",
+        "{name} has {a} {item}. {pron} gives away {b} and then buys {c} more. "
+        "How many {item} does {name} have now?",
+        lambda a, b, c: a - b + c,
+        lambda a, b, c: b <= a,
+    ),
 )
+
+#: Named template subsets (``templates="additive"``). ``"mixed"`` is the default: multiplication
+#: in 4 of its 6 kinds. ``"additive"`` has addition and subtraction only. Measured on
+#: SmolLM2-135M-Instruct (128 problems, seed 0, vLLM bf16, 128 tokens): greedy 0.12 ("mixed":
+#: 0.03), 8 samples at temperature 1.0 0.04 per sample, pass@8 0.23 ("mixed": 0.26).
+MIXES: dict[str, tuple[str, ...]] = {
+    "mixed": ("mul_sub", "mul_add", "add_mul", "sub_mul", "share_add", "add_sub"),
+    "additive": ("add_sub", "add_add", "sub_sub", "sub_add"),
+}
 
 #: Operands are drawn from this inclusive range.
 NUMBER_RANGE = (1, 10)
@@ -142,10 +171,17 @@ def _agree(text: str) -> str:
     return text.replace("1 of them are", "1 of them is")
 
 
-def _pick_templates(names: Sequence[str] | None) -> list[Template]:
-    if names is None:
-        return list(TEMPLATES)
+def _pick_templates(names: Sequence[str] | str | None) -> list[Template]:
     known = {t.name: t for t in TEMPLATES}
+    if names is None:
+        names = MIXES["mixed"]
+    elif isinstance(names, str):
+        if names not in MIXES:
+            raise ValueError(
+                f"word_problems templates={names!r}: name a mix in {list(MIXES)} or give a list "
+                f"of template names from {list(known)}."
+            )
+        names = MIXES[names]
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise ValueError(
@@ -158,7 +194,7 @@ def make_word_problem_rows(
     num_prompts: int = 256,
     *,
     seed: int = 0,
-    templates: Sequence[str] | None = None,
+    templates: Sequence[str] | str | None = None,
     instruction: str = INSTRUCTION,
     system_prompt: str | None = None,
 ) -> list[dict[str, Any]]:
@@ -167,7 +203,8 @@ def make_word_problem_rows(
     Args:
         num_prompts: How many distinct problems (1 to 20,000).
         seed: Same seed, same problems in the same order.
-        templates: Names of the :data:`TEMPLATES` to draw from (default all, in turn).
+        templates: Names of the :data:`TEMPLATES` to draw from in turn, or the name of a mix
+            in :data:`MIXES` (default ``"mixed"``).
         instruction: Text appended to each problem (the answer format asked for).
         system_prompt: A system message put before the problem; None uses the model's default
             (SmolLM2's chat template adds its own).
