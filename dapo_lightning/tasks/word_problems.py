@@ -142,9 +142,9 @@ TEMPLATES: tuple[Template, ...] = (
 )
 
 #: Named template subsets (``templates="additive"``). ``"mixed"`` is the default: multiplication
-#: in 4 of its 6 kinds. ``"additive"`` has addition and subtraction only. Measured on
-#: SmolLM2-135M-Instruct (128 problems, seed 0, vLLM bf16, 128 tokens): greedy 0.12 ("mixed":
-#: 0.03), 8 samples at temperature 1.0 0.04 per sample, pass@8 0.23 ("mixed": 0.26).
+#: in 4 of its 6 kinds. ``"additive"`` has addition and subtraction only. Untrained
+#: SmolLM2-135M-Instruct on 128 problems of each (``benchmarks/task_headroom.py``): greedy 0.05
+#: mixed / 0.12 additive, one sample at temperature 1.0 0.02 / 0.05, pass@8 0.16 / 0.31.
 MIXES: dict[str, tuple[str, ...]] = {
     "mixed": ("mul_sub", "mul_add", "add_mul", "sub_mul", "share_add", "add_sub"),
     "additive": ("add_sub", "add_add", "sub_sub", "sub_add"),
