@@ -202,6 +202,10 @@ def _profile_summary(prof: Any, path: Path) -> dict[str, Any]:
     """Top ops by self CPU time and the share spent in GEMMs."""
     events = prof.key_averages()
     path.write_text(events.table(sort_by="self_cpu_time_total", row_limit=30))
+    by_shape = prof.key_averages(group_by_input_shape=True)  # which tensors the top ops touch
+    path.with_name(path.stem + "_shapes.txt").write_text(
+        by_shape.table(sort_by="self_cpu_time_total", row_limit=40)
+    )
     total = sum(e.self_cpu_time_total for e in events) or 1.0
     gemm_ops = (
         "aten::mm",
@@ -266,7 +270,9 @@ def worker_dapo(case: Case) -> dict[str, Any]:
                 self.rss_before_update = current_rss_bytes()
             self._n = 0
             if i == self.profile_step:
-                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self.prof = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+                )
                 self.prof.__enter__()
             self._t = time.perf_counter()
 

@@ -216,6 +216,29 @@ def test_bf16_weights_and_autocast_close_to_float32(model, tiny_checkpoint):
     torch.testing.assert_close(auto[1][0], ref_logp, atol=0.1, rtol=0)
 
 
+def test_autocast_head_weight_grad_accumulates_in_float32(model):
+    """Under bf16 autocast over float32 weights, the fused head's dL/dW (float32 dL/dz chunks
+    summed by a float32 GEMM, the bf16 W of forward reused in backward) is within 2% of the
+    exact float32 gradient and no further from it than the naive path's bf16 GEMM (measured
+    here: 0.0056 fused, 0.0058 naive; bf16 hidden states dominate both)."""
+    ids, mask = _batch(3)
+    gen = torch.Generator().manual_seed(7)
+    w1 = torch.randn(B, T, generator=gen)
+
+    def head_grad(cs, autocast: bool) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logp, _ = response_log_probs(model, ids, mask, T, chunk_size=cs)
+        (w1 * logp).sum().backward()
+        return model.lm_head.weight.grad.clone()
+
+    exact = head_grad(None, autocast=False)
+    fused, naive = head_grad(4, autocast=True), head_grad(None, autocast=True)
+    err_fused = ((fused - exact).norm() / exact.norm()).item()
+    err_naive = ((naive - exact).norm() / exact.norm()).item()
+    assert err_fused < 0.02 and err_fused <= err_naive * 1.05, (err_fused, err_naive)
+
+
 # ---------------------------------------------------------------- memory
 def _saved_bytes(fn, exclude: set[int]) -> int:
     """Bytes of distinct storages autograd saves for backward while ``fn`` runs (parameters
