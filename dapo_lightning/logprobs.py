@@ -128,7 +128,7 @@ class LinearLogProbs(torch.autograd.Function):
         if g_logp is None:
             g_logp = lse.new_zeros(n)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if need_w else None
+        grad_w = None  # the first chunk's product starts it: no [V, H] zero fill
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, ctx.chunk_size):
@@ -146,12 +146,15 @@ class LinearLogProbs(torch.autograd.Function):
                 dz.scatter_add_(-1, targets[s:e, None], g)
                 if tau != 1.0:
                     dz /= tau
-                if grad_w is not None:
-                    grad_w.addmm_(dz.T, h.to(acc))
+                if need_w:
+                    h_acc = h.to(acc)
+                    grad_w = dz.T @ h_acc if grad_w is None else grad_w.addmm_(dz.T, h_acc)
                 if grad_b is not None:
                     grad_b += dz.sum(0)
                 if grad_h is not None:
                     grad_h[s:e] = dz.to(cd) @ w
+        if need_w and grad_w is None:  # no rows
+            grad_w = torch.zeros(w.shape, dtype=acc, device=w.device)
         grad_w = grad_w.to(ctx.weight_dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         return grad_h, grad_w, grad_b, None, None, None, None, None
