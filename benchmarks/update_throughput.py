@@ -91,7 +91,8 @@ class Case:
         gradient_checkpointing: Recompute activations in backward (both sides).
         warmup / repeats: Untimed and timed updates.
         impls: Which implementations run (``"dapo"`` ours, ``"trl"``).
-        profile: Ours only: profile one extra (untimed) update (top ops by self CPU time).
+        profile: Ours only: profile one extra (untimed) update after the timed ones (top ops by
+            self CPU time; peak RSS is read before it, so the profiler's memory is not counted).
         extras: Ours only: also measure the rollout-step shares, profile one update and count
             policy forwards (single update vs two mini-batches).
     """
@@ -262,6 +263,7 @@ def worker_dapo(case: Case) -> dict[str, Any]:
             self.forwards: list[int] = []
             self.grad_norms: list[float] = []
             self.rss_before_update = 0
+            self.peak_before_profile = 0
             self.prof: Any = None
             self._n = 0
 
@@ -269,7 +271,8 @@ def worker_dapo(case: Case) -> dict[str, Any]:
             if i == 0:
                 self.rss_before_update = current_rss_bytes()
             self._n = 0
-            if i == self.profile_step:
+            if i == self.profile_step:  # the profiler's own memory stays out of peak_rss
+                self.peak_before_profile = peak_rss_bytes()
                 self.prof = torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
                 )
@@ -349,7 +352,7 @@ def worker_dapo(case: Case) -> dict[str, Any]:
     result.update(
         seconds=statistics.median(timed),
         times=timed,
-        peak_rss=peak_rss_bytes(),
+        peak_rss=timer.peak_before_profile or peak_rss_bytes(),
         rss_start=rss_start,
         rss_before_update=timer.rss_before_update,
         grad_norm=timer.grad_norms[0],
