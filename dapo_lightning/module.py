@@ -273,6 +273,19 @@ class DAPOModule(LightningModule):
         full = config.train_batch_size // world if config is not None else num_local_groups
         return mini_batch_ranges(num_local_groups, self.hparams.mini_batch_size, world, full)
 
+    def updates_left(self) -> float:
+        """Optimizer updates before ``trainer.max_steps`` (inf when it is unset).
+
+        A rollout step runs one update per mini-batch, and with ``on_exhausted: train_on_kept``
+        their number varies; Lightning checks ``max_steps`` only between training steps, so the
+        step's loop stops here itself and ``max_steps`` counts updates exactly. Every rank has the
+        same ``global_step``, so all stop at the same update.
+        """
+        max_steps = self.trainer.max_steps
+        if max_steps is None or max_steps < 0:
+            return math.inf
+        return max_steps - self.trainer.global_step
+
     def training_step(self, batch: RolloutBatch | EndOfTraining, batch_idx: int) -> None:
         if isinstance(batch, EndOfTraining):
             self.stop_reason = batch.reason
@@ -284,6 +297,8 @@ class DAPOModule(LightningModule):
         step = self._step_tensors(batch)
         for _ in range(self.hparams.ppo_epochs):
             for groups in self.mini_batches(batch.num_groups):
+                if self.updates_left() <= 0:  # trainer.max_steps reached inside this step
+                    break
                 metrics = self._update(batch, rows_of_groups(groups, batch.group_size), step)
                 self._log_update(metrics)
                 call_dapo_hook(self.trainer, "on_dapo_update", metrics)

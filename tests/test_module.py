@@ -209,6 +209,16 @@ def test_later_mini_batches_see_ratio_not_one_and_clipping(tiny_checkpoint):
     assert any(u["clipfrac_high"] + u["clipfrac_low"] > 0 for u in later)
 
 
+def test_max_steps_counts_updates_exactly_inside_a_rollout_step(tiny_checkpoint):
+    # 4 groups, one per mini-batch: 4 updates per rollout step. max_steps=6 ends in the middle
+    # of the second step; Lightning alone checks it only between steps and would run 8.
+    rec = Record()
+    module = DAPOModule(str(tiny_checkpoint), optimizer=adam, mini_batch_size=1)
+    trainer = _fit(module, FixedBatches(fixed_batch(), steps=3), [rec], max_steps=6)
+    assert trainer.global_step == 6 and len(rec.updates) == 6
+    assert module.policy_version == 6 and module.rollout_step == 2
+
+
 def test_warmup_steps_once_per_update_and_clipping_applies(tiny_checkpoint):
     rec = Record()
     module = DAPOModule(
