@@ -31,6 +31,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,26 +65,26 @@ def score_mix(
     seconds = time.perf_counter() - t0
     per: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for row, g, group in zip(rows, greedy, sampled):
-        ok = [reward.score_one(tokenizer.decode(c.token_ids), row["answer"]).acc for c in group]
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
+        ok = [reward.score_one(text, row["answer"]).acc for text in texts]
         first = reward.score_one(g.outputs[0].text, row["answer"]).acc
-        for key in (row["template"], "all"):  # "all" last: dicts keep insertion order
+        for key in (row["template"], "all"):
             per[key]["greedy"].append(float(first))
             per[key]["sampled"].extend(map(float, ok))
             per[key]["pass"].append(float(any(ok)))
             per[key]["tokens"].extend(len(c.token_ids) for c in group)
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return [
         {
             "mix": mix,
             "template": key,
             "problems": len(v["greedy"]),
-            "greedy": round(mean(v["greedy"]), 3),
-            "sampled": round(mean(v["sampled"]), 3),
-            f"pass@{n}": round(mean(v["pass"]), 3),
-            "tokens": round(mean(v["tokens"]), 1),
+            "greedy": round(fmean(v["greedy"]), 3),
+            "sampled": round(fmean(v["sampled"]), 3),
+            f"pass@{n}": round(fmean(v["pass"]), 3),
+            "tokens": round(fmean(v["tokens"]), 1),
             "sample s": round(seconds, 1) if key == "all" else "",
         }
-        for key, v in sorted(per.items(), key=lambda kv: kv[0] == "all")
+        for key, v in sorted(per.items(), key=lambda kv: kv[0] == "all")  # "all" last
     ]
 
 
