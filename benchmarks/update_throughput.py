@@ -91,8 +91,8 @@ class Case:
         gradient_checkpointing: Recompute activations in backward (both sides).
         warmup / repeats: Untimed and timed updates.
         impls: Which implementations run (``"dapo"`` ours, ``"trl"``).
-        profile: Ours only: profile one extra (untimed) update after the timed ones (top ops by
-            self CPU time; peak RSS is read before it, so the profiler's memory is not counted).
+        profile: Profile one extra (untimed) update after the timed ones, on both sides (top ops
+            by self CPU time; peak RSS is read before it, so the profiler's memory is not counted).
         extras: Ours only: also measure the rollout-step shares, profile one update and count
             policy forwards (single update vs two mini-batches).
     """
@@ -227,9 +227,9 @@ def _profile_summary(prof: Any, path: Path) -> dict[str, Any]:
 
 
 def print_profile(name: str, prof: dict[str, Any]) -> None:
-    """The top ops of one profiled update of ours (:func:`_profile_summary`) as a table."""
+    """The top ops of one profiled update (:func:`_profile_summary`) as a table."""
     print_table(
-        f"Profile of our update ({name}): top ops by self CPU time "
+        f"Profile of one update ({name}): top ops by self CPU time "
         f"(GEMM/attention share {prof['gemm_share']:.0%})",
         ["op", "self CPU ms", "share"],
         [list(t) for t in prof["top"]],
@@ -515,7 +515,7 @@ def worker_trl(case: Case) -> dict[str, Any]:
         update()
         if k >= case.warmup:
             times.append(time.perf_counter() - t)
-    return dict(
+    result = dict(
         seconds=statistics.median(times),
         times=times,
         peak_rss=peak_rss_bytes(),
@@ -523,6 +523,15 @@ def worker_trl(case: Case) -> dict[str, Any]:
         rss_before_update=rss_before,
         grad_norm=grad_norms[0],
     )
+    if case.profile:  # one more update, after the peak was read
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+        ) as prof:
+            update()
+        result["profile"] = _profile_summary(
+            prof, out_dir() / f"profile_{_slug(case.name)}_trl.txt"
+        )
+    return result
 
 
 def _slug(name: str) -> str:
@@ -687,8 +696,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if case.extras:
             extras[case.name] = results["dapo"]
-        elif "dapo" in results and results["dapo"].get("profile"):
-            profiles[case.name] = results["dapo"]["profile"]
+        for impl, r in results.items():
+            if r.get("profile") and not (case.extras and impl == "dapo"):
+                profiles[f"{case.name}, {'ours' if impl == 'dapo' else 'TRL'}"] = r["profile"]
 
     print_table(
         "One DAPO optimizer update (median of repeats)",

@@ -72,7 +72,7 @@ def test_update_throughput_quick() -> None:
     assert "ours" in out and "trl" in out
     assert "Rollout step shares" in out
     assert "Redundant-forward check" in out
-    assert "Profile of our update" in out
+    assert "Profile of one update" in out
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from dapo_lightning.logprobs import (
     LinearLogProbs,
+    _float32_gemm_with_bf16_inputs,
     auto_chunk_rows,
     fused_linear_log_probs,
     output_head,
@@ -218,9 +219,9 @@ def test_bf16_weights_and_autocast_close_to_float32(model, tiny_checkpoint):
 
 def test_autocast_head_weight_grad_accumulates_in_float32(model):
     """Under bf16 autocast over float32 weights, the fused head's dL/dW (float32 dL/dz chunks
-    summed by a float32 GEMM, the bf16 W of forward reused in backward) is within 2% of the
-    exact float32 gradient and no further from it than the naive path's bf16 GEMM (measured
-    here: 0.0056 fused, 0.0058 naive; bf16 hidden states dominate both)."""
+    summed by a float32 GEMM on bf16-rounded inputs, the bf16 W of forward reused in backward)
+    is within 2% of the exact float32 gradient and no further from it than the naive path's
+    bf16 GEMM (measured here: 0.0056 fused, 0.0058 naive; bf16 hidden states dominate both)."""
     ids, mask = _batch(3)
     gen = torch.Generator().manual_seed(7)
     w1 = torch.randn(B, T, generator=gen)
@@ -237,6 +238,29 @@ def test_autocast_head_weight_grad_accumulates_in_float32(model):
     err_fused = ((fused - exact).norm() / exact.norm()).item()
     err_naive = ((naive - exact).norm() / exact.norm()).item()
     assert err_fused < 0.02 and err_fused <= err_naive * 1.05, (err_fused, err_naive)
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="CPU without bf16 instructions"
+)
+def test_float32_gemm_with_bf16_inputs_rounds_inputs_sums_in_float32_and_restores():
+    """Inside the context a float32 CPU GEMM equals the float64 product of its bf16-rounded
+    inputs (float32 accumulation: relative error ~1e-7, not bf16's ~4e-3), outside it is the
+    plain float32 GEMM; the precision flag is restored, also after an exception."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 300, generator=gen), torch.randn(300, 48, generator=gen)
+    rounded = a.bfloat16().double() @ b.bfloat16().double()
+    exact = a.double() @ b.double()
+    flag = torch.backends.mkldnn.matmul.fp32_precision
+    with _float32_gemm_with_bf16_inputs(True):
+        got = torch.zeros(64, 48).addmm_(a, b)  # the in-place form the head's backward uses
+    rel = lambda x, ref: float((x.double() - ref).abs().max() / ref.abs().max())  # noqa: E731
+    assert rel(got, rounded) < 1e-5 < rel(got, exact)
+    with _float32_gemm_with_bf16_inputs(False):
+        assert rel(a @ b, exact) < 1e-6
+    with pytest.raises(RuntimeError), _float32_gemm_with_bf16_inputs(True):
+        raise RuntimeError
+    assert torch.backends.mkldnn.matmul.fp32_precision == flag
 
 
 # ---------------------------------------------------------------- memory
