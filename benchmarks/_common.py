@@ -53,6 +53,25 @@ def config_callbacks(configs: Sequence[str | Path]) -> list[dict[str, Any]]:
     return callbacks
 
 
+def model_override(configs: Sequence[str | Path], model_dir: str | Path) -> dict[str, Any]:
+    """Override-YAML keys that point a run of ``configs`` at the model folder ``model_dir``:
+    ``model.init_args.model_name_or_path``, and, when the configs write a tiny model on first
+    use (``create_model_if_missing``), that option aimed at the same folder (with its own path
+    left in place the CLI would write nothing: the model path would name another folder)."""
+    import yaml
+
+    create = None
+    for cfg in configs:
+        create = yaml.safe_load((REPO_ROOT / cfg).read_text()).get(
+            "create_model_if_missing", create
+        )
+    keys: dict[str, Any] = {"model": {"init_args": {"model_name_or_path": str(model_dir)}}}
+    if create is not None:
+        kind = create if isinstance(create, str) else create["kind"]
+        keys["create_model_if_missing"] = {"kind": kind, "path": str(model_dir)}
+    return keys
+
+
 # ----------------------------------------------------------------------------- timing
 def median_time(
     fn: Callable[[], Any], *, repeats: int = 3, warmup: int = 1

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks._common import REPO_ROOT, config_callbacks, out_dir, print_table
+from benchmarks._common import REPO_ROOT, config_callbacks, model_override, out_dir, print_table
 from dapo_lightning.plot import find_metrics_csv, read_metrics
 
 #: Method name -> config files given to the CLI in order (later ones override).
@@ -81,7 +81,7 @@ def run_fit(
                     "callbacks": callbacks,
                     **({"val_check_interval": val_every} if val_every else {}),
                 },
-                "model": {"init_args": {"model_name_or_path": str(model_dir)}},
+                **model_override(configs, model_dir),
             }
         )
     )

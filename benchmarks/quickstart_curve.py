@@ -42,7 +42,7 @@ import yaml
 from dapo_lightning.plot import find_metrics_csv, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO_ROOT, config_callbacks, out_dir, print_table  # noqa: E402
+from _common import REPO_ROOT, config_callbacks, model_override, out_dir, print_table  # noqa: E402
 
 #: The command's config file (relative to the repository root).
 QUICKSTART = "configs/quickstart.yaml"
@@ -115,7 +115,7 @@ def write_override(run_dir: Path, *, quick: bool, model_dir: Path | None = None)
     path = run_dir / "override.yaml"
     path.write_text(
         yaml.safe_dump(
-            {"trainer": trainer, "model": {"init_args": {"model_name_or_path": str(model_path)}}},
+            {"trainer": trainer, **model_override([QUICKSTART], model_path)},
             sort_keys=False,
         )
     )

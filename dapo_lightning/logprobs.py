@@ -89,19 +89,32 @@ class _ChunkBuffers:
         return m, e.sum(-1, keepdim=True)
 
 
+#: Per device type: the backend whose float32 matmuls may round their inputs, to what, and for
+#: which compute dtypes that rounding is no coarser than the compute dtype's own.
+_REDUCED_FLOAT32_GEMM = {
+    "cpu": ("mkldnn", "bf16", (torch.bfloat16,)),
+    "cuda": ("cuda", "tf32", (torch.bfloat16, torch.float16)),
+}
+
+
 @contextlib.contextmanager
-def _float32_gemm_with_bf16_inputs(enabled: bool) -> Iterator[None]:
-    """While active, oneDNN runs float32 CPU matmuls on bf16-rounded inputs with float32
-    accumulation and output (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``; a CPU
-    without bf16 instructions keeps float32). Used for ``dL/dW`` under bf16 autocast: its inputs
-    get the rounding the autocast head's own bf16 GEMM gives them, its sum stays float32, and it
-    runs at the bf16 rate (measured here: 17 ms instead of 32 ms per 170-row chunk, V = 49152)."""
-    matmul = getattr(torch.backends.mkldnn, "matmul", None)
-    if not enabled or matmul is None or not torch.backends.mkldnn.is_available():
+def _reduced_input_float32_gemm(device_type: str, compute_dtype: torch.dtype) -> Iterator[None]:
+    """While active, float32 matmuls on ``device_type`` round their inputs (CPU, for a bf16
+    ``compute_dtype``: to bf16 through oneDNN, ``torch.backends.mkldnn.matmul.fp32_precision =
+    "bf16"``, kept float32 on a CPU without bf16 instructions; CUDA, for bf16 / fp16: to TF32 on
+    tensor cores) and accumulate and return float32. Any other case: no change. Used for
+    ``dL/dW`` under autocast: its inputs get no more rounding than the autocast head's own GEMM
+    gives them, its sum stays float32, and it runs at the reduced-precision rate (measured
+    here: 17 ms instead of 32 ms per 170-row chunk, V = 49152; the CUDA branch is not run on
+    these machines)."""
+    backend, precision, dtypes = _REDUCED_FLOAT32_GEMM.get(device_type, (None, None, ()))
+    matmul = getattr(getattr(torch.backends, backend, None), "matmul", None) if backend else None
+    usable = compute_dtype in dtypes and matmul is not None
+    if not usable or (backend == "mkldnn" and not torch.backends.mkldnn.is_available()):
         yield
         return
     previous = matmul.fp32_precision
-    matmul.fp32_precision = "bf16"
+    matmul.fp32_precision = precision
     try:
         yield
     finally:
@@ -128,8 +141,8 @@ class LinearLogProbs(torch.autograd.Function):
     logits are recomputed in backward. ``dL/dW`` is accumulated over chunks in float32 by an
     in-place float32 GEMM on the float32 ``dL/dz`` (no bf16 rounding of the chunk products; on
     CPU it also beats a bf16 GEMM followed by a float32 add of its ``[V, H]`` result); with a
-    bf16 compute dtype on CPU that GEMM rounds its inputs to bf16
-    (:func:`_float32_gemm_with_bf16_inputs`). Every ``[rows, V]`` intermediate lives in one
+    bf16 / fp16 compute dtype that GEMM rounds its inputs (bf16 on CPU, TF32 on CUDA:
+    :func:`_reduced_input_float32_gemm`). Every ``[rows, V]`` intermediate lives in one
     set of :class:`_ChunkBuffers` per call.
     """
 
@@ -187,7 +200,6 @@ class LinearLogProbs(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         with torch.autocast(hidden.device.type, enabled=False):
             buf = _ChunkBuffers(min(n, ctx.chunk_size), w.shape[0], cd, acc, hidden)
-            bf16_dw = cd == torch.bfloat16 and hidden.device.type == "cpu"
             for s in range(0, n, ctx.chunk_size):
                 e = min(n, s + ctx.chunk_size)
                 h = hidden[s:e].to(cd)
@@ -205,7 +217,7 @@ class LinearLogProbs(torch.autograd.Function):
                     dz /= tau
                 if need_w:
                     h_acc = h.to(acc)
-                    with _float32_gemm_with_bf16_inputs(bf16_dw):
+                    with _reduced_input_float32_gemm(hidden.device.type, cd):
                         grad_w = dz.T @ h_acc if grad_w is None else grad_w.addmm_(dz.T, h_acc)
                 if grad_b is not None:
                     grad_b += dz.sum(0)

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from dapo_lightning.logprobs import (
     LinearLogProbs,
-    _float32_gemm_with_bf16_inputs,
+    _reduced_input_float32_gemm,
     auto_chunk_rows,
     fused_linear_log_probs,
     output_head,
@@ -243,7 +243,7 @@ def test_autocast_head_weight_grad_accumulates_in_float32(model):
 @pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="CPU without bf16 instructions"
 )
-def test_float32_gemm_with_bf16_inputs_rounds_inputs_sums_in_float32_and_restores():
+def test_reduced_input_float32_gemm_rounds_to_bf16_sums_in_float32_and_restores():
     """Inside the context a float32 CPU GEMM equals the float64 product of its bf16-rounded
     inputs (float32 accumulation: relative error ~1e-7, not bf16's ~4e-3), outside it is the
     plain float32 GEMM; the precision flag is restored, also after an exception."""
@@ -252,13 +252,14 @@ def test_float32_gemm_with_bf16_inputs_rounds_inputs_sums_in_float32_and_restore
     rounded = a.bfloat16().double() @ b.bfloat16().double()
     exact = a.double() @ b.double()
     flag = torch.backends.mkldnn.matmul.fp32_precision
-    with _float32_gemm_with_bf16_inputs(True):
+    with _reduced_input_float32_gemm("cpu", torch.bfloat16):
         got = torch.zeros(64, 48).addmm_(a, b)  # the in-place form the head's backward uses
     rel = lambda x, ref: float((x.double() - ref).abs().max() / ref.abs().max())  # noqa: E731
     assert rel(got, rounded) < 1e-5 < rel(got, exact)
-    with _float32_gemm_with_bf16_inputs(False):
-        assert rel(a @ b, exact) < 1e-6
-    with pytest.raises(RuntimeError), _float32_gemm_with_bf16_inputs(True):
+    for device, dtype in (("cpu", torch.float32), ("cpu", torch.float16), ("meta", torch.bfloat16)):
+        with _reduced_input_float32_gemm(device, dtype):  # no rounding coarser than the dtype's
+            assert rel(a @ b, exact) < 1e-6
+    with pytest.raises(RuntimeError), _reduced_input_float32_gemm("cpu", torch.bfloat16):
         raise RuntimeError
     assert torch.backends.mkldnn.matmul.fp32_precision == flag
 
