@@ -199,6 +199,15 @@ def _make_batch(case: Case) -> Any:
     )
 
 
+def _cpu_profiler() -> Any:
+    """The profiler of one update, ours and TRL's alike: CPU ops with their input shapes."""
+    import torch
+
+    return torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+    )
+
+
 def _profile_summary(prof: Any, path: Path) -> dict[str, Any]:
     """Top ops by self CPU time and the share spent in GEMMs."""
     events = prof.key_averages()
@@ -273,9 +282,7 @@ def worker_dapo(case: Case) -> dict[str, Any]:
             self._n = 0
             if i == self.profile_step:  # the profiler's own memory stays out of peak_rss
                 self.peak_before_profile = peak_rss_bytes()
-                self.prof = torch.profiler.profile(
-                    activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
-                )
+                self.prof = _cpu_profiler()
                 self.prof.__enter__()
             self._t = time.perf_counter()
 
@@ -524,9 +531,7 @@ def worker_trl(case: Case) -> dict[str, Any]:
         grad_norm=grad_norms[0],
     )
     if case.profile:  # one more update, after the peak was read
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
-        ) as prof:
+        with _cpu_profiler() as prof:
             update()
         result["profile"] = _profile_summary(
             prof, out_dir() / f"profile_{_slug(case.name)}_trl.txt"

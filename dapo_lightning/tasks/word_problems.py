@@ -142,9 +142,8 @@ TEMPLATES: tuple[Template, ...] = (
 )
 
 #: Named template subsets (``templates="additive"``). ``"mixed"`` is the default: multiplication
-#: in 4 of its 6 kinds. ``"additive"`` has addition and subtraction only. Untrained
-#: SmolLM2-135M-Instruct on 128 problems of each (``benchmarks/task_headroom.py``): greedy 0.05
-#: mixed / 0.12 additive, one sample at temperature 1.0 0.02 / 0.05, pass@8 0.16 / 0.31.
+#: in 4 of its 6 kinds. ``"additive"`` has addition and subtraction only (how well an untrained
+#: model does on each: ``benchmarks/task_headroom.py``, results in ``benchmarks/RESULTS.md``).
 MIXES: dict[str, tuple[str, ...]] = {
     "mixed": ("mul_sub", "mul_add", "add_mul", "sub_mul", "share_add", "add_sub"),
     "additive": ("add_sub", "add_add", "sub_sub", "sub_add"),
