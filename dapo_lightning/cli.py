@@ -129,6 +129,19 @@ class DAPOLightningCLI(LightningCLI):
             "validate": {"model", "dataloaders", "datamodule"},
         }
 
+    def add_core_arguments_to_parser(self, parser) -> None:
+        """As LightningCLI does, except that the module's ``policy`` (an already built
+        ``nn.Module``, for Python callers) is no CLI option: a config cannot build one, and its
+        help listed every ``torch.nn.Module`` subclass before the first DAPO option."""
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.set_defaults(
+            {f"trainer.{k}": v for k, v in self.trainer_defaults.items() if k != "callbacks"}
+        )
+        parser.add_subclass_arguments(
+            self._model_class, "model", fail_untyped=False, required=True, skip={"policy"}
+        )
+        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=True)
+
     def add_arguments_to_parser(self, parser) -> None:  # noqa: D102
         parser.add_argument(
             "--create_model_if_missing",

@@ -307,6 +307,24 @@ def test_fit_help_starts_with_the_dapo_options():
     assert "--ckpt_path auto" in head
 
 
+def test_model_help_lists_the_dapo_options_not_torchs_module_zoo(capsys):
+    # `policy` (a built nn.Module, for Python callers) is no CLI option: its help listed ~450
+    # torch.nn.Module subclasses before clip_ratio_low (line 548 of 650).
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(["fit", "--model.help", "DAPOModule"])
+    assert exit_info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert not any("--model.policy" in line or "torch.nn.Linear" in line for line in lines)
+    options = [line.split()[0] for line in lines if line.startswith("  --model.")]
+    first = next(
+        i
+        for i, line in enumerate(lines)
+        if line.startswith("  --model.") and "clip_ratio_low" in line
+    )
+    assert first < 120, f"clip_ratio_low at line {first}: {options}"
+    assert len(lines) < 300
+
+
 def test_lightning_test_subcommand_is_not_offered():
     proc = run_cli("test", "--config", QUICKSTART)
     assert proc.returncode == 2 and "test" in proc.stderr and "fit" in proc.stderr
