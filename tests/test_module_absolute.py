@@ -17,6 +17,7 @@ from lightning.pytorch import Trainer
 from transformers import AutoModelForCausalLM
 
 import dapo_lightning.module as module_lib
+from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.module import DAPOModule
 from tests._module_harness import FixedBatches, fixed_batch
 
@@ -30,7 +31,7 @@ def _sequences(batch):
     P = batch.prompt_width
     for i in range(batch.batch_size):
         ids = batch.input_ids[i][batch.attention_mask[i].bool()].tolist()
-        n_resp = int(batch.response_length[i])
+        n_resp = int(batch.attention_mask[i, P:].sum())  # observation tokens included
         prompt_len = int(batch.attention_mask[i, :P].sum())
         assert len(ids) == prompt_len + n_resp
         rows.append(
@@ -57,12 +58,18 @@ def _logp(model, prompt, response):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
-def reference_updates(checkpoint, batch, groups_per_update, seq_mean=False):
+def reference_updates(checkpoint, batch, groups_per_update, seq_mean=False, sampled=None):
     """Parameters after SGD on DAPO's token-mean objective, mini-batch after mini-batch; with
     ``seq_mean``, GRPO's: the mean over the mini-batch's rows (fully masked rows included, as in
-    verl's trainer) of each response's token mean."""
+    verl's trainer) of each response's token mean. ``sampled[i]`` (0/1 per response token of
+    row i) keeps only the tokens the policy sampled in a multi-turn episode: observation tokens
+    are context for the later ones but no term of the objective and not in its token count."""
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()
     rows = _sequences(batch)
+    keep = [
+        torch.tensor(sampled[i] if sampled is not None else [1] * len(y), dtype=torch.float64)
+        for i, (_, y, _, _) in enumerate(rows)
+    ]
     adv = _grpo(rows)
     masked = [float(batch.response_mask[i].sum()) == 0 for i in range(batch.batch_size)]
     with torch.no_grad():
@@ -72,14 +79,14 @@ def reference_updates(checkpoint, batch, groups_per_update, seq_mean=False):
         members = [i for i, (*_, g) in enumerate(rows) if start <= g < start + groups_per_update]
         model.zero_grad()
         objective = 0.0
-        tokens = sum(len(rows[i][1]) for i in members if not masked[i])
+        tokens = sum(float(keep[i].sum()) for i in members if not masked[i])
         for i in members:
             if masked[i]:
                 continue
             ratio = torch.exp(_logp(model, rows[i][0], rows[i][1]) - old[i])
             clipped = torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH)
-            term = torch.minimum(ratio * adv[i], clipped * adv[i]).sum()
-            objective = objective + (term / len(rows[i][1]) if seq_mean else term)
+            term = (torch.minimum(ratio * adv[i], clipped * adv[i]) * keep[i]).sum()
+            objective = objective + (term / keep[i].sum() if seq_mean else term)
         (-objective / (len(members) if seq_mean else tokens)).backward()
         with torch.no_grad():
             for p in model.parameters():
@@ -163,4 +170,56 @@ def test_a_wrong_normaliser_fails_the_reference(tiny_checkpoint, start, monkeypa
     batch = fixed_batch()
     ours = module_updates(str(tiny_checkpoint), batch, None)
     ref = reference_updates(str(tiny_checkpoint), batch, 4)
+    assert rel_diff(ours, ref, start) > 1e-2
+
+
+def _episode_batch(count_observations=False):
+    """The fixed batch as multi-turn episodes: in every response of 5+ tokens, tokens
+    [1, len // 2) are an observation (token mask 0); they stay in the sequence as context.
+    ``count_observations`` builds the wrong batch: the same tokens, every one in the loss."""
+    batch = fixed_batch()
+    rows = _sequences(batch)
+    sampled = [
+        [0 if 1 <= t < len(y) // 2 and len(y) >= 5 else 1 for t in range(len(y))]
+        for _, y, _, _ in rows
+    ]
+    rollouts = ScoredRollouts(
+        prompt_ids=[p for p, *_ in rows],
+        response_ids=[y for _, y, _, _ in rows],
+        rollout_log_probs=[[0.0] * len(y) for _, y, _, _ in rows],
+        finish_reason=["stop"] * len(rows),
+        group_index=batch.group_index,
+        prompt_uid=[str(g) for *_, g in rows],
+        score=batch.score,
+        acc=batch.acc,
+        sampling=batch.sampling,
+        token_mask=None if count_observations else sampled,
+    )
+    return RolloutBatch.from_rollouts(
+        rollouts, group_size=batch.group_size, pad_token_id=0
+    ), sampled
+
+
+@pytest.mark.parametrize(
+    ("mini_batch_size", "groups_per_update"), [(None, 4), (2, 2)], ids=["one update", "2 updates"]
+)
+def test_update_skips_observation_tokens(
+    tiny_checkpoint, start, mini_batch_size, groups_per_update
+):
+    """Multi-turn episodes: observation tokens (token mask 0) are neither terms of the
+    objective nor counted in its normaliser N; the reference skips them one sequence at a time."""
+    batch, sampled = _episode_batch()
+    observed = sum(len(m) - sum(m) for m in sampled)
+    assert observed >= 40 and float(batch.response_mask.sum()) == sum(map(sum, sampled))
+    ours = module_updates(str(tiny_checkpoint), batch, mini_batch_size)
+    ref = reference_updates(str(tiny_checkpoint), batch, groups_per_update, sampled=sampled)
+    assert rel_diff(ours, ref, start) < 1e-5
+
+
+def test_counting_observation_tokens_fails_the_reference(tiny_checkpoint, start):
+    """Negative control: a batch whose mask counts the observation tokens (the same tokens, no
+    token mask) trains differently from the reference that skips them."""
+    wrong, sampled = _episode_batch(count_observations=True)
+    ours = module_updates(str(tiny_checkpoint), wrong, None)
+    ref = reference_updates(str(tiny_checkpoint), wrong, 4, sampled=sampled)
     assert rel_diff(ours, ref, start) > 1e-2

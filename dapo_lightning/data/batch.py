@@ -41,6 +41,11 @@ class ScoredRollouts:
         policy_version: Weight version (optimizer updates applied) the responses were
             sampled with.
         extra: Per-response extra information from the reward function (lists of length N).
+        token_mask: Per response, a per-token 0/1 list: 1 on tokens the policy sampled, 0 on
+            tokens it did not (observations of a multi-turn episode); those leave the loss,
+            its token count, the entropy, the KL and the parity check
+            (:meth:`RolloutBatch.from_rollouts` ANDs it into ``response_mask``). None: every
+            token was sampled.
     """
 
     prompt_ids: list[list[int]]
@@ -56,12 +61,24 @@ class ScoredRollouts:
     reward: Tensor | None = None
     loss_mask: Tensor | None = None
     extra: dict[str, list[Any]] = field(default_factory=dict)
+    token_mask: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.reward is None:
             self.reward = self.score.clone().float()
         if self.loss_mask is None:
             self.loss_mask = torch.ones(len(self.response_ids), dtype=torch.bool)
+        if self.token_mask is not None:
+            if len(self.token_mask) != len(self.response_ids) or any(
+                len(m) != len(r) for m, r in zip(self.token_mask, self.response_ids)
+            ):
+                raise ValueError("ScoredRollouts.token_mask needs one entry per response token.")
+
+    def token_masks(self) -> list[list[int]]:
+        """``token_mask``, with all-ones lists when it is None."""
+        if self.token_mask is not None:
+            return self.token_mask
+        return [[1] * len(r) for r in self.response_ids]
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -77,7 +94,10 @@ class ScoredRollouts:
 
     @property
     def response_length(self) -> Tensor:
-        """``[N]`` long, number of sampled tokens of each response."""
+        """``[N]`` long, number of sampled tokens of each response (observation tokens of a
+        multi-turn episode not counted: overlong shaping measures what the policy wrote)."""
+        if self.token_mask is not None:
+            return torch.tensor([sum(m) for m in self.token_mask], dtype=torch.long)
         return torch.tensor([len(r) for r in self.response_ids], dtype=torch.long)
 
     @property
@@ -123,6 +143,7 @@ class ScoredRollouts:
             reward=self.reward[idx],
             loss_mask=self.loss_mask[idx],
             extra={k: [v[i] for i in index] for k, v in self.extra.items()},
+            token_mask=None if self.token_mask is None else [self.token_mask[i] for i in index],
         )
 
 
@@ -137,14 +158,15 @@ class RolloutBatch:
         input_ids: ``[B, P + T]`` long.
         attention_mask: ``[B, P + T]`` long, 1 on real tokens.
         response_mask: ``[B, T]`` float, 1 on response tokens that enter the loss
-            (0 on padding and on responses removed by ``loss_mask``).
+            (0 on padding, on responses removed by ``loss_mask`` and on observation tokens,
+            ``ScoredRollouts.token_mask``).
         rollout_log_probs: ``[B, T]`` float, the engine's sampling log-probabilities.
         reward: ``[B]`` float, shaped reward (what the advantages use).
         score: ``[B]`` float, raw reward.
         acc: ``[B]`` float, correctness.
         group_index: ``[B]`` long, 0..num_groups-1, groups contiguous.
         truncated: ``[B]`` bool.
-        response_length: ``[B]`` long, sampled tokens per response.
+        response_length: ``[B]`` long, sampled tokens per response (observations not counted).
         sample_version: ``[B]`` long, policy version each response was sampled with.
         policy_version: Policy version of the freshest responses in the batch.
         group_size: Responses per group (``n``).
@@ -270,6 +292,7 @@ class RolloutBatch:
         attention_mask = torch.zeros((n, P + T), dtype=torch.long)
         response_mask = torch.zeros((n, T), dtype=torch.float32)
         logp = torch.zeros((n, T), dtype=torch.float32)
+        token_mask = rollouts.token_mask
         for i, (p, r, lp) in enumerate(
             zip(rollouts.prompt_ids, rollouts.response_ids, rollouts.rollout_log_probs)
         ):
@@ -279,6 +302,10 @@ class RolloutBatch:
                 input_ids[i, P : P + len(r)] = torch.as_tensor(r, dtype=torch.long)
                 attention_mask[i, P : P + len(r)] = 1
                 response_mask[i, : len(r)] = float(rollouts.loss_mask[i])
+                if token_mask is not None:
+                    response_mask[i, : len(r)] *= torch.as_tensor(
+                        token_mask[i], dtype=torch.float32
+                    )
                 logp[i, : len(r)] = torch.as_tensor(lp, dtype=torch.float32)
         if sample_version is None:
             sample_version = torch.full((n,), rollouts.policy_version, dtype=torch.long)

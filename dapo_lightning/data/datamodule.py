@@ -39,6 +39,12 @@ from dapo_lightning.data.sources import (
     split_train_val,
     tokenize_records,
 )
+from dapo_lightning.envs import (
+    EnvironmentConfig,
+    EpisodeSession,
+    environment_factory,
+    with_instructions,
+)
 from dapo_lightning.rewards import RewardRunner, get_reward
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
@@ -85,7 +91,7 @@ def _as_list(files: str | Path | list[str] | None) -> list[str] | None:
 
 # The data module's hyper-parameters (saved in checkpoints) hold these plain dataclasses:
 # allow them in ``torch.load(weights_only=True)``.
-torch.serialization.add_safe_globals([SamplingConfig, DynamicSamplingConfig])
+torch.serialization.add_safe_globals([SamplingConfig, DynamicSamplingConfig, EnvironmentConfig])
 
 #: The paper's sampling: 20480-token responses at temperature 1.0.
 PAPER_SAMPLING = SamplingConfig(max_tokens=20480)
@@ -137,6 +143,10 @@ class DAPODataModule(pl.LightningDataModule):
             (stop with ``max_steps``).
         seed: Seeds the prompt order, validation split, subsampling and the engines; None uses
             the run's ``seed_everything`` (0 when there is none).
+        environment: Multi-turn episodes in an environment instead of single responses
+            (:class:`~dapo_lightning.envs.EnvironmentConfig`: ``name`` (``"calculator"`` or
+            your class path), ``init_args``, ``max_turns``, ``max_episode_tokens``,
+            ``call_timeout_s``, ...); None: single-turn rollouts.
     """
 
     def __init__(
@@ -171,6 +181,7 @@ class DAPODataModule(pl.LightningDataModule):
         val_batch_size: int = 32,
         steps_per_epoch: int | None = None,
         seed: int | None = None,
+        environment: EnvironmentConfig | None = None,
     ) -> None:
         super().__init__()
         from dapo_lightning.tasks import get_task
@@ -231,6 +242,9 @@ class DAPODataModule(pl.LightningDataModule):
         self.val_batch_size = val_batch_size
         self.steps_per_epoch = steps_per_epoch
         self._seed = seed
+        #: Multi-turn environment settings (None: single-turn rollouts).
+        self.environment = environment
+        self._make_env = environment_factory(environment) if environment is not None else None
         self.tokenizer: Any = None
         self.train_records: list[PromptRecord] = []
         self.val_records: list[PromptRecord] = []
@@ -294,6 +308,10 @@ class DAPODataModule(pl.LightningDataModule):
         if self.tokenizer is None:
             self.tokenizer = self._load_tokenizer()
         train, val = self._load_records()
+        if self._make_env is not None and self.environment.add_instructions:
+            instructions = getattr(self._make_env(), "instructions", None)
+            text = instructions() if callable(instructions) else None
+            with_instructions(train + val, text, self.apply_chat_template)
         tok_kw = dict(
             apply_chat_template=self.apply_chat_template,
             max_prompt_length=self.max_prompt_length,
@@ -311,14 +329,7 @@ class DAPODataModule(pl.LightningDataModule):
             max_failure_frac=self.max_reward_failure_frac,
             in_process=self.reward_in_process,
         )
-        self.session = EngineSession(
-            self.engine_spec,
-            engine_kwargs=self.engine_kwargs,
-            model_path=self.model_name_or_path,
-            tokenizer=self.tokenizer,
-            seed=self.seed,
-            rank=rank,
-        )
+        self.session = self._make_session(rank)
         self.session.attach(lambda: self.trainer.lightning_module.policy)
         pad = self.tokenizer.pad_token_id
         pad = pad if pad is not None else self.tokenizer.eos_token_id
@@ -339,6 +350,29 @@ class DAPODataModule(pl.LightningDataModule):
         )
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
+
+    def _make_session(self, rank: int) -> EngineSession:
+        """The engine session; with an environment, one whose engine runs episodes."""
+        kwargs: dict[str, Any] = dict(
+            engine_kwargs=self.engine_kwargs,
+            model_path=self.model_name_or_path,
+            tokenizer=self.tokenizer,
+            seed=self.seed,
+            rank=rank,
+        )
+        if self.environment is None:
+            return EngineSession(self.engine_spec, **kwargs)
+        budget = self.environment.max_episode_tokens
+        return EpisodeSession(
+            self.engine_spec,
+            environment=self.environment,
+            make_env=self._make_env,
+            records=self.train_records + self.val_records,
+            max_episode_tokens=budget or self.max_prompt_length + self.sampling.max_tokens,
+            use_chat_template=self.apply_chat_template,
+            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            **kwargs,
+        )
 
     def _sum_over_ranks(self, flags: list[int]) -> list[int]:
         strategy = self.trainer.strategy
@@ -388,11 +422,16 @@ class DAPODataModule(pl.LightningDataModule):
         """Generate, score, shape and filter the rollouts of the current step."""
         if self.producer is None:
             raise RuntimeError("call setup() before generating rollouts.")
+        episodes = isinstance(self.session, EpisodeSession)
+        if episodes:
+            self.session.take_stats()  # validation's episodes are not this step's
         try:
             batch = self.producer.next_batch(self._policy_version())
         except TrainingComplete as done:
             return EndOfTraining(str(done))
         batch.stats["data/dropped_prompts"] = float(self.dropped_prompts)
+        if episodes:
+            batch.stats.update(self.session.take_stats())
         self.drawn_log.append(list(self.producer.drawn_uids))
         return batch
 

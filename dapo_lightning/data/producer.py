@@ -36,6 +36,7 @@ from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.data.difficulty import DifficultyTracker, subsample_keep_variance
 from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted
 from dapo_lightning.data.sources import PromptRecord
+from dapo_lightning.envs.runner import episode_results, token_masks
 from dapo_lightning.interrupt import StopRequested, request_stop, stop_requested
 from dapo_lightning.rewards.base import RewardRunner
 from dapo_lightning.rollout.base import SamplingConfig
@@ -60,6 +61,8 @@ STAT_OPS: dict[str, Literal["sum", "max"]] = {
     "data/gen_seconds": "max",
     "data/score_seconds": "max",
     "data/short_batch": "max",
+    "env/failures": "sum",
+    "env/timeouts": "sum",
 }
 
 
@@ -209,6 +212,9 @@ def concat_rollouts(parts: Sequence[ScoredRollouts]) -> ScoredRollouts:
         reward=torch.cat([p.reward for p in parts]),
         loss_mask=torch.cat([p.loss_mask for p in parts]),
         extra={k: [x for p in parts for x in p.extra.get(k, [None] * len(p))] for k in keys},
+        token_mask=None
+        if all(p.token_mask is None for p in parts)
+        else [m for p in parts for m in p.token_masks()],
     )
 
 
@@ -351,6 +357,8 @@ class RolloutProducer:
             [rec.answer for _, rec, _ in flat],
             [{"data_source": rec.data_source} for _, rec, _ in flat],
         )
+        # multi-turn episodes (dapo_lightning.envs): the environment's reward or failure
+        results = episode_results([c for *_, c in flat], results, self.reward_runner.reward)
         t2 = time.perf_counter()
         extra_keys = set().union(*(r.extra.keys() for r in results)) if results else set()
         rollouts = ScoredRollouts(
@@ -365,6 +373,7 @@ class RolloutProducer:
             sampling=sampling,
             policy_version=policy_version,
             extra={k: [r.extra.get(k) for r in results] for k in extra_keys},
+            token_mask=token_masks([c for *_, c in flat]),
         )
         _add(stats, "data/gen_seconds", t1 - t0)
         _add(stats, "data/score_seconds", t2 - t1)

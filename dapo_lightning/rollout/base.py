@@ -49,18 +49,32 @@ class Completion:
         log_probs: Log-probability of each token under the sampling distribution
             (after temperature / top-p / top-k), same length as ``token_ids``.
         finish_reason: ``"stop"`` (EOS or a stop token) or ``"length"`` (hit ``max_tokens``).
+        text: The text the reward scores; None decodes ``token_ids``.
+        loss_mask: Per token, 1 where the token was sampled by the policy (it enters the loss)
+            and 0 where it was not (an environment's observation in a multi-turn episode,
+            :mod:`dapo_lightning.envs`; its ``log_probs`` entry is 0). None: every token is
+            sampled.
     """
 
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: FinishReason
     text: str | None = field(default=None, compare=False)
+    loss_mask: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.log_probs):
             raise ValueError(
                 f"Completion has {len(self.token_ids)} token_ids but {len(self.log_probs)} log_probs."
             )
+        if self.loss_mask is not None:
+            if len(self.loss_mask) != len(self.token_ids):
+                raise ValueError(
+                    f"Completion has {len(self.token_ids)} token_ids but a loss_mask of "
+                    f"{len(self.loss_mask)}."
+                )
+            if any(m not in (0, 1) for m in self.loss_mask):
+                raise ValueError("Completion.loss_mask entries must be 0 or 1.")
 
 
 @runtime_checkable

@@ -1,0 +1,248 @@
+"""The environment protocol of multi-turn episodes, its settings, and tool calls in text.
+
+An *episode* starts from a prompt record. The policy writes an assistant turn; the
+environment's :meth:`Environment.step` reads that turn's text and answers with a
+:class:`StepResult`: an observation (a tool's output or a user turn) that is appended to the
+conversation before the next assistant turn, or ``done``. When the episode is done the
+environment may give the reward itself (``StepResult.reward``); otherwise the run's reward
+function scores the final assistant turn, as it scores a single-turn response.
+
+Tool calls are written in one documented tag format, the Hermes / Qwen2.5 one (what
+Qwen2.5's chat template asks a model for when it is given ``tools=``)::
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>
+
+:func:`parse_tool_calls` reads them from a turn's text. Neither the tiny test tokenizer's
+ChatML template nor SmolLM2-135M-Instruct's has a tool-call section of its own, so the tag
+format is what :class:`ToolEnvironment` asks for in its instructions (a system message the
+data module puts in front of every prompt). The tool's output comes back as a message of role
+``EnvironmentConfig.observation_role`` (default ``"tool"``) rendered by the chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # data imports the producer, which imports envs: no runtime import (cycle)
+    from dapo_lightning.data.sources import PromptRecord
+
+
+@dataclass
+class StepResult:
+    """What an environment answers to one assistant turn.
+
+    Args:
+        observation: Text shown to the policy as the next message (tool output, a user turn);
+            ignored when ``done``.
+        done: The episode is over (the last assistant turn is the final answer).
+        reward: The episode's reward, given with ``done``; None lets the reward function score
+            the final assistant turn.
+        acc: Correctness with ``reward`` (None: ``reward > 0``).
+        tool_calls: Tool calls the turn made (for ``env/tool_calls_mean``).
+        tool_errors: Those of them that failed (bad call, tool error; ``env/tool_error_rate``).
+    """
+
+    observation: str = ""
+    done: bool = False
+    reward: float | None = None
+    acc: bool | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+def check_step_result(result: Any) -> StepResult:
+    """``result`` if it is a well-formed :class:`StepResult`.
+
+    Raises:
+        TypeError: not a StepResult, or a field of the wrong type (what an environment that
+            "returns garbage" gets; the episode runner counts it as a failed episode).
+        ValueError: a non-finite reward.
+    """
+    if not isinstance(result, StepResult):
+        raise TypeError(f"step() returned {type(result).__name__}, not a StepResult.")
+    if not isinstance(result.observation, str) or not isinstance(result.done, bool):
+        raise TypeError("StepResult.observation must be a str and StepResult.done a bool.")
+    for name in ("tool_calls", "tool_errors"):
+        value = getattr(result, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"StepResult.{name} must be an int >= 0, got {value!r}.")
+    if result.reward is not None:
+        if isinstance(result.reward, bool) or not isinstance(result.reward, (int, float)):
+            raise TypeError(f"StepResult.reward must be a number or None, got {result.reward!r}.")
+        if not math.isfinite(result.reward):
+            raise ValueError(f"StepResult.reward must be finite, got {result.reward}.")
+    return result
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One episode's environment (a fresh object per episode, built by the registry).
+
+    ``reset`` starts the episode from its prompt record; ``step`` answers every assistant
+    turn. Both may raise or hang: the episode runner calls them in a worker thread with
+    ``EnvironmentConfig.call_timeout_s`` and turns a fault into a failed episode.
+    """
+
+    def reset(self, record: PromptRecord) -> None:
+        """Start an episode on ``record`` (its ``prompt``, ``answer``, ``meta``)."""
+        ...
+
+    def step(self, text: str) -> StepResult:
+        """Answer the assistant turn ``text`` (decoded without special tokens)."""
+        ...
+
+
+class ToolCallError(ValueError):
+    """A tool call that cannot be run (bad JSON, unknown tool, bad arguments)."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A parsed tool call: the tool's name and its keyword arguments."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
+    """The tool calls of ``text`` in the tag format, in order.
+
+    Each ``<tool_call>BODY</tool_call>`` must hold a JSON object
+    ``{"name": str, "arguments": object}``; one that does not is returned as a
+    :class:`ToolCallError` in its place (the environment reports it to the policy).
+    """
+    out: list[ToolCall | ToolCallError] = []
+    for body in TOOL_CALL_RE.findall(text):
+        try:
+            call = json.loads(body.strip())
+        except json.JSONDecodeError as err:
+            out.append(ToolCallError(f"the tool call is not valid JSON ({err.msg})"))
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            out.append(ToolCallError('a tool call needs {"name": ..., "arguments": {...}}'))
+            continue
+        arguments = call.get("arguments", {})
+        if not isinstance(arguments, dict):
+            out.append(ToolCallError("the tool call's arguments must be a JSON object"))
+            continue
+        out.append(ToolCall(call["name"], arguments))
+    return out
+
+
+#: A tool: keyword arguments in, text out; it raises to report an error to the policy.
+Tool = Callable[..., str]
+
+
+class ToolEnvironment:
+    """An environment of tools: a turn with tool calls gets their outputs, a turn without one
+    ends the episode (the reward function scores it).
+
+    Subclasses set :attr:`tools` (name -> callable returning text) and may override
+    :meth:`instructions`. A tool that raises (or a call that names no tool, or bad arguments)
+    answers ``error: <message>`` and counts as a tool error; the episode goes on.
+    """
+
+    #: The tools by name.
+    tools: Mapping[str, Tool] = {}
+
+    def __init__(self) -> None:
+        self.record: PromptRecord | None = None
+
+    def instructions(self) -> str | None:
+        """A system message telling the policy how to call the tools (None: none)."""
+        return None
+
+    def reset(self, record: PromptRecord) -> None:
+        self.record = record
+
+    def step(self, text: str) -> StepResult:
+        calls = parse_tool_calls(text)
+        if not calls:
+            return StepResult(done=True)
+        outputs, errors = [], 0
+        for call in calls:
+            try:
+                outputs.append(self._run(call))
+            except (ToolCallError, ArithmeticError, TypeError, ValueError) as err:
+                errors += 1
+                outputs.append(f"error: {err}")
+        return StepResult(observation="\n".join(outputs), tool_calls=len(calls), tool_errors=errors)
+
+    def _run(self, call: ToolCall | ToolCallError) -> str:
+        if isinstance(call, ToolCallError):
+            raise call
+        tool = self.tools.get(call.name)
+        if tool is None:
+            raise ToolCallError(f"no tool named {call.name!r} (tools: {sorted(self.tools)})")
+        result = tool(**call.arguments)
+        if not isinstance(result, str):
+            raise TypeError(f"tool {call.name!r} returned {type(result).__name__}, not text")
+        return result
+
+
+@dataclass(frozen=True)
+class EnvironmentConfig:
+    """Which environment episodes run in, and their limits (``data.init_args.environment``).
+
+    Args:
+        name: A built-in environment (:data:`dapo_lightning.envs.ENVIRONMENTS`:
+            ``"calculator"``), or the dotted path of your own class
+            (``my_pkg.envs.MyEnv``; one object per episode, built with ``init_args``).
+        init_args: Keyword arguments of the environment's constructor.
+        max_turns: Most assistant turns per episode (the last one ends it whatever it says).
+        max_episode_tokens: Most tokens of prompt + all assistant turns + all observations
+            (<= the engine's context). None: ``max_prompt_length + sampling.max_tokens``,
+            what the model's context check already covers. ``sampling.max_tokens`` bounds the
+            assistant tokens of an episode (overlong shaping measures those).
+        call_timeout_s: Most seconds one ``reset`` / ``step`` call may take; a call over it
+            fails the episode (``env/timeouts``).
+        max_failure_frac: Largest share of one generation's episodes that may fail
+            (raise, hang, return garbage) before the run stops with an error.
+        observation_role: Chat role of the observation messages.
+        add_instructions: Put the environment's ``instructions()`` in front of every prompt
+            as a system message (a text prefix without a chat template).
+
+    Raises:
+        ValueError: a setting out of range, named with the fix.
+    """
+
+    name: str = "calculator"
+    init_args: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 4
+    max_episode_tokens: int | None = None
+    call_timeout_s: float = 10.0
+    max_failure_frac: float = 0.1
+    observation_role: str = "tool"
+    add_instructions: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(
+                "environment.name must be a built-in environment name or a dotted class path."
+            )
+        if self.max_turns < 1:
+            raise ValueError(f"environment.max_turns must be >= 1, got {self.max_turns}.")
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 2:
+            raise ValueError(
+                f"environment.max_episode_tokens must be >= 2 or null, got {self.max_episode_tokens}."
+            )
+        if not (isinstance(self.call_timeout_s, (int, float)) and self.call_timeout_s > 0):
+            raise ValueError(
+                f"environment.call_timeout_s must be > 0 seconds, got {self.call_timeout_s}."
+            )
+        if not math.isfinite(self.call_timeout_s):
+            raise ValueError("environment.call_timeout_s must be finite.")
+        if not 0 <= self.max_failure_frac <= 1:
+            raise ValueError(
+                f"environment.max_failure_frac must be in [0, 1], got {self.max_failure_frac}."
+            )
+        if not self.observation_role:
+            raise ValueError("environment.observation_role must be a chat role, e.g. 'tool'.")

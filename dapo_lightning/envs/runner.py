@@ -1,0 +1,446 @@
+"""The episode runner: multi-turn episodes on any rollout engine, returned as completions.
+
+:class:`EpisodeRunner` wraps an engine and implements the same
+:class:`~dapo_lightning.rollout.base.RolloutEngine` protocol, so the rollout producer treats an
+episode like a single-turn response (dynamic sampling, overlong shaping, retire/park and the
+end game unchanged). For each prompt it runs ``n`` episodes, batched turn by turn:
+
+1. every live episode's context (prompt + everything so far) is continued by one
+   ``engine.generate(contexts, 1, ...)`` call (the HF engine re-reads the growing prefix;
+   vLLM's prefix cache, on by default in vLLM v1, reuses its KV blocks);
+2. each assistant turn is handed to its environment's ``step`` (in worker threads, with
+   ``call_timeout_s``); an observation is rendered by the chat template as a message of
+   ``observation_role`` plus the next generation prompt, tokenized and appended.
+
+The episode is one :class:`Episode` (a :class:`~dapo_lightning.rollout.base.Completion`):
+``token_ids`` = assistant turns and observations concatenated, ``loss_mask`` 1 on assistant
+tokens and 0 on observation tokens, ``log_probs`` the engine's on assistant tokens and 0 on
+observation tokens, ``text`` the final assistant turn (what the reward function scores).
+
+Budgets: the assistant tokens of an episode are at most ``sampling.max_tokens`` (the maximum
+response length overlong shaping uses); prompt + all turns + all observations are at most
+``max_episode_tokens`` (checked against the engine's context). An episode that reaches either
+ends with finish reason ``"length"``; one whose environment says ``done``, or that used
+``max_turns`` assistant turns, ends with ``"stop"``.
+
+Faults are data: a ``reset`` / ``step`` call that raises, runs over ``call_timeout_s`` or
+returns something that is not a :class:`~dapo_lightning.envs.base.StepResult` fails its
+episode (it is scored with the reward's ``failure_score``, acc False; ``env/failures``,
+``env/timeouts``); more than ``max_failure_frac`` failed episodes in one generation raise
+:class:`EnvironmentFailureError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from dapo_lightning.envs.base import Environment, EnvironmentConfig, check_step_result
+from dapo_lightning.rewards.base import RewardResult, failure_result
+from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
+
+if TYPE_CHECKING:  # data imports the producer, which imports envs: no runtime import (cycle)
+    from dapo_lightning.data.sources import PromptRecord
+
+
+class EnvironmentFailureError(RuntimeError):
+    """Too many episodes of one generation failed in the environment."""
+
+
+@dataclass
+class Episode(Completion):
+    """One multi-turn episode as a completion (see the module docstring), plus its record.
+
+    Args:
+        turns: Assistant turns.
+        tool_calls: Tool calls the environment reported.
+        tool_errors: Those that failed.
+        env_reward: The environment's reward (None: the reward function scores ``text``).
+        env_acc: Its correctness (None: ``env_reward > 0``).
+        failure: Why the environment failed the episode (``"timeout"`` or the error), or None.
+        episode_tokens: Prompt + response tokens.
+    """
+
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_reward: float | None = None
+    env_acc: bool | None = None
+    failure: str | None = None
+    episode_tokens: int = 0
+
+
+def episode_results(
+    completions: Sequence[Completion], results: Sequence[RewardResult], reward: Any
+) -> list[RewardResult]:
+    """``results`` with each episode's outcome applied: a failed episode scores
+    ``reward.failure_score`` (acc False), an episode the environment rewarded scores that
+    (acc ``env_acc``, else ``env_reward > 0``); every other completion keeps its result."""
+    out = []
+    for c, r in zip(completions, results, strict=True):
+        if isinstance(c, Episode) and c.failure is not None:
+            r = failure_result(reward, f"environment: {c.failure}")
+        elif isinstance(c, Episode) and c.env_reward is not None:
+            acc = c.env_acc if c.env_acc is not None else c.env_reward > 0
+            r = RewardResult(score=float(c.env_reward), acc=bool(acc), extra=dict(r.extra))
+        out.append(r)
+    return out
+
+
+def token_masks(completions: Sequence[Completion]) -> list[list[int]] | None:
+    """Per-token loss masks of ``completions`` (all ones where one has none); None when no
+    completion has one (single-turn rollouts)."""
+    if all(c.loss_mask is None for c in completions):
+        return None
+    return [list(c.loss_mask or [1] * len(c.token_ids)) for c in completions]
+
+
+class ObservationFormatter:
+    """Observation text -> the tokens that follow an assistant turn's EOS.
+
+    With a chat template: what the template renders after an assistant message for a message
+    ``{"role": role, "content": text}`` plus the generation prompt (so the policy sees a
+    conversation it knows). Without one: ``"\\n<tool_response>TEXT</tool_response>\\n"``.
+    """
+
+    def __init__(self, tokenizer: Any, role: str = "tool", use_chat_template: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.role = role
+        self.use_chat_template = bool(
+            use_chat_template and getattr(tokenizer, "chat_template", None)
+        )
+        self._head: list[dict[str, str]] = [
+            {"role": "user", "content": "U"},
+            {"role": "assistant", "content": "A"},
+        ]
+        if self.use_chat_template:
+            base = tokenizer.apply_chat_template(self._head, tokenize=False)
+            marker = "A" + str(tokenizer.eos_token)
+            if marker not in base:
+                raise ValueError(
+                    "the chat template does not end an assistant message with the EOS token "
+                    f"{tokenizer.eos_token!r}: observations cannot follow a turn. Set "
+                    "data.apply_chat_template: false, or use a tokenizer whose template does."
+                )
+            self._prefix = base[: base.rindex(marker) + len(marker)]
+
+    def text(self, observation: str) -> str:
+        """The text inserted after an assistant turn for ``observation``."""
+        if not self.use_chat_template:
+            return f"\n<tool_response>{observation}</tool_response>\n"
+        full = self.tokenizer.apply_chat_template(
+            self._head + [{"role": self.role, "content": observation}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        if not full.startswith(self._prefix):
+            raise ValueError(
+                f"the chat template renders a conversation differently once a {self.role!r} "
+                "message follows (it cannot be continued turn by turn); choose another "
+                "environment.observation_role."
+            )
+        return full[len(self._prefix) :]
+
+    def __call__(self, observation: str) -> list[int]:
+        return list(self.tokenizer(self.text(observation), add_special_tokens=False)["input_ids"])
+
+
+def environment_class(name: str, registry: Mapping[str, type]) -> type:
+    """A built-in environment by ``name``, else the class at the dotted path ``name``.
+
+    Raises:
+        ValueError: neither (the message lists the built-in names).
+    """
+    if name in registry:
+        return registry[name]
+    module_name, _, attr = name.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr) if module_name else None
+    except (ImportError, AttributeError):
+        cls = None
+    if not isinstance(cls, type):
+        raise ValueError(
+            f"environment.name={name!r} is neither a built-in environment "
+            f"({sorted(registry)}) nor an importable class path (my_pkg.module.MyEnv)."
+        )
+    return cls
+
+
+def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float) -> list[tuple[str, Any]]:
+    """Run ``calls`` concurrently in daemon threads; per call ``("ok", value)``,
+    ``("error", message)`` or ``("timeout", None)`` once ``timeout_s`` has passed (a hung
+    call's thread is abandoned, its environment no longer used)."""
+    out: list[tuple[str, Any]] = [("timeout", None)] * len(calls)
+
+    def run(i: int, fn: Callable[[], Any]) -> None:
+        try:
+            out[i] = ("ok", fn())
+        except Exception as err:  # noqa: BLE001 - an environment fault is data
+            out[i] = ("error", f"{type(err).__name__}: {err}")
+
+    threads = [
+        threading.Thread(target=run, args=(i, fn), daemon=True, name=f"env-call-{i}")
+        for i, fn in enumerate(calls)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [r if not t.is_alive() else ("timeout", None) for r, t in zip(out, threads)]
+
+
+@dataclass
+class _State:
+    """One running episode."""
+
+    prompt: list[int]
+    record: Any
+    env: Environment
+    ids: list[int] = dataclasses.field(default_factory=list)
+    logps: list[float] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    finish: str | None = None
+    failure: str | None = None
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    reward: float | None = None
+    acc: bool | None = None
+
+    def add(self, ids: list[int], logps: list[float], sampled: int) -> None:
+        self.ids += ids
+        self.logps += logps
+        self.mask += [sampled] * len(ids)
+
+    @property
+    def assistant_tokens(self) -> int:
+        return sum(self.mask)
+
+
+_STAT_KEYS = ("episodes", "turns", "tool_calls", "tool_errors", "failures", "timeouts", "tokens")
+
+
+class EpisodeRunner:
+    """A rollout engine that runs multi-turn episodes on ``engine`` (module docstring).
+
+    Args:
+        engine: The engine that samples each turn.
+        config: The environment settings.
+        make_env: Builds one episode's environment.
+        formatter: Observation text -> tokens.
+        decode: Token ids -> text (special tokens skipped) for the environment.
+        records: Prompt records by their ``prompt_ids`` (an episode starts from its record).
+        max_episode_tokens: Resolved ``config.max_episode_tokens``.
+
+    Raises:
+        ValueError: ``max_episode_tokens`` exceeds the engine's context.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        config: EnvironmentConfig,
+        *,
+        make_env: Callable[[], Environment],
+        formatter: Callable[[str], list[int]],
+        decode: Callable[[list[int]], str],
+        records: Iterable[PromptRecord],
+        max_episode_tokens: int,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.make_env = make_env
+        self.formatter = formatter
+        self.decode = decode
+        self.records = {tuple(r.prompt_ids): r for r in records if r.prompt_ids is not None}
+        self.max_episode_tokens = int(max_episode_tokens)
+        context = engine_context(engine)
+        if context is not None and self.max_episode_tokens > context:
+            raise ValueError(
+                f"environment.max_episode_tokens={self.max_episode_tokens} exceeds the engine's "
+                f"context ({context} tokens): lower it (or max_prompt_length / sampling.max_tokens "
+                "when it is null)."
+            )
+        self.totals = dict.fromkeys(_STAT_KEYS, 0)
+
+    def __getattr__(self, name: str) -> Any:  # model, sleep_mode, wake_up, lora_enabled, ...
+        if name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Pass the weights to the wrapped engine."""
+        self.engine.load_weights(named_tensors)
+
+    # ---------------------------------------------------------------- episodes
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        """``n`` episodes per prompt; see :class:`~dapo_lightning.rollout.base.RolloutEngine`."""
+        if n < 1:
+            raise ValueError(f"generate(n=...) must be >= 1, got {n}.")
+        states = [self._start(list(p)) for p in prompts for _ in range(n)]
+        self._reset(states)
+        for turn in range(self.config.max_turns):
+            live = [s for s in states if s.finish is None]
+            if not live:
+                break
+            self._assistant_turn(live, sampling)
+            stepping = [s for s in live if s.finish is None]
+            if turn == self.config.max_turns - 1:
+                for s in stepping:
+                    s.finish = "stop"
+            elif stepping:
+                self._observe(stepping)
+        episodes = [self._episode(s) for s in states]
+        self._account(episodes)
+        return [episodes[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _start(self, prompt: list[int]) -> _State:
+        record = self.records.get(tuple(prompt))
+        if record is None:
+            raise ValueError(
+                "EpisodeRunner.generate got a prompt that is not one of its records: an "
+                "episode starts from its prompt record (pass the records it may see)."
+            )
+        return _State(prompt, record, self.make_env())
+
+    def _reset(self, states: list[_State]) -> None:
+        calls = [lambda s=s: s.env.reset(s.record) for s in states]
+        for s, (status, value) in zip(states, call_all(calls, self.config.call_timeout_s)):
+            if status != "ok":
+                self._fail(s, status, value)
+
+    def _fail(self, s: _State, status: str, message: Any) -> None:
+        s.finish = "stop"
+        s.failure = "timeout" if status == "timeout" else str(message)
+
+    def _assistant_turn(self, live: list[_State], sampling: SamplingConfig) -> None:
+        """One assistant turn of every live episode (one engine call, per-episode caps)."""
+        caps = [
+            min(
+                sampling.max_tokens - s.assistant_tokens,
+                self.max_episode_tokens - len(s.prompt) - len(s.ids),
+            )
+            for s in live
+        ]
+        for s, cap in zip(live, caps):
+            if cap <= 0:
+                s.finish = "length"
+        going = [(s, cap) for s, cap in zip(live, caps) if cap > 0]
+        if not going:
+            return
+        turn = dataclasses.replace(sampling, max_tokens=max(cap for _, cap in going))
+        outs = self.engine.generate([s.prompt + s.ids for s, _ in going], 1, turn)
+        for (s, cap), (c,) in zip(going, outs):
+            over = len(c.token_ids) > cap
+            ids, logps = list(c.token_ids[:cap]), list(c.log_probs[:cap])
+            s.add(ids, [float(x) for x in logps], 1)
+            s.text = self.decode(ids)
+            s.turns += 1
+            if over or c.finish_reason == "length":
+                s.finish = "length"
+
+    def _observe(self, stepping: list[_State]) -> None:
+        """Each environment's answer to its episode's last turn: an observation or the end."""
+        calls = [lambda s=s: check_step_result(s.env.step(s.text)) for s in stepping]
+        for s, (status, value) in zip(stepping, call_all(calls, self.config.call_timeout_s)):
+            if status != "ok":
+                self._fail(s, status, value)
+                continue
+            s.tool_calls += value.tool_calls
+            s.tool_errors += value.tool_errors
+            if value.done:
+                s.finish = "stop"
+                s.reward, s.acc = value.reward, value.acc
+                continue
+            obs = self.formatter(value.observation)
+            if len(s.prompt) + len(s.ids) + len(obs) >= self.max_episode_tokens:
+                s.finish = "length"  # no room for the observation and another turn
+                continue
+            s.add(obs, [0.0] * len(obs), 0)
+
+    def _episode(self, s: _State) -> Episode:
+        return Episode(
+            token_ids=s.ids,
+            log_probs=s.logps,
+            finish_reason="length" if s.finish == "length" else "stop",
+            text=s.text,
+            loss_mask=s.mask,
+            turns=s.turns,
+            tool_calls=s.tool_calls,
+            tool_errors=s.tool_errors,
+            env_reward=s.reward,
+            env_acc=s.acc,
+            failure=s.failure,
+            episode_tokens=len(s.prompt) + len(s.ids),
+        )
+
+    # ---------------------------------------------------------------- accounting
+    def _account(self, episodes: list[Episode]) -> None:
+        failed = [e for e in episodes if e.failure is not None]
+        add = {
+            "episodes": len(episodes),
+            "turns": sum(e.turns for e in episodes),
+            "tool_calls": sum(e.tool_calls for e in episodes),
+            "tool_errors": sum(e.tool_errors for e in episodes),
+            "failures": len(failed),
+            "timeouts": sum(e.failure == "timeout" for e in failed),
+            "tokens": sum(e.episode_tokens for e in episodes),
+        }
+        for key, value in add.items():
+            self.totals[key] += value
+        if episodes and len(failed) > self.config.max_failure_frac * len(episodes):
+            raise EnvironmentFailureError(
+                f"{len(failed)} of {len(episodes)} episodes failed in the environment "
+                f"(more than environment.max_failure_frac={self.config.max_failure_frac}); "
+                f"e.g. {failed[0].failure!r}. Fix the environment, raise "
+                "environment.call_timeout_s if calls time out, or raise max_failure_frac."
+            )
+
+    def take_stats(self) -> dict[str, float]:
+        """:func:`env_stats` of the episodes since the last call, and a fresh count."""
+        totals, self.totals = self.totals, dict.fromkeys(_STAT_KEYS, 0)
+        return env_stats(totals)
+
+
+def env_stats(totals: Mapping[str, int] | None = None) -> dict[str, float]:
+    """The ``env/*`` metrics of episode counts (all zero for None):
+
+    env/turns_mean          = assistant turns / episodes
+    env/tool_calls_mean     = tool calls / episodes
+    env/tool_error_rate     = failed tool calls / tool calls      (0 without calls)
+    env/episode_tokens_mean = (prompt + response tokens) / episodes
+    env/failures            = episodes the environment failed (raised, hung, garbage)
+    env/timeouts            = those that ran over call_timeout_s
+    """
+    t = dict(totals) if totals is not None else dict.fromkeys(_STAT_KEYS, 0)
+    episodes = max(t["episodes"], 1)
+    return {
+        "env/turns_mean": t["turns"] / episodes,
+        "env/tool_calls_mean": t["tool_calls"] / episodes,
+        "env/tool_error_rate": t["tool_errors"] / max(t["tool_calls"], 1),
+        "env/episode_tokens_mean": t["tokens"] / episodes,
+        "env/failures": float(t["failures"]),
+        "env/timeouts": float(t["timeouts"]),
+    }
+
+
+def engine_context(engine: Any) -> int | None:
+    """The most prompt + response tokens ``engine`` takes, where it says (HF model config's
+    ``max_position_embeddings``, vLLM's ``max_model_len``); None when unknown."""
+    llm = getattr(engine, "llm", None)
+    if llm is not None:
+        return int(llm.llm_engine.model_config.max_model_len)
+    config = getattr(getattr(engine, "model", None), "config", None)
+    context = getattr(config, "max_position_embeddings", None)
+    return int(context) if isinstance(context, int) else None

@@ -1,0 +1,102 @@
+"""The data module's side of episodes: an engine session whose engine runs them, and the
+environment's instructions in front of the prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from dapo_lightning.envs.base import Environment, EnvironmentConfig
+from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter, env_stats
+from dapo_lightning.rollout.base import RolloutEngine
+from dapo_lightning.rollout.session import EngineSession
+
+if TYPE_CHECKING:  # data imports the producer, which imports envs: no runtime import (cycle)
+    from dapo_lightning.data.sources import PromptRecord
+
+
+class EpisodeSession(EngineSession):
+    """An :class:`~dapo_lightning.rollout.session.EngineSession` whose engine is an
+    :class:`~dapo_lightning.envs.runner.EpisodeRunner` around the engine it builds (or is
+    given): weights, sleep mode and RNG state go to the wrapped engine as before.
+
+    Args:
+        engine: As for :class:`EngineSession`.
+        environment: The environment settings.
+        make_env: Builds one episode's environment.
+        records: Every prompt record the engine may be asked about (train and validation).
+        max_episode_tokens: Resolved ``environment.max_episode_tokens``.
+        use_chat_template: Render observations with the tokenizer's chat template.
+        decode: Token ids -> text for the environment.
+        **session_kwargs: :class:`EngineSession`'s keyword arguments (``tokenizer`` required).
+    """
+
+    def __init__(
+        self,
+        engine: str | RolloutEngine,
+        *,
+        environment: EnvironmentConfig,
+        make_env: Callable[[], Environment],
+        records: Sequence[PromptRecord],
+        max_episode_tokens: int,
+        use_chat_template: bool,
+        decode: Callable[[list[int]], str],
+        **session_kwargs: Any,
+    ) -> None:
+        super().__init__(engine, **session_kwargs)
+        self.environment = environment
+        self.make_env = make_env
+        self.records = list(records)
+        self.max_episode_tokens = max_episode_tokens
+        self.decode = decode
+        self.formatter = ObservationFormatter(
+            self.tokenizer, environment.observation_role, use_chat_template
+        )
+        if self._engine is not None:
+            self._engine = self._wrap(self._engine)
+
+    def _wrap(self, engine: RolloutEngine) -> EpisodeRunner:
+        return EpisodeRunner(
+            engine,
+            self.environment,
+            make_env=self.make_env,
+            formatter=self.formatter,
+            decode=self.decode,
+            records=self.records,
+            max_episode_tokens=self.max_episode_tokens,
+        )
+
+    def _build(self) -> RolloutEngine:
+        return self._wrap(super()._build())
+
+    def take_stats(self) -> dict[str, float]:
+        """The runner's ``env/*`` metrics since the last call (zeros before it is built)."""
+        engine = self._engine
+        if isinstance(engine, EpisodeRunner):
+            return engine.take_stats()
+        return env_stats()
+
+
+def with_instructions(
+    records: Sequence[PromptRecord], instructions: str | None, use_chat_template: bool
+) -> None:
+    """Put ``instructions`` in front of every record's prompt, in place: a system message
+    (merged into a system message the prompt has) with a chat template, else a text prefix."""
+    if not instructions:
+        return
+    for r in records:
+        prompt = r.prompt
+        if not use_chat_template:
+            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+            r.prompt = f"{instructions}\n\n{text}"
+            continue
+        messages = (
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        )
+        if messages and messages[0].get("role") == "system":
+            first = dict(messages[0])
+            first["content"] = f"{first['content']}\n\n{instructions}"
+            messages[0] = first
+        else:
+            messages.insert(0, {"role": "system", "content": instructions})
+        r.prompt = messages

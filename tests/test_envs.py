@@ -1,0 +1,415 @@
+"""Multi-turn episodes (dapo_lightning.envs): the calculator, tool calls, observations, the
+episode runner on the real HF engine with the tiny model, masks through the batch, faults.
+
+The tiny random model never writes a well-formed tool call, so the runner tests drive the
+real engine with scripted environments (real Environment implementations that answer every
+turn the same way); the calculator itself is tested on text.
+"""
+
+from __future__ import annotations
+
+import time
+from fractions import Fraction
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dapo_lightning.data.batch import RolloutBatch
+from dapo_lightning.data.producer import concat_rollouts
+from dapo_lightning.data.sources import PromptRecord, encode_prompt
+from dapo_lightning.envs import (
+    CalculatorEnvironment,
+    CalculatorError,
+    EnvironmentConfig,
+    EnvironmentFailureError,
+    EpisodeRunner,
+    ObservationFormatter,
+    StepResult,
+    ToolCall,
+    ToolCallError,
+    environment_factory,
+    evaluate,
+    parse_tool_calls,
+    with_instructions,
+)
+from dapo_lightning.envs.runner import episode_results, token_masks
+from dapo_lightning.rewards.base import RewardResult
+from dapo_lightning.rollout.base import Completion, SamplingConfig
+from dapo_lightning.rollout.hf import HFRolloutEngine, process_logits
+
+
+# ---------------------------------------------------------------------------- calculator
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        ("2+3*4", 14),
+        ("(2+3)*4", 20),
+        ("10-4-3", 3),  # left to right
+        ("24/4/2", 3),
+        ("-3*-2", 6),
+        ("--3", 3),
+        ("-(2+3)", -5),
+        ("+4", 4),
+        ("7/2", Fraction(7, 2)),
+        (" 1.5 * 4 ", 6),
+        (".5+.25", Fraction(3, 4)),
+        ("2*(3+(4-1))/3", 4),
+    ],
+)
+def test_calculator_precedence_and_unary_minus(expression, value):
+    assert evaluate(expression) == value
+
+
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ("1/0", "division by zero"),
+        ("5/(2-2)", "division by zero"),
+        ("3+x", "unexpected character 'x'"),
+        ("__import__('os')", "unexpected character '_'"),
+        ("(1+2", "not closed"),
+        ("1+", "ends too early"),
+        ("1 2", "unexpected '2' after"),
+        ("*3", "unexpected '*'"),
+        ("", "empty"),
+        ("1+" * 150 + "1", "longer than 200"),
+        ("(" * 40 + "1" + ")" * 40, "nests deeper"),
+    ],
+)
+def test_calculator_rejects_bad_expressions(expression, message):
+    with pytest.raises(CalculatorError, match=message):
+        evaluate(expression)
+
+
+def test_calculator_environment_answers_tool_calls_and_errors():
+    env = CalculatorEnvironment()
+    env.reset(PromptRecord("u", "q", "12"))
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>'
+    assert env.step("Let me compute. " + call) == StepResult(observation="12", tool_calls=1)
+    assert env.step(call.replace("3*4", "8/3")).observation == "2.666666667"
+    bad = env.step(call.replace("3*4", "1/0"))
+    assert bad == StepResult(observation="error: division by zero", tool_calls=1, tool_errors=1)
+    garbage = env.step(call.replace("3*4", "3+x") + call)
+    assert garbage.observation == "error: unexpected character 'x'\n12"
+    assert (garbage.tool_calls, garbage.tool_errors, garbage.done) == (2, 1, False)
+    assert env.step("<tool_call>{not json}</tool_call>").observation.startswith(
+        "error: the tool call is not valid JSON"
+    )
+    unknown = env.step('<tool_call>{"name": "search", "arguments": {}}</tool_call>')
+    assert unknown.observation == "error: no tool named 'search' (tools: ['calculator'])"
+    wrong_args = env.step('<tool_call>{"name": "calculator", "arguments": {"x": 1}}</tool_call>')
+    assert wrong_args.tool_errors == 1 and "unexpected keyword" in wrong_args.observation
+    assert env.step("Answer: 12") == StepResult(done=True)
+
+
+def test_parse_tool_calls_reads_the_tag_format():
+    text = (
+        'a <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call> b '
+        '<tool_call>{"name": "g"}</tool_call><tool_call>[1]</tool_call>'
+        '<tool_call>{"name": "h", "arguments": 3}</tool_call>'
+    )
+    calls = parse_tool_calls(text)
+    assert calls[:2] == [ToolCall("f", {"x": 1}), ToolCall("g", {})]
+    assert all(isinstance(c, ToolCallError) for c in calls[2:]) and len(calls) == 4
+    assert parse_tool_calls("no call <tool_call> unterminated") == []
+
+
+def test_environment_config_and_registry_errors():
+    with pytest.raises(ValueError, match="max_turns must be >= 1"):
+        EnvironmentConfig(max_turns=0)
+    with pytest.raises(ValueError, match="call_timeout_s must be > 0"):
+        EnvironmentConfig(call_timeout_s=0)
+    with pytest.raises(ValueError, match="neither a built-in environment"):
+        environment_factory(EnvironmentConfig(name="no_such_env"))
+    with pytest.raises(ValueError, match="cannot be built with init_args"):
+        environment_factory(EnvironmentConfig(init_args={"bogus": 1}))
+    make = environment_factory(EnvironmentConfig(name="tests.test_envs.ScriptedEnv"))
+    assert type(make()).__qualname__ == "ScriptedEnv" and make() is not make()
+
+
+def test_instructions_become_a_system_message():
+    records = [PromptRecord("a", "What is 2+2?", "4"), PromptRecord("b", [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "Q"}], "1")]  # fmt: skip
+    with_instructions(records, "Use the tool.", use_chat_template=True)
+    assert records[0].prompt == [
+        {"role": "system", "content": "Use the tool."},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
+    assert records[1].prompt[0] == {"role": "system", "content": "S\n\nUse the tool."}
+    plain = [PromptRecord("a", "Q", "1")]
+    with_instructions(plain, "Use the tool.", use_chat_template=False)
+    assert plain[0].prompt == "Use the tool.\n\nQ"
+
+
+# ---------------------------------------------------------------------------- observations
+def test_observation_tokens_continue_the_chat_template(tiny_checkpoint):
+    """prompt + turn + EOS + observation tokens == the template's own rendering of the
+    conversation with a tool message and the next generation prompt."""
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    fmt = ObservationFormatter(tok, "tool")
+    assert fmt.text("12") == "\n<|im_start|>tool\n12<|im_end|>\n<|im_start|>assistant\n"
+    user = [{"role": "user", "content": "What is 3*4?"}]
+    prompt = encode_prompt(tok, user, apply_chat_template=True)
+    turn = tok("call", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ids = list(prompt) + turn + fmt("12")
+    expected = tok.apply_chat_template(
+        user + [{"role": "assistant", "content": "call"}, {"role": "tool", "content": "12"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert tok.decode(ids) == expected
+    assert ObservationFormatter(tok, use_chat_template=False).text("12") == (
+        "\n<tool_response>12</tool_response>\n"
+    )
+
+
+# ---------------------------------------------------------------------------- the runner
+class ScriptedEnv:
+    """Answers every turn with ``observation`` until ``turns`` turns are done; then done, with
+    ``reward`` (None: the reward function scores the text)."""
+
+    def __init__(self, observation: str = "obs 7", turns: int = 2, reward: float | None = None):
+        self.observation, self.turns, self.reward = observation, turns, reward
+        self.seen = 0
+
+    def reset(self, record: PromptRecord) -> None:
+        self.record = record
+
+    def step(self, text: str) -> StepResult:
+        self.seen += 1
+        if self.seen >= self.turns:
+            return StepResult(done=True, reward=self.reward)
+        return StepResult(observation=self.observation, tool_calls=1)
+
+
+class RaisingEnv(ScriptedEnv):
+    def step(self, text: str) -> StepResult:
+        raise RuntimeError("the tool server is down")
+
+
+class HangingEnv(ScriptedEnv):
+    def step(self, text: str) -> StepResult:
+        time.sleep(3.0)
+        return StepResult(done=True)
+
+
+class GarbageEnv(ScriptedEnv):
+    def step(self, text: str) -> StepResult:
+        return {"observation": 12}  # type: ignore[return-value]
+
+
+class EveryOther:
+    """Fails (raises) in every other episode: the runner counts, it does not crash."""
+
+    count = 0
+
+    def __init__(self) -> None:
+        EveryOther.count += 1
+        self.bad = EveryOther.count % 2 == 0
+
+    def reset(self, record: PromptRecord) -> None:
+        if self.bad:
+            raise ValueError("bad episode")
+
+    def step(self, text: str) -> StepResult:
+        return StepResult(done=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    prompts = []
+    for i, q in enumerate(["What is 3*4?", "Compute 7+8."]):
+        r = PromptRecord(f"p{i}", q, "12")
+        r.prompt_ids = encode_prompt(tok, q, apply_chat_template=True)
+        prompts.append(r)
+    return tok, model, prompts
+
+
+#: Stop ids of the test engine: the EOS and a third of the byte tokens, so the random tiny
+#: model ends turns after a few tokens ("stop") and episodes really take several turns.
+STOP_IDS = [1, *range(100, 190)]
+
+
+def make_runner(tiny, make_env, seed=0, **config):
+    tok, model, records = tiny
+    cfg = EnvironmentConfig(**{"max_turns": 3, "call_timeout_s": 2.0, **config})
+    return EpisodeRunner(
+        HFRolloutEngine(model, tok, seed=seed, eos_token_id=STOP_IDS),
+        cfg,
+        make_env=make_env,
+        formatter=ObservationFormatter(tok, cfg.observation_role),
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        records=records,
+        max_episode_tokens=cfg.max_episode_tokens or 400,
+    )
+
+
+def test_episodes_interleave_turns_and_observations(tiny):
+    """Token ids are turn, observation, turn, ...; the mask is 1 exactly on the sampled turns;
+    the engine's log-probs on them are the model's own (one forward over the whole episode
+    at the sampling temperature), 0 on observations; text is the last turn."""
+    tok, model, records = tiny
+    runner = make_runner(tiny, lambda: ScriptedEnv(turns=3))
+    sampling = SamplingConfig(max_tokens=60, temperature=1.0)
+    groups = runner.generate([r.prompt_ids for r in records], 2, sampling)
+    obs = ObservationFormatter(tok)("obs 7")
+    for record, group in zip(records, groups):
+        assert len(group) == 2
+        for ep in group:
+            ids, mask = ep.token_ids, ep.loss_mask
+            assert len(ids) == len(mask) == len(ep.log_probs)
+            # split into runs of equal mask: sampled, observation, sampled, ...
+            runs, start = [], 0
+            for t in range(1, len(ids) + 1):
+                if t == len(ids) or mask[t] != mask[start]:
+                    runs.append((mask[start], ids[start:t]))
+                    start = t
+            sampled_runs = [r for m, r in runs if m == 1]
+            for m, run in runs:
+                if m == 0:
+                    assert run == obs
+            assert all(run[-1] in STOP_IDS for run in sampled_runs[:-1])
+            assert ep.turns == len(sampled_runs) <= 3
+            assert sum(mask) <= sampling.max_tokens
+            assert all(lp == 0.0 for lp, m in zip(ep.log_probs, mask) if m == 0)
+            assert ep.text == tok.decode(sampled_runs[-1], skip_special_tokens=True)
+            with torch.no_grad():
+                seq = torch.tensor([record.prompt_ids + ids])
+                logits = model(input_ids=seq).logits[0, len(record.prompt_ids) - 1 : -1]
+            logp = process_logits(logits, 1.0, -1, 1.0).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+            keep = torch.tensor(mask, dtype=torch.bool)
+            engine = torch.tensor(ep.log_probs)
+            assert torch.allclose(logp[keep], engine[keep], atol=1e-4)
+    stats = runner.take_stats()
+    eps = [e for g in groups for e in g]
+    assert [e.turns for e in eps] == [3, 3, 3, 3]  # stopped turns: the environment decided
+    assert stats["env/turns_mean"] == pytest.approx(sum(e.turns for e in eps) / 4)
+    assert stats["env/failures"] == 0 and stats["env/timeouts"] == 0
+    lengths = [len(records[i // 2].prompt_ids) + len(e.token_ids) for i, e in enumerate(eps)]
+    assert stats["env/episode_tokens_mean"] == pytest.approx(sum(lengths) / 4)
+    assert runner.take_stats()["env/turns_mean"] == 0  # a fresh count
+
+
+def test_budgets_end_episodes_as_length(tiny):
+    """sampling.max_tokens bounds the assistant tokens, max_episode_tokens prompt + all."""
+    _, _, records = tiny
+    runner = make_runner(tiny, lambda: ScriptedEnv(turns=99), max_turns=8)
+    eps = runner.generate([r.prompt_ids for r in records], 3, SamplingConfig(max_tokens=5))[0]
+    for ep in eps:
+        assert sum(ep.loss_mask) <= 5
+        if sum(ep.loss_mask) == 5:
+            assert ep.finish_reason == "length"
+    small = make_runner(tiny, lambda: ScriptedEnv(turns=99), max_turns=8, max_episode_tokens=60)
+    for group in small.generate([r.prompt_ids for r in records], 3, SamplingConfig(max_tokens=200)):
+        for ep in group:
+            assert ep.finish_reason == "length" and ep.episode_tokens <= 60
+
+
+@pytest.mark.parametrize(
+    ("env", "failure"),
+    [
+        (RaisingEnv, "RuntimeError: the tool server is down"),
+        (HangingEnv, "timeout"),
+        (GarbageEnv, "TypeError: step() returned dict, not a StepResult."),
+    ],
+)
+def test_environment_faults_fail_episodes_not_the_run(tiny, env, failure):
+    _, _, records = tiny
+    runner = make_runner(tiny, env, call_timeout_s=0.3, max_failure_frac=1.0)
+    t0 = time.monotonic()
+    groups = runner.generate([r.prompt_ids for r in records], 2, SamplingConfig(max_tokens=40))
+    assert time.monotonic() - t0 < 2.5  # the hanging calls were not waited for
+    eps = [e for g in groups for e in g]
+    assert all(e.failure == failure and e.turns == 1 for e in eps)
+    stats = runner.take_stats()
+    assert stats["env/failures"] == 4 and stats["env/timeouts"] == (4 if env is HangingEnv else 0)
+    # the producer's scoring: a failed episode scores the reward's failure score, acc False
+    results = episode_results(
+        eps, [RewardResult(1.0, True)] * 4, reward=type("R", (), {"failure_score": -1.0})()
+    )
+    assert [(r.score, r.acc) for r in results] == [(-1.0, False)] * 4
+    assert results[0].extra["reward_failure"] == f"environment: {failure}"
+    strict = make_runner(tiny, env, call_timeout_s=0.3, max_failure_frac=0.5)
+    with pytest.raises(EnvironmentFailureError, match="4 of 4 episodes failed"):
+        strict.generate([r.prompt_ids for r in records], 2, SamplingConfig(max_tokens=40))
+
+
+def test_some_failures_under_the_limit_are_counted(tiny):
+    _, _, records = tiny
+    EveryOther.count = 0
+    runner = make_runner(tiny, EveryOther, max_failure_frac=0.5)
+    eps = [
+        e
+        for g in runner.generate([r.prompt_ids for r in records], 2, SamplingConfig(max_tokens=4))
+        for e in g
+    ]
+    assert sum(e.failure is not None for e in eps) == 2
+    assert all(e.token_ids == [] for e in eps if e.failure is not None)
+    assert runner.take_stats()["env/failures"] == 2
+
+
+def test_environment_reward_replaces_the_reward_function(tiny):
+    _, _, records = tiny
+    runner = make_runner(tiny, lambda: ScriptedEnv(turns=1, reward=0.25))
+    eps = runner.generate([records[0].prompt_ids], 2, SamplingConfig(max_tokens=4))[0]
+    results = episode_results(eps, [RewardResult(-1.0, False, {"has_answer": True})] * 2, None)
+    assert [(r.score, r.acc, r.extra["has_answer"]) for r in results] == [(0.25, True, True)] * 2
+    plain = [Completion([5], [-0.1], "stop")]
+    assert episode_results(plain, [RewardResult(-1.0, False)], None)[0].score == -1.0
+
+
+def test_unknown_prompts_and_context_are_refused(tiny):
+    tok, model, records = tiny
+    runner = make_runner(tiny, ScriptedEnv)
+    with pytest.raises(ValueError, match="not one of its records"):
+        runner.generate([[5, 6, 7]], 1, SamplingConfig(max_tokens=4))
+    with pytest.raises(ValueError, match="exceeds the engine's context"):
+        make_runner(tiny, ScriptedEnv, max_episode_tokens=10_000)
+
+
+# ---------------------------------------------------------------------------- the batch
+def test_token_masks_reach_the_response_mask(tiny):
+    """ScoredRollouts.token_mask: response_length counts sampled tokens only; the batch's
+    response_mask is loss_mask AND token mask; select / concat / state_dict keep it."""
+    _, _, records = tiny
+    runner = make_runner(tiny, lambda: ScriptedEnv(turns=2))
+    eps = runner.generate([records[0].prompt_ids], 2, SamplingConfig(max_tokens=12))[0]
+    masks = token_masks(eps)
+    assert masks == [e.loss_mask for e in eps]
+    assert token_masks([Completion([1, 2], [0.0, 0.0], "stop")]) is None
+    from dapo_lightning.data.batch import ScoredRollouts
+
+    rollouts = ScoredRollouts(
+        prompt_ids=[records[0].prompt_ids] * 2,
+        response_ids=[e.token_ids for e in eps],
+        rollout_log_probs=[e.log_probs for e in eps],
+        finish_reason=[e.finish_reason for e in eps],
+        group_index=torch.zeros(2, dtype=torch.long),
+        prompt_uid=["p0", "p0"],
+        score=torch.tensor([1.0, -1.0]),
+        acc=torch.tensor([1.0, 0.0]),
+        sampling=SamplingConfig(max_tokens=12),
+        token_mask=masks,
+    )
+    assert rollouts.response_length.tolist() == [sum(m) for m in masks]
+    rollouts.loss_mask[1] = False
+    batch = RolloutBatch.from_rollouts(rollouts, group_size=2, pad_token_id=0)
+    for i, m in enumerate(masks):
+        expect = torch.zeros(batch.response_width)
+        expect[: len(m)] = torch.tensor(m, dtype=torch.float32) * float(i == 0)
+        assert torch.equal(batch.response_mask[i], expect)
+        assert int(batch.attention_mask[i, batch.prompt_width :].sum()) == len(m)
+    again = ScoredRollouts.from_state_dict(rollouts.state_dict())
+    assert again.token_mask == masks
+    assert rollouts.select([1]).token_mask == [masks[1]]
+    single = ScoredRollouts(
+        prompt_ids=[[3]], response_ids=[[4, 5]], rollout_log_probs=[[0.0, 0.0]],
+        finish_reason=["stop"], group_index=torch.zeros(1, dtype=torch.long), prompt_uid=["x"],
+        score=torch.zeros(1), acc=torch.zeros(1), sampling=SamplingConfig(max_tokens=12),
+    )  # fmt: skip
+    both = concat_rollouts([rollouts, single])
+    assert both.token_mask == masks + [[1, 1]]
+    assert concat_rollouts([single, single]).token_mask is None
