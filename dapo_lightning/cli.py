@@ -30,6 +30,11 @@ The same command line is therefore right for the first start and for every reque
 **Exit status**: 0 when the fit finished; 143 / 130 when SIGTERM / SIGINT stopped it (after
 saving); 2 for a bad configuration (one ``error:`` line, no traceback); 1 otherwise.
 
+**Precision**: ``trainer.precision: auto`` becomes ``bf16-mixed`` where the device computes
+bf16 natively (CUDA with bf16, a CPU with AVX512-BF16 or AMX) and ``32-true`` elsewhere, before
+the Trainer is built, with one line saying which and why (:mod:`dapo_lightning.precision`; the
+vLLM engine's ``dtype: auto`` decides the same way).
+
 The model path is given once and linked: ``model.model_name_or_path`` ->
 ``data.model_name_or_path``. The sampling temperature and maximum response length are the
 data's (``data.sampling``); every batch carries them to the module. The data's ``seed``, when
@@ -54,6 +59,7 @@ from dapo_lightning.checkpoint import CheckpointDiskFullError, find_resume_check
 from dapo_lightning.data.datamodule import DAPODataModule
 from dapo_lightning.interrupt import exit_on_stop
 from dapo_lightning.module import DAPOModule
+from dapo_lightning.precision import resolve_trainer_precision
 from dapo_lightning.run_lock import RunDirLockedError
 
 #: ``--ckpt_path`` value that picks the newest loadable checkpoint (see :func:`resolve_auto_checkpoint`).
@@ -154,6 +160,7 @@ class DAPOLightningCLI(LightningCLI):
         parser.link_arguments(
             "model.init_args.model_name_or_path", "data.init_args.model_name_or_path"
         )
+        allow_auto_precision(parser)
 
     def _parse_ckpt_path(self) -> None:
         """Nothing: on a resume the config applies (LightningCLI would overwrite the model's
@@ -162,6 +169,11 @@ class DAPOLightningCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:  # noqa: D102
         config = self.config[self.subcommand] if self.subcommand else self.config
         resolve_run_paths(config)
+        trainer = config.get("trainer")
+        if isinstance(trainer, Namespace):  # precision: auto -> bf16-mixed | 32-true
+            trainer.precision = resolve_trainer_precision(
+                trainer.get("precision"), trainer.get("accelerator", "auto")
+            )
         fill_data_seed(config)
         self._model_to_create = model_to_create(config)
 
@@ -227,6 +239,15 @@ class DAPOLightningCLI(LightningCLI):
 
 
 # ----------------------------------------------------------------------------- config rewriting
+def allow_auto_precision(parser: Any) -> None:
+    """Let ``trainer.precision`` take ``"auto"`` (the Trainer's own type has no such value;
+    :func:`~dapo_lightning.precision.resolve_trainer_precision` replaces it before the Trainer
+    is built)."""
+    for action in parser._actions:
+        if action.dest == "trainer.precision" and hasattr(action, "_typehint"):
+            action._typehint = Literal["auto"] | action._typehint
+
+
 def run_path(root: str | None, value: str) -> str:
     """Where a configured path ``value`` points for the run directory ``root``
     (``trainer.default_root_dir``): relative paths are under it unless they already start with

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from dapo_lightning.logging_setup import quiet_partial_reload
+from dapo_lightning.precision import resolve_dtype
 from dapo_lightning.rollout.base import Completion, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,8 @@ class VLLMRolloutEngine:
     Args:
         model_path: Checkpoint folder (or hub id) vLLM loads; its tokenizer and config are used.
         dtype: Engine weights and activations dtype (``"bfloat16"``, ``"float16"``,
-            ``"float32"``). Pushed weights are converted to it. Use ``"float32"`` for exact
+            ``"float32"``, or ``"auto"``: bf16 where the device computes it natively, else
+            float32, see :mod:`dapo_lightning.precision`). Pushed weights are converted to it. Use ``"float32"`` for exact
             parity checks against a float32 trainer.
         max_model_len: Longest prompt + response the engine accepts; ``None`` = the model's.
         gpu_memory_utilization: Fraction of GPU memory vLLM may take (CUDA only).
@@ -193,7 +195,7 @@ class VLLMRolloutEngine:
         self,
         model_path: str,
         *,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.5,
         kv_cache_space_gb: float = 1,
@@ -204,9 +206,11 @@ class VLLMRolloutEngine:
         weight_bucket_bytes: int = 512 * 2**20,
         **engine_kwargs: Any,
     ) -> None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = resolve_dtype(dtype, device, "VLLMRolloutEngine.dtype")  # auto: fits the device
         if dtype not in _DTYPES:
             raise ValueError(
-                f"VLLMRolloutEngine.dtype must be one of {sorted(_DTYPES)}, got {dtype!r}."
+                f"VLLMRolloutEngine.dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}."
             )
         if weight_bucket_bytes < 1:
             raise ValueError(
