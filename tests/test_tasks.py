@@ -28,6 +28,8 @@ from dapo_lightning.tasks.word_problems import (
 from dapo_lightning.testing import make_tiny_tokenizer
 
 FIELDS = FieldMap("prompt", "answer", "uid", None)
+#: How a task's prompt asks for the answer (default: the answer alone).
+ANSWER_FORMAT = {"reasoning_gym": "Answer: {}"}
 
 
 # ----------------------------------------------------------------------------- the registry
@@ -43,7 +45,9 @@ def test_every_task_feeds_the_data_pipeline(name):
     tokenized, _ = tokenize_records(records, make_tiny_tokenizer(), apply_chat_template=True)
     assert all(len(r.prompt_ids) > 0 for r in tokenized)
     reward = get_reward(task.reward)
-    results = reward([r.answer for r in records[:8]], [r.answer for r in records[:8]])
+    kw = RewardRunner._kw([r.meta.get("reward_kwargs", {}) for r in records], list(range(8)))
+    responses = [ANSWER_FORMAT.get(name, "{}").format(r.answer) for r in records[:8]]
+    results = reward(responses, [r.answer for r in records[:8]], **kw)
     assert [r.score for r in results] == [1.0] * 8  # each answer scores right against itself
 
 

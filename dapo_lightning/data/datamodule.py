@@ -108,7 +108,8 @@ class DAPODataModule(pl.LightningDataModule):
         train_files: Prompt files (JSONL, Parquet, a ``save_to_disk`` folder or a hub name).
         val_files: Held-out prompt files (else ``val_fraction`` of the train prompts).
         task: A built-in task instead of files (:data:`dapo_lightning.tasks.TASKS`:
-            ``"arithmetic"``, ``"word_problems"``).
+            ``"arithmetic"``, ``"word_problems"``, ``"reasoning_gym"``). A task whose rows carry
+            a ``split`` field holds out its own ``"val"`` rows (then ``val_fraction`` must be 0).
         task_kwargs: Options of the task's problem generator (``seed`` defaults to the run's).
         prompt_key: Field holding the prompt (string or chat messages).
         answer_key: Field holding the ground truth; dotted paths reach nested fields.
@@ -192,6 +193,8 @@ class DAPODataModule(pl.LightningDataModule):
                 "(a built-in task, see dapo_lightning.tasks.TASKS)."
             )
         self.task = get_task(task) if task is not None else None
+        if self.task is not None and self.task.check is not None:
+            self.task.check(**(task_kwargs or {}))
         if isinstance(engine, str) and engine not in ("hf", "vllm"):
             raise ValueError(f"engine={engine!r}: use 'hf', 'vllm' or an engine object.")
         if engine == "vllm" and model_name_or_path is None:
@@ -279,6 +282,16 @@ class DAPODataModule(pl.LightningDataModule):
         if self.task is not None:
             rows = self.task.make_rows(**{"seed": self.seed, **self.task_kwargs})
             records = records_from_rows(rows, self.fields, name=self.task.name)
+            if any("split" in r.meta for r in records):  # the task holds out its own problems
+                if self.val_fraction > 0 or self.val_files is not None:
+                    raise ValueError(
+                        f"task={self.task.name!r} has its own held-out problems (its rows' "
+                        "split): set val_fraction: 0 and no val_files."
+                    )
+                split = [r.meta.get("split") == "val" for r in records]
+                return [r for r, v in zip(records, split) if not v], [
+                    r for r, v in zip(records, split) if v
+                ]
         else:
             records = load_prompt_records(self.train_files, self.fields, dedup=self.dedup)
         if self.val_files is not None:

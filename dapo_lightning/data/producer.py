@@ -355,7 +355,10 @@ class RolloutProducer:
         results = self.reward_runner.score(
             texts,
             [rec.answer for _, rec, _ in flat],
-            [{"data_source": rec.data_source} for _, rec, _ in flat],
+            [
+                {"data_source": rec.data_source, **rec.meta.get("reward_kwargs", {})}
+                for _, rec, _ in flat
+            ],
         )
         # multi-turn episodes (dapo_lightning.envs): the environment's reward or failure
         results = episode_results([c for *_, c in flat], results, self.reward_runner.reward)

@@ -47,6 +47,12 @@ class FieldMap:
     data_source_key: str | None = "data_source"
 
 
+#: Row fields kept in :attr:`PromptRecord.meta`: ``difficulty`` (the arithmetic task's level),
+#: ``split`` (``"train"`` / ``"val"``: a task's own held-out set) and ``reward_kwargs`` (a dict of
+#: keyword arguments the reward gets with this prompt's responses, e.g. what a scorer needs).
+ROW_META_KEYS = ("difficulty", "split", "reward_kwargs")
+
+
 @dataclass
 class PromptRecord:
     """One prompt with its answer.
@@ -57,7 +63,7 @@ class PromptRecord:
         answer: Ground truth, as a string.
         data_source: Source name, or None.
         prompt_ids: Token ids after the chat template (set by :func:`tokenize_records`).
-        meta: Extra fields (e.g. ``difficulty`` of the arithmetic task).
+        meta: Extra fields (:data:`ROW_META_KEYS`).
     """
 
     uid: str
@@ -303,7 +309,7 @@ def records_from_rows(
                 source = get_field(row, fields.data_source_key)
             except KeyError:
                 source = None
-        meta = {k: v for k, v in row.items() if k == "difficulty"}
+        meta = {k: v for k, v in row.items() if k in ROW_META_KEYS}
         out.append(
             PromptRecord(uid, prompt, answer, None if source is None else str(source), meta=meta)
         )

@@ -1,6 +1,6 @@
 """Reward functions: one batch protocol, run with timeouts and failure accounting.
 
-``get_reward("dapo" | "math_verify" | "arithmetic" | "last_number" | obj)`` returns a reward
+``get_reward("dapo" | "math_verify" | "arithmetic" | "last_number" | "reasoning_gym" | obj)`` returns a reward
 object. The rewards of the built-in tasks live with their task in :mod:`dapo_lightning.tasks`.
 """
 
@@ -27,6 +27,7 @@ REWARDS: dict[str, str] = {
     "math_verify": "dapo_lightning.rewards.mathverify:MathVerifyReward",
     "arithmetic": "dapo_lightning.tasks.arithmetic:ArithmeticReward",
     "last_number": "dapo_lightning.tasks.word_problems:LastNumberReward",
+    "reasoning_gym": "dapo_lightning.tasks.reasoning_gym:ReasoningGymReward",
 }
 
 

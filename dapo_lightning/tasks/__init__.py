@@ -11,6 +11,9 @@ One module per task holds its problems and its reward:
   reward. Its quickstart warm-up checkpoint is in :mod:`dapo_lightning.tasks.arithmetic_warmup`.
 * :mod:`dapo_lightning.tasks.word_problems`: two-step word problems as chat messages, scored by
   the last number of the response.
+* :mod:`dapo_lightning.tasks.reasoning_gym`: the ``reasoning-gym`` package's procedural datasets
+  (the ``tasks`` extra), scored by each dataset's own ``score_answer``; its rows carry their
+  ``split`` (held-out problems from another seed) and the scorer's entry (``reward_kwargs``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dapo_lightning.tasks.arithmetic import ArithmeticReward, make_arithmetic_rows
+from dapo_lightning.tasks.reasoning_gym import (
+    ReasoningGymReward,
+    check_task_kwargs,
+    make_reasoning_gym_rows,
+)
 from dapo_lightning.tasks.word_problems import LastNumberReward, make_word_problem_rows
 
 
@@ -34,12 +42,16 @@ class Task:
         reward: The reward name it is scored with by default (a key of
             :data:`dapo_lightning.rewards.REWARDS`).
         description: One line for error messages and listings.
+        check: ``check(**task_kwargs)`` raises ValueError for options ``make_rows`` would
+            reject, without generating anything (the data module calls it when it is built);
+            None: none.
     """
 
     name: str
     make_rows: Callable[..., list[dict[str, Any]]]
     reward: str
     description: str
+    check: Callable[..., None] | None = None
 
 
 #: Built-in tasks by name.
@@ -55,6 +67,13 @@ TASKS: dict[str, Task] = {
         make_rows=make_word_problem_rows,
         reward="last_number",
         description="two-step word problems, numbers 1-10, chat prompts; last number scored",
+    ),
+    "reasoning_gym": Task(
+        name="reasoning_gym",
+        make_rows=make_reasoning_gym_rows,
+        reward="reasoning_gym",
+        description="reasoning-gym datasets or a weighted mix (tasks extra); their own scorer",
+        check=check_task_kwargs,
     ),
 }
 
@@ -88,8 +107,10 @@ __all__ = [
     "TASKS",
     "ArithmeticReward",
     "LastNumberReward",
+    "ReasoningGymReward",
     "Task",
     "get_task",
     "make_arithmetic_rows",
+    "make_reasoning_gym_rows",
     "make_word_problem_rows",
 ]
