@@ -1,7 +1,8 @@
-"""DAPO vs the naive GRPO baseline on SmolLM2-135M-Instruct word problems, at an equal
-training-time budget: ``dapo-lightning fit --config configs/smollm2_135m.yaml`` (DAPO) and the
-same plus ``configs/smollm2_grpo_baseline.yaml`` (GRPO), for several seeds, through the real
-command line on this machine's CPU.
+"""DAPO vs the naive GRPO baseline on SmolLM2-135M-Instruct, at an equal training-time budget:
+``dapo-lightning fit --config configs/smollm2_135m.yaml`` (DAPO, word problems; ``--recipe
+reasoning_gym``: ``configs/smollm2_reasoning_gym.yaml``) and the same plus
+``configs/smollm2_grpo_baseline.yaml`` (GRPO), for several seeds, through the real command line
+on this machine's CPU.
 
 Each run gets a fresh directory ``benchmarks/out/smollm2_curve/<method>/seed<S>/`` and an override
 YAML that moves the run's paths there, points ``model.model_name_or_path`` at one shared model
@@ -34,6 +35,8 @@ Usage::
     .venv/bin/python benchmarks/smollm2_curve.py --methods lora --seeds 0   # LoRA adapters
     .venv/bin/python benchmarks/smollm2_curve.py --report    # tables + PNG of the runs on disk
     .venv/bin/python benchmarks/smollm2_curve.py --name smollm2_curve_lr1e-4 --model.optimizer.init_args.lr 1e-4
+    .venv/bin/python benchmarks/smollm2_curve.py --recipe reasoning_gym --budget-min 20   # the
+        # reasoning-gym recipe (configs/smollm2_reasoning_gym.yaml), target +0.35 over the start
 
 Extra arguments go to every ``dapo-lightning fit`` (e.g. ``--trainer.val_check_interval 10``).
 """
@@ -60,18 +63,28 @@ from dapo_lightning.plot import find_metrics_csv, read_metrics
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO_ROOT, config_callbacks, out_dir, print_table  # noqa: E402
 
-#: The recipe (relative to the repository root).
-RECIPE = "configs/smollm2_135m.yaml"
-#: The config files of each method, in order.
-METHODS: dict[str, list[str]] = {
-    "dapo": [RECIPE],
-    "grpo": [RECIPE, "configs/smollm2_grpo_baseline.yaml"],
-    "lora": [RECIPE, "configs/smollm2_lora.yaml"],  # DAPO with LoRA adapters (r 16)
+#: The recipes (``--recipe``), relative to the repository root.
+RECIPES = {
+    "word_problems": "configs/smollm2_135m.yaml",
+    "reasoning_gym": "configs/smollm2_reasoning_gym.yaml",
 }
+#: The word-problem recipe (the default ``--recipe``).
+RECIPE = RECIPES["word_problems"]
+#: The override files of each method, after the recipe.
+METHOD_OVERRIDES: dict[str, list[str]] = {
+    "dapo": [],
+    "grpo": ["configs/smollm2_grpo_baseline.yaml"],
+    "lora": ["configs/smollm2_lora.yaml"],  # DAPO with LoRA adapters (r 16)
+}
+#: The config files of each method for the word-problem recipe, in order.
+METHODS: dict[str, list[str]] = {m: [RECIPE, *o] for m, o in METHOD_OVERRIDES.items()}
+#: Each recipe's target: ``("acc", x)`` held-out val/acc >= x, ``("gain", x)`` val/acc >= the
+#: initial val/acc + x.
+TARGETS = {"word_problems": ("acc", 0.8), "reasoning_gym": ("gain", 0.35)}
 #: Line style of each method in the PNG.
 STYLES = {"dapo": "-", "grpo": "--", "lora": ":"}
-#: The held-out accuracy the recipe is tuned to reach.
-TARGET = 0.8
+#: The held-out accuracy the word-problem recipe is tuned to reach.
+TARGET = TARGETS["word_problems"][1]
 #: The default training-time budget per run (minutes).
 BUDGET_MIN = 15.0
 #: Where the shared model folder is written when ``--model-dir`` is not given.
@@ -224,6 +237,7 @@ def _group_size(run_dir: Path) -> int:
 def summarize(
     method: str,
     seed: int,
+    recipe: str,
     run_dir: Path,
     cores: int,
     exit_code: int,
@@ -235,11 +249,15 @@ def summarize(
     run = read_run(run_dir, cores)
     curve = run["curve"]
     trained = [p for p in curve if p[0] > 0]
-    hit = next((p for p in trained if p[1] >= TARGET), None)
+    initial = curve[0][1] if curve and curve[0][0] == 0 else None
+    kind, value = TARGETS[recipe]
+    level = value if kind == "acc" else (initial or 0.0) + value
+    hit = next((p for p in trained if p[1] >= level), None)
     result = {
         "method": method,
         "seed": seed,
-        "initial": curve[0][1] if curve and curve[0][0] == 0 else None,
+        "recipe": recipe,
+        "initial": initial,
         "curve": curve,
         "updates_to_target": hit[0] if hit else None,
         "minutes_to_target": hit[2] / 60 if hit else None,
@@ -263,6 +281,7 @@ def run_one(
     method: str,
     seed: int,
     *,
+    recipe: str = "word_problems",
     model_dir: Path,
     budget_s: float,
     clock: str,
@@ -276,7 +295,7 @@ def run_one(
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    configs = METHODS[method]
+    configs = [RECIPES[recipe], *METHOD_OVERRIDES[method]]
     override = write_override(
         run_dir,
         configs,
@@ -305,7 +324,9 @@ def run_one(
     if proc.returncode != 0:
         tail = (run_dir / "fit.log").read_text()[-1500:]
         print(f"{method} seed {seed}: exit {proc.returncode}:\n{tail}", file=sys.stderr)
-    result = summarize(method, seed, run_dir, cores, proc.returncode, total_s, load_start, load_end)
+    result = summarize(
+        method, seed, recipe, run_dir, cores, proc.returncode, total_s, load_start, load_end
+    )
     (run_dir / "result.json").write_text(json.dumps(result, indent=1))
     print(
         f"{method} seed {seed}: exit {proc.returncode}, {result['updates']} updates, final "
@@ -313,6 +334,12 @@ def run_one(
         flush=True,
     )
     return result
+
+
+def target_label(recipe: str) -> str:
+    """The recipe's target as a column heading: ``0.8`` or ``+0.35``."""
+    kind, value = TARGETS[recipe]
+    return f"{value:g}" if kind == "acc" else f"+{value:g}"
 
 
 def plot(results: list[dict[str, Any]], path: Path, budget_min: float, clock: str) -> None:
@@ -336,15 +363,20 @@ def plot(results: list[dict[str, Any]], path: Path, budget_min: float, clock: st
         for ax, (x, _) in zip(axes, xs):
             ax.plot([x(p) for p in r["curve"]], [p[1] for p in r["curve"]], style, color=color,
                     marker="o", ms=3, label=label)  # fmt: skip
+    recipe = results[0].get("recipe", "word_problems")
+    kind, value = TARGETS[recipe]
+    initials = [r["initial"] for r in results if r["initial"] is not None]
+    level = value if kind == "acc" else (sum(initials) / max(len(initials), 1)) + value
     for ax, (_, xlabel) in zip(axes, xs):
-        ax.axhline(TARGET, color="grey", ls=":", lw=1)
+        ax.axhline(level, color="grey", ls=":", lw=1)
         ax.set_xlabel(xlabel)
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out val/acc (64 problems x 4 samples)")
     axes[0 if clock == "wall" else 1].axvline(budget_min, color="red", ls=":", lw=1)
     axes[2].legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M-Instruct word problems on CPU: DAPO vs GRPO, equal training budget")
+    task = "word problems" if recipe == "word_problems" else "reasoning-gym arithmetic"
+    fig.suptitle(f"SmolLM2-135M-Instruct {task} on CPU: DAPO vs GRPO, equal training budget")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -369,6 +401,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument(
+        "--recipe", choices=sorted(RECIPES), default="word_problems", help="which recipe"
+    )
+    parser.add_argument(
         "--methods", nargs="+", choices=sorted(METHODS), default=["dapo", "grpo"]
     )  # lora: DAPO + configs/smollm2_lora.yaml, on request
     parser.add_argument("--budget-min", type=float, default=BUDGET_MIN, help="training minutes")
@@ -389,7 +424,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     args, extra = parser.parse_known_args(argv)
     methods = ["dapo"] if args.quick else args.methods
     seeds = args.seeds[:1] if args.quick else args.seeds
-    name = args.name or ("smollm2_curve_quick" if args.quick else "smollm2_curve")
+    base = "smollm2_curve" if args.recipe == "word_problems" else "smollm2_rg_curve"
+    name = args.name or (f"{base}_quick" if args.quick else base)
     root = out_dir() / name
     if args.report:
         found = [root / m / f"seed{s}" / "result.json" for s in seeds for m in methods]
@@ -404,6 +440,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
             r = run_one(
                 method,
                 seed,
+                recipe=args.recipe,
                 model_dir=model_dir,
                 budget_s=args.budget_min * 60,
                 clock=args.clock,
@@ -441,16 +478,17 @@ def report(
         ]
         for r in results
     ]
+    recipe = results[0].get("recipe", "word_problems")
+    target = target_label(recipe)
     print_table(
-        f"SmolLM2-135M-Instruct word problems: held-out val/acc, {budget_min:g}-minute "
-        f"{clock} budget",
+        f"SmolLM2-135M-Instruct {recipe}: held-out val/acc, {budget_min:g}-minute {clock} budget",
         [
             "method",
             "seed",
             "initial",
-            f"updates to {TARGET}",
-            f"min to {TARGET}",
-            f"idle-eq min to {TARGET}",
+            f"updates to {target}",
+            f"min to {target}",
+            f"idle-eq min to {target}",
             "best",
             "final",
             "updates",

@@ -5,8 +5,10 @@ RL on a small model mostly sharpens what it can already sample: when pass@n of t
 model is low, dynamic sampling finds few groups with any correct answer and the held-out
 accuracy moves slowly. Measure this before tuning a recipe's hyper-parameters.
 
-For each word-problem mix (``dapo_lightning.tasks.word_problems.MIXES``) it prints, on the
-first ``--prompts`` problems of seed 0 (the recipe's training split starts there):
+For each word-problem mix (``dapo_lightning.tasks.word_problems.MIXES``, ``--mixes``) and each
+reasoning-gym setting (:data:`RG_SETTINGS`, ``--rg``: a dataset and a difficulty config, the
+prompts and scorer of ``task: reasoning_gym``) it prints, on the first ``--prompts`` problems of
+seed 0 (the recipes' training split starts there):
 
 * greedy: accuracy of one temperature-0 response per problem;
 * sampled: mean accuracy of ``--n`` responses per problem at ``--temperature`` (the recipe's
@@ -15,12 +17,15 @@ first ``--prompts`` problems of seed 0 (the recipe's training split starts there
   of ``n`` is kept by DAPO's filter only when some, not all, of its samples are right;
 * tokens: mean response length.
 
+The engine runs in ``--dtype`` (default ``auto``: float32 on a CPU without bf16 hardware).
 Writes ``benchmarks/out/task_headroom.png`` (accuracy per template) and ``.json``.
 
 Usage::
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/task_headroom.py          # SmolLM2, ~4 min
     .venv/bin/python benchmarks/task_headroom.py --mixes additive --prompts 64 --n 16
+    .venv/bin/python benchmarks/task_headroom.py --mixes --rg ba_2x1_addsub chain_2x1 \
+        --prompts 32 --max-tokens 64       # reasoning-gym settings only
 """
 
 from __future__ import annotations
@@ -40,34 +45,96 @@ from smollm2_curve import DEFAULT_MODEL_DIR, ensure_model  # noqa: E402
 
 from dapo_lightning.data.sources import encode_prompt  # noqa: E402
 from dapo_lightning.rollout.base import SamplingConfig  # noqa: E402
+from dapo_lightning.tasks.reasoning_gym import (  # noqa: E402
+    ReasoningGymReward,
+    make_reasoning_gym_rows,
+)
 from dapo_lightning.tasks.word_problems import (  # noqa: E402
     MIXES,
     LastNumberReward,
     make_word_problem_rows,
 )
 
+#: Reasoning-gym settings measured with ``--rg``: name -> (dataset, config). One operation on
+#: one-digit numbers first (each chained step multiplies a small model's slips).
+RG_SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ba_2x1_add": (
+        "basic_arithmetic",
+        {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"]},
+    ),
+    "ba_2x1_addsub": (
+        "basic_arithmetic",
+        {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+", "-"]},
+    ),
+    "ba_2x1_addsub_plain": (  # no parentheses or negative operands: "Calculate 7 - 3."
+        "basic_arithmetic",
+        {
+            "min_terms": 2,
+            "max_terms": 2,
+            "max_digits": 1,
+            "operators": ["+", "-"],
+            "allow_parentheses": False,
+            "allow_negation": False,
+        },
+    ),
+    "ba_2x1_mul": (
+        "basic_arithmetic",
+        {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["*"]},
+    ),
+    "chain_2x1": ("chain_sum", {"min_terms": 2, "max_terms": 2, "max_digits": 1}),
+    "chain_3x1": ("chain_sum", {"min_terms": 3, "max_terms": 3, "max_digits": 1}),
+    "chain_2x2": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}),
+}
 
-def score_mix(
-    engine: Any, tokenizer: Any, mix: str, *, prompts: int, n: int, temperature: float
-) -> list[dict[str, Any]]:
-    """Rows (one per template, then ``"all"``) of greedy / sampled accuracy and pass@n."""
-    rows = make_word_problem_rows(prompts, seed=0, templates=mix)
-    ids = [encode_prompt(tokenizer, r["prompt"], apply_chat_template=True) for r in rows]
+
+def word_problem_rows(mix: str, prompts: int) -> tuple[list[dict[str, Any]], Any]:
+    """The mix's first ``prompts`` seed-0 problems and a ``(text, row) -> acc`` scorer."""
     reward = LastNumberReward()
+    rows = make_word_problem_rows(prompts, seed=0, templates=mix)
+    return rows, lambda text, row: reward.score_one(text, row["answer"]).acc
+
+
+def reasoning_gym_rows(setting: str, prompts: int) -> tuple[list[dict[str, Any]], Any]:
+    """The setting's first ``prompts`` seed-0 training problems (template: the setting's
+    name) and their reasoning-gym scorer."""
+    dataset, config = RG_SETTINGS[setting]
+    rows = make_reasoning_gym_rows(seed=0, dataset=dataset, config=config, size=prompts, val_size=0)
+    for row in rows:
+        row["template"] = setting
+    reward = ReasoningGymReward()
+    return rows, lambda text, row: reward.score_one(text, row["reward_kwargs"]["rg_entry"]).acc
+
+
+def score_rows(
+    engine: Any,
+    tokenizer: Any,
+    name: str,
+    task: tuple[list[dict[str, Any]], Any],
+    *,
+    n: int,
+    temperature: float,
+    max_tokens: int,
+) -> list[dict[str, Any]]:
+    """Rows (one per template, then ``"all"``) of greedy / sampled accuracy and pass@n of the
+    problems and scorer ``task`` (``name``: the mix or setting)."""
+    rows, judge = task
+    ids = [encode_prompt(tokenizer, r["prompt"], apply_chat_template=True) for r in rows]
     from vllm import SamplingParams  # greedy: below SamplingConfig, which is for RL sampling
 
     requests = [{"prompt_token_ids": p} for p in ids]
     greedy = engine.llm.generate(
-        requests, SamplingParams(temperature=0.0, max_tokens=128), use_tqdm=False
+        requests, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False
     )
     t0 = time.perf_counter()
-    sampled = engine.generate(ids, n, SamplingConfig(max_tokens=128, temperature=temperature))
+    sampled = engine.generate(
+        ids, n, SamplingConfig(max_tokens=max_tokens, temperature=temperature)
+    )
     seconds = time.perf_counter() - t0
     per: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for row, g, group in zip(rows, greedy, sampled):
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
-        ok = [reward.score_one(text, row["answer"]).acc for text in texts]
-        first = reward.score_one(g.outputs[0].text, row["answer"]).acc
+        ok = [judge(text, row) for text in texts]
+        first = judge(g.outputs[0].text, row)
         for key in (row["template"], "all"):
             per[key]["greedy"].append(float(first))
             per[key]["sampled"].extend(map(float, ok))
@@ -75,7 +142,7 @@ def score_mix(
             per[key]["tokens"].extend(len(c.token_ids) for c in group)
     return [
         {
-            "mix": mix,
+            "mix": name,
             "template": key,
             "problems": len(v["greedy"]),
             "greedy": round(fmean(v["greedy"]), 3),
@@ -91,10 +158,13 @@ def score_mix(
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--mixes", nargs="+", choices=sorted(MIXES), default=list(MIXES))
-    parser.add_argument("--prompts", type=int, default=128, help="problems per mix")
+    parser.add_argument("--mixes", nargs="*", choices=sorted(MIXES), default=list(MIXES))
+    parser.add_argument("--rg", nargs="*", choices=sorted(RG_SETTINGS), default=[])
+    parser.add_argument("--prompts", type=int, default=128, help="problems per mix / setting")
     parser.add_argument("--n", type=int, default=8, help="samples per problem (group size)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    parser.add_argument("--max-tokens", type=int, default=128, help="response tokens")
+    parser.add_argument("--dtype", default="auto", help="engine dtype (auto: fits the device)")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -103,19 +173,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     model_dir = ensure_model(args.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = VLLMRolloutEngine(
-        str(model_dir), dtype="bfloat16", max_model_len=224, kv_cache_space_gb=2, seed=0
+        str(model_dir), dtype=args.dtype, max_model_len=224, kv_cache_space_gb=2, seed=0
     )
+    tasks = {m: word_problem_rows(m, args.prompts) for m in args.mixes} | {
+        s: reasoning_gym_rows(s, args.prompts) for s in args.rg
+    }
+    kw = dict(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens)
     results = [
         row
-        for mix in args.mixes
-        for row in score_mix(
-            engine, tokenizer, mix, prompts=args.prompts, n=args.n, temperature=args.temperature
-        )
+        for name, task in tasks.items()
+        for row in score_rows(engine, tokenizer, name, task, **kw)
     ]
     columns = list(results[0])
     print_table(
         f"untrained {model_dir.name}: accuracy per template (seed-0 problems, "
-        f"{args.n} samples at T={args.temperature})",
+        f"{args.n} samples at T={args.temperature}, {args.max_tokens} tokens, "
+        f"dtype {engine.dtype})",
         columns,
         [[r[c] for c in columns] for r in results],
     )

