@@ -59,6 +59,28 @@ def _tensor_parallel(rank: int, world: int) -> dict:
     return out
 
 
+def _sized(rank: int, world: int) -> dict:
+    """The new defaults (predictive selection, rounds sized from the kept fraction) with ranks
+    that filter differently: every round's prompt count is agreed over ranks."""
+    from test_producer import ScriptedEngine, make_producer
+
+    rate = (lambda p: 0.5) if rank == 0 else (lambda p: 0.5 if zlib.crc32(p.encode()) % 4 else 1.0)
+    engine = ScriptedEngine(rate=rate)
+    producer = make_producer(
+        engine, num_prompts=400, level=2, train_batch_size=8, gen_batch_size=8,
+        world_size=world, rank=rank, max_num_gen_batches=0, selection="predictive",
+        round_sizing="kept_frac",
+    )  # fmt: skip
+    out: dict = {"counts": [], "sizes": []}
+    for step in range(4):
+        before = len(engine.calls)
+        batch = producer.next_batch(policy_version=step)
+        out["counts"].append([p for p, _ in engine.calls[before:]])
+        out["sizes"].append(batch.batch_size)
+    out["estimate"] = list(producer.kept_estimate)
+    return out
+
+
 def run(rank: int, world: int, port: int, out_dir: str) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -67,6 +89,7 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         out = {mode: _scenario(rank, world, mode) for mode in ("skewed", "hopeless", "short")}
         out["tp"] = _tensor_parallel(rank, world)
+        out["sized"] = _sized(rank, world)
         dist.barrier()
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

@@ -45,3 +45,12 @@ def test_two_ranks_disjoint_prompts_lockstep_and_shared_errors(tmp_path):
     for b0, b1 in zip(t0["batches"], t1["batches"]):
         assert len(b0) == len(b1) == 4 * 4  # 4 groups of n=4 each
         assert not {tuple(r) for r in b0} & {tuple(r) for r in b1}
+
+    # rounds sized from the kept fraction: one estimate and one prompt count per round on both
+    # ranks (a full rank draws nothing, so its counts are a prefix of the short rank's)
+    z0, z1 = r0["sized"], r1["sized"]
+    assert z0["estimate"] == z1["estimate"] and z0["sizes"] == z1["sizes"] == [16] * 4
+    for c0, c1 in zip(z0["counts"], z1["counts"]):
+        short, full = (c0, c1) if len(c0) >= len(c1) else (c1, c0)
+        assert full == short[: len(full)], (c0, c1)
+    assert any(c0 != [4] for c0 in z0["counts"] + z1["counts"])  # sized, not gen_batch_size

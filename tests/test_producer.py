@@ -6,6 +6,7 @@ groups have variance is known exactly and reproducible (no hidden RNG state)."""
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
@@ -82,8 +83,14 @@ def make_producer(
     records = records_from_rows(make_arithmetic_rows(num_prompts, level=level, seed=seed), FIELDS)
     records, _ = tokenize_records(records, TOK, apply_chat_template=True, max_prompt_length=64)
     runner = RewardRunner(reward or ArithmeticReward(), in_process=True)
-    settings = dict(
-        n=4, train_batch_size=8, gen_batch_size=8, max_num_gen_batches=20, retire_after=0
+    settings = dict(  # the paper's uniform draw and fixed rounds (new defaults: own tests)
+        n=4,
+        train_batch_size=8,
+        gen_batch_size=8,
+        max_num_gen_batches=20,
+        retire_after=0,
+        selection="uniform",
+        round_sizing="fixed",
     )
     settings.update(config)
     return RolloutProducer(
@@ -397,3 +404,246 @@ def test_a_stopped_batch_leaves_the_producer_as_it_was():
     assert producer.state_dict() == before
     reference = make_producer(retire_after=2, gen_batch_size=4)
     assert producer.next_batch().input_ids.tolist() == reference.next_batch().input_ids.tolist()
+
+
+# --------------------------------------------------------------- issue 27: fewer wasted samples
+class ScriptedStreamingEngine(ScriptedEngine):
+    """ScriptedEngine with the streaming API: ``stream_groups`` yields one finished group per
+    engine step, in submission order; closing it early records which keys were left (aborted)."""
+
+    def __init__(self, rate=pass_rate_of):
+        super().__init__(rate)
+        self.aborted: list[int] = []
+
+    def stream_groups(self, prompts, n, sampling):
+        groups = self.generate(prompts, n, sampling)
+        k = 0
+        try:
+            for k, group in enumerate(groups):
+                yield [(k, group)]
+            k = len(groups)
+        finally:
+            self.aborted.extend(range(k + 1, len(groups)) if k < len(groups) else [])
+
+
+def test_zero_variance_prob_pins_hand_made_histories():
+    from fractions import Fraction
+
+    from dapo_lightning.data.difficulty import PRIOR, DifficultyTracker, zero_variance_prob
+
+    def exact(a, b, n):  # the Beta moments as products, in exact rational arithmetic
+        a, b = Fraction(a), Fraction(b)
+        pa = pb = Fraction(1)
+        for k in range(n):
+            pa *= (a + k) / (a + b + k)
+            pb *= (b + k) / (a + b + k)
+        return float(pa + pb)
+
+    assert zero_variance_prob(0, 0, 1) == pytest.approx(1.0)  # one sample never varies
+    # Beta(3, 7): 3*4/(10*11) + 7*8/(10*11) = 68/110
+    assert zero_variance_prob(2, 6, 2, prior=(1, 1)) == pytest.approx(68 / 110, rel=1e-12)
+    assert zero_variance_prob(2, 6, 3, prior=(1, 1)) == pytest.approx(564 / 1320, rel=1e-12)
+    assert PRIOR == (0.05, 0.05)
+    assert zero_variance_prob(0, 8, 8) == pytest.approx(exact(0.05, 8.05, 8), rel=1e-12)
+    # a visit history: [1,0,0,0] then [0,0,0,0]; the older visit weighs HISTORY_DECAY (0.9)
+    tracker = DifficultyTracker()
+    tracker.update("u", [1.0, 0.0, 0.0, 0.0], epoch=0)
+    tracker.update("u", [0.0] * 4, epoch=1)
+    s = tracker.stats["u"]
+    assert (s.recent_correct, s.recent_wrong, s.last_epoch) == pytest.approx((0.9, 6.7, 1))
+    assert zero_variance_prob(s.recent_correct, s.recent_wrong, 4) == pytest.approx(
+        exact(Fraction(95, 100), Fraction(675, 100), 4), rel=1e-12
+    )
+    with pytest.raises(ValueError, match="n >= 1"):
+        zero_variance_prob(0, 0, 0)
+
+
+def test_predictive_selector_floor_revisit_and_state():
+    from dapo_lightning.data.difficulty import PredictiveSelector, PromptStats, zero_variance_prob
+
+    sel = PredictiveSelector(n=8, max_skip=0.9, revisit_within=3, seed=1)
+    assert sel.skip_prob(None, 5) == 0.0  # never visited: never skipped
+    hopeless = PromptStats(visits=4, samples=32, recent_wrong=30.0, last_epoch=2)
+    assert sel.skip_prob(hopeless, 3) == 0.9  # P0 > 0.99, capped at max_skip
+    assert sel.skip_prob(hopeless, 5) == 0.0  # 3 epochs since its last visit: due
+    mixed = PromptStats(visits=1, samples=8, recent_correct=4.0, recent_wrong=4.0, last_epoch=2)
+    assert sel.skip_prob(mixed, 3) == pytest.approx(zero_variance_prob(4.0, 4.0, 8))
+    assert sel.skip_prob(mixed, 3) < 0.06
+    state = sel.state_dict()
+    first = [sel.take(hopeless, 3) for _ in range(200)]
+    assert 0 < sum(first) < 60 and sel.skipped == 200 - sum(first)  # ~10% taken
+    sel.load_state_dict(state)
+    assert [sel.take(hopeless, 3) for _ in range(200)] == first
+    with pytest.raises(ValueError, match="max_skip"):
+        PredictiveSelector(8, 1.0, 3)
+
+
+def test_sampler_gives_back_prompts_first_with_their_epochs():
+    from dapo_lightning.data.sampler import PromptSampler
+
+    s = PromptSampler(10, seed=0)
+    first = s.take(4)
+    s.give_back(first[2:], s.last_epochs[2:])
+    state = s.state_dict()
+    again = s.take(3)
+    assert again[:2] == first[2:] and again[2] not in first and s.last_epochs == [0, 0, 0]
+    s.load_state_dict(state)
+    assert s.take(3) == again
+
+
+def test_predictive_selection_skips_zero_variance_prompts_and_starves_none():
+    """Half of the scripted prompts never vary (pass rate 0 or 1). Predictive selection skips
+    them after their first visit, yet every prompt is drawn again within revisit_within epochs."""
+    kw = dict(num_prompts=32, train_batch_size=4, gen_batch_size=4, max_num_gen_batches=0)
+    uniform, predictive = (
+        make_producer(**kw),
+        make_producer(**kw, selection="predictive", max_skip=0.9, revisit_within=3),
+    )
+    visits: dict[str, list[int]] = {}
+    update = predictive.tracker.update
+
+    def record(uid, accs, epoch):  # every visit, with the epoch it was drawn in
+        visits.setdefault(uid, []).append(epoch)
+        update(uid, accs, epoch)
+
+    predictive.tracker.update = record
+    for producer in (uniform, predictive):
+        gen = kept = samples = skipped = 0.0
+        for step in range(40):
+            batch = producer.next_batch(policy_version=step)
+            s = batch.stats
+            gen, kept = gen + s["data/generated_groups"], kept + s["data/kept_groups"]
+            samples, skipped = (
+                samples + s["data/generated_samples"],
+                skipped + s["data/skipped_predicted"],
+            )
+            assert s["data/samples_per_kept_group"] == pytest.approx(
+                s["data/generated_samples"] / s["data/kept_groups"]
+            )
+        producer.result = (kept / gen, samples / kept, skipped)
+    assert uniform.result[2] == 0 and predictive.result[2] > 0
+    assert predictive.result[0] > uniform.result[0] + 0.12  # kept fraction: 0.5 -> 0.67
+    assert predictive.result[1] < uniform.result[1] * 0.8
+    end = predictive.sampler.epoch
+    assert end >= 6 and len(visits) == 32  # every prompt visited
+    for uid, epochs in visits.items():
+        seen = [0, *epochs, end]
+        assert max(b - a for a, b in zip(seen, seen[1:])) <= 3, (uid, epochs)
+
+
+def test_a_prompt_whose_skill_changed_is_seen_again_and_kept():
+    """Prompts ``1+b`` are hopeless for 10 steps (predictive selection learns to skip them),
+    then half right: each is drawn again within revisit_within epochs and found mixed."""
+    step = {"now": 0}
+
+    def rate(expr):
+        if expr.startswith("1+"):
+            return 0.5 if step["now"] >= 10 else 0.0
+        return pass_rate_of(expr)
+
+    producer = make_producer(
+        ScriptedEngine(rate=rate), num_prompts=32, train_batch_size=2, gen_batch_size=2,
+        max_num_gen_batches=0, selection="predictive", max_skip=0.95, revisit_within=4,
+    )  # fmt: skip
+    changed = [r.uid for r in producer.records if r.prompt.startswith("1+")]
+    assert changed
+    found: dict[str, int] = {}  # epoch in which each changed prompt was first found solvable
+    for now in range(80):
+        step["now"] = now
+        producer.next_batch(policy_version=now)
+        if now == 9:
+            epoch_at_change = producer.sampler.epoch
+            assert not any(producer.tracker.get(u).ever_solved for u in changed)
+        for u in changed:
+            st = producer.tracker.stats.get(u)
+            if u not in found and st is not None and st.ever_solved:
+                found[u] = producer.tracker.stats[u].last_epoch
+    assert set(found) == set(changed)
+    assert all(e - epoch_at_change <= 4 for e in found.values()), (epoch_at_change, found)
+
+
+def test_sized_rounds_follow_the_kept_fraction_and_overshoot_is_never_silent():
+    engine = ScriptedEngine()
+    producer = make_producer(
+        engine, num_prompts=64, train_batch_size=8, gen_batch_size=8, round_sizing="kept_frac",
+        max_gen_batch_size=24, max_num_gen_batches=0,
+    )  # fmt: skip
+    expected_sizes, dropped = [], 0.0
+    for step in range(5):
+        before = len(engine.calls)
+        k, g = producer.kept_estimate
+        batch = producer.next_batch(policy_version=step)
+        s = batch.stats
+        assert batch.num_groups == 8
+        sizes = [p for p, _ in engine.calls[before:]]
+        if g == 0:
+            assert sizes[0] == 8  # no history yet: gen_batch_size
+        else:  # the first round of the step: enough for 8 groups at (k + 1) / (g + 2)
+            assert sizes[0] == min(math.ceil(8 / ((k + 1) / (g + 2))), 24)
+        expected_sizes.append(sizes)
+        surplus = s["data/kept_groups"] - 8
+        assert s["data/dropped_surplus_groups"] == surplus  # counted, not silent
+        dropped += surplus
+    assert dropped > 0
+    # with carry_over the surplus goes to the next step, stamped with its sample version
+    carry = make_producer(
+        ScriptedEngine(), num_prompts=64, train_batch_size=8, gen_batch_size=8,
+        round_sizing="kept_frac", carry_over=True, max_num_gen_batches=0,
+    )  # fmt: skip
+    carried = stale = 0
+    for step in range(6):
+        b = carry.next_batch(policy_version=step)
+        assert b.stats["data/dropped_surplus_groups"] == 0 and b.num_groups == 8
+        carried += b.stats["data/carried_groups"]
+        stale += int((b.sample_version < step).sum())  # rows carried from an earlier step
+    assert carried > 0 and stale > 0
+
+
+def test_in_flight_round_stops_when_full_and_gives_prompts_back():
+    engine = ScriptedStreamingEngine()
+    producer = make_producer(engine, num_prompts=64, gen_batch_size=16, in_flight=True)
+    batch = producer.next_batch(policy_version=0)
+    assert batch.num_groups == 8 and batch.batch_size == 32
+    acc = group_accs(batch)
+    assert (acc.max(1).values > acc.min(1).values).all()
+    s = batch.stats
+    assert s["data/aborted_groups"] == len(engine.aborted) > 0
+    assert s["data/generated_groups"] + s["data/aborted_groups"] == 16
+    assert s["data/kept_groups"] == 8 and s["data/dropped_surplus_groups"] == 0
+    given_back = [i for i, _ in producer.sampler.pending]
+    assert len(given_back) == s["data/aborted_groups"]
+    drawn_first = producer.drawn_uids
+    producer.next_batch(policy_version=1)
+    assert producer.drawn_uids[: len(given_back)] == [producer.records[i].uid for i in given_back]
+    assert not set(drawn_first) & set(producer.drawn_uids[: len(given_back)])
+    # the HF-style engine (no stream_groups) keeps whole rounds
+    whole = make_producer(ScriptedEngine(), num_prompts=64, gen_batch_size=16, in_flight=True)
+    assert whole.next_batch().stats["data/aborted_groups"] == 0
+
+
+def test_resume_with_the_new_defaults_gives_the_same_selections(tmp_path):
+    def run(producer, steps, start=0):
+        out = []
+        for s in range(start, start + steps):
+            batch = producer.next_batch(policy_version=s)
+            out.append((list(producer.drawn_uids), batch.input_ids.tolist()))
+        return out
+
+    kw = dict(
+        engine=None, num_prompts=48, selection="predictive", round_sizing="kept_frac",
+        retire_after=3, max_skip=0.9, revisit_within=3,
+    )  # fmt: skip
+
+    def fresh():
+        return make_producer(
+            ScriptedStreamingEngine(), **{k: v for k, v in kw.items() if k != "engine"}
+        )
+
+    full = run(fresh(), 12)
+    producer = fresh()
+    first = run(producer, 5)
+    torch.save(producer.state_dict(), tmp_path / "producer.pt")
+    resumed = fresh()
+    resumed.load_state_dict(torch.load(tmp_path / "producer.pt", weights_only=True))
+    assert first + run(resumed, 7, start=5) == full
+    assert producer.selector.skipped > 0

@@ -18,14 +18,37 @@ A *visit* is one generation of a group for a prompt. After each visit the prompt
   ones when the group has both (:func:`subsample_keep_variance`). The batch handed to the module
   therefore always has groups of ``n``; the subsample's pass rate is not the prompt's (it is
   nudged towards a mix), which biases advantages slightly in exchange for fewer wasted groups.
+- Predictive selection (:class:`PredictiveSelector`, beyond the paper; the idea of GRESO, 2025):
+  a prompt whose history predicts a zero-variance group is skipped with that probability. The
+  history is a Beta posterior on the prompt's pass rate ``p``: prior ``Beta(a0, b0)``
+  (:data:`PRIOR`, U-shaped) plus the correct and wrong sample counts, each visit's counts added
+  to the older ones multiplied by :data:`HISTORY_DECAY` (recent visits weigh more, so a prompt
+  whose skill changed is believed again quickly). The probability that the next group of ``n``
+  has zero variance is the posterior expectation (:func:`zero_variance_prob`)::
+
+      P0 = E[p^n + (1 - p)^n] = prod_{k<n} (a + k) / (a + b + k) + prod_{k<n} (b + k) / (a + b + k)
+
+  The skip probability is ``min(P0, max_skip)``; a prompt never visited is never skipped, and
+  one not visited for ``revisit_within`` epochs is always taken (no prompt is starved: the
+  epochs between two visits of an eligible prompt are at most ``revisit_within``).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
+
+#: Beta prior of a prompt's pass rate for :func:`zero_variance_prob`: U-shaped, as RL pass
+#: rates are (most prompts are never or always solved; benchmarks/RESULTS.md). On the simulated
+#: recipe (benchmarks/sampling_efficiency.py) it needs fewer samples per kept group than the
+#: Jeffreys prior Beta(1/2, 1/2) (see RESULTS.md, "Sampling efficiency").
+PRIOR: tuple[float, float] = (0.05, 0.05)
+
+#: Weight of the older history at each new visit (1.0: plain counts; the predictive estimate).
+HISTORY_DECAY = 0.9
 
 
 @dataclass
@@ -39,6 +62,11 @@ class PromptStats:
     ever_solved: bool = False
     retired: bool = False
     parked_epoch: int | None = None
+    #: Decayed correct / wrong sample counts (:data:`HISTORY_DECAY`), the posterior's evidence.
+    recent_correct: float = 0.0
+    recent_wrong: float = 0.0
+    #: Epoch of the last visit (None: never visited).
+    last_epoch: int | None = None
 
     @property
     def pass_rate(self) -> float | None:
@@ -76,6 +104,9 @@ class DifficultyTracker:
         s.correct += correct
         s.solved_streak = s.solved_streak + 1 if accs and correct == len(accs) else 0
         s.ever_solved = s.ever_solved or correct > 0
+        s.recent_correct = HISTORY_DECAY * s.recent_correct + correct
+        s.recent_wrong = HISTORY_DECAY * s.recent_wrong + len(accs) - correct
+        s.last_epoch = epoch
         if self.retire_after and s.solved_streak >= self.retire_after:
             s.retired = True
         if s.ever_solved:
@@ -109,10 +140,81 @@ class DifficultyTracker:
         return n + round((max_n - n) * (1.0 - p))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stats": {uid: asdict(s) for uid, s in self.stats.items()}}
+        # vars() copies, not asdict(): this runs before every batch (PromptStats is flat)
+        return {"stats": {uid: dict(vars(s)) for uid, s in self.stats.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stats = {uid: PromptStats(**s) for uid, s in state["stats"].items()}
+
+
+def zero_variance_prob(
+    correct: float, wrong: float, n: int, prior: tuple[float, float] = PRIOR
+) -> float:
+    """Posterior probability that ``n`` new samples are all right or all wrong.
+
+    With ``p ~ Beta(a, b)``, ``a = prior[0] + correct``, ``b = prior[1] + wrong``::
+
+        E[p^n] + E[(1 - p)^n] = prod_{k<n} (a + k) / (a + b + k) + prod_{k<n} (b + k) / (a + b + k)
+
+    (the Beta moments ``B(a + n, b) / B(a, b)``), computed in log space.
+    """
+    a, b = prior[0] + correct, prior[1] + wrong
+    if n < 1 or a <= 0 or b <= 0:
+        raise ValueError(
+            f"zero_variance_prob needs n >= 1 and a positive posterior, got {n}, {a}, {b}."
+        )
+    lg = math.lgamma
+    log_norm = lg(a + b) - lg(a + b + n)
+    return math.exp(lg(a + n) - lg(a) + log_norm) + math.exp(lg(b + n) - lg(b) + log_norm)
+
+
+class PredictiveSelector:
+    """Skips prompts whose next group is predicted to have zero variance (module docstring).
+
+    Args:
+        n: Group size of the next visit.
+        max_skip: Largest skip probability (the exploration floor is ``1 - max_skip``).
+        revisit_within: A prompt not visited for this many epochs is always taken.
+        seed: Seeds the skip decisions (its state is in :meth:`state_dict`).
+    """
+
+    def __init__(self, n: int, max_skip: float, revisit_within: int, seed: str | int = 0) -> None:
+        if not 0.0 <= max_skip < 1.0:
+            raise ValueError(f"max_skip must be in [0, 1), got {max_skip}.")
+        if revisit_within < 1:
+            raise ValueError(f"revisit_within must be >= 1 epoch, got {revisit_within}.")
+        self.n = n
+        self.max_skip = max_skip
+        self.revisit_within = revisit_within
+        self.rng = random.Random(seed)
+        self.skipped = 0  # skip decisions so far (the producer reports the difference per step)
+
+    def skip_prob(self, stats: PromptStats | None, epoch: int) -> float:
+        """``min(P0, max_skip)``; 0 for a prompt never visited or due (``revisit_within``)."""
+        if stats is None or stats.last_epoch is None:
+            return 0.0
+        if epoch - stats.last_epoch >= self.revisit_within:
+            return 0.0
+        p0 = zero_variance_prob(stats.recent_correct, stats.recent_wrong, self.n)
+        return min(p0, self.max_skip)
+
+    def take(self, stats: PromptStats | None, epoch: int) -> bool:
+        """Whether to draw the prompt now (one RNG draw per decision that can skip)."""
+        prob = self.skip_prob(stats, epoch)
+        if prob <= 0.0:
+            return True
+        if self.rng.random() < prob:
+            self.skipped += 1
+            return False
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.getstate(), "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        rng = state["rng"]
+        self.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
+        self.skipped = int(state["skipped"])
 
 
 def subsample_keep_variance(acc: Sequence[float], n: int, rng: random.Random) -> list[int]:

@@ -23,6 +23,7 @@ collective can hang. An exception on one rank is raised on every rank after the 
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +34,11 @@ import torch
 from torch import Tensor
 
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
-from dapo_lightning.data.difficulty import DifficultyTracker, subsample_keep_variance
+from dapo_lightning.data.difficulty import (
+    DifficultyTracker,
+    PredictiveSelector,
+    subsample_keep_variance,
+)
 from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted
 from dapo_lightning.data.sources import PromptRecord
 from dapo_lightning.envs.runner import episode_results, token_masks
@@ -44,6 +49,11 @@ from dapo_lightning.rollout.session import EngineSession
 
 FilterMetric = Literal["acc", "score", "reward"] | None
 OnExhausted = Literal["train_on_kept", "stop", "error"]
+Selection = Literal["uniform", "predictive"]
+RoundSizing = Literal["fixed", "kept_frac"]
+
+#: Weight of the older rounds in the kept-fraction estimate that sizes rounds (per round).
+KEPT_FRAC_DECAY = 0.7
 
 #: How the producer's per-rank statistics combine over ranks (others: mean over ranks).
 STAT_OPS: dict[str, Literal["sum", "max"]] = {
@@ -57,6 +67,10 @@ STAT_OPS: dict[str, Literal["sum", "max"]] = {
     "data/retired": "sum",
     "data/parked": "sum",
     "data/dropped_prompts": "sum",
+    "data/generated_samples": "sum",
+    "data/skipped_predicted": "sum",
+    "data/aborted_groups": "sum",
+    "data/dropped_surplus_groups": "sum",
     "data/gen_rounds": "max",
     "data/gen_seconds": "max",
     "data/score_seconds": "max",
@@ -99,6 +113,26 @@ class DynamicSamplingConfig:
         adaptive_n: Difficulty-adaptive group sizes within a fixed sample budget
             (:mod:`dapo_lightning.data.difficulty`).
         max_n: Largest adaptive group size (None: 2n).
+        selection: How prompts are drawn: ``"uniform"`` (every eligible prompt in turn) or
+            ``"predictive"`` (default: skip a prompt with the probability, capped at
+            ``max_skip``, that its next group has zero variance, from its history;
+            :class:`~dapo_lightning.data.difficulty.PredictiveSelector`).
+        max_skip: Largest skip probability of predictive selection (exploration floor
+            ``1 - max_skip``).
+        revisit_within: Predictive selection never skips a prompt not visited for this many
+            epochs, so the epochs between two visits of an eligible prompt are at most this.
+        round_sizing: ``"kept_frac"`` (default): after the first round the next round draws
+            enough prompts to fill the batch at the kept fraction observed so far (one estimate
+            agreed over ranks, :data:`KEPT_FRAC_DECAY`), at most ``max_gen_batch_size``;
+            ``"fixed"``: every round draws ``gen_batch_size``.
+        max_gen_batch_size: Cap of a sized round over all ranks (None: 4 x train_batch_size;
+            never more than one epoch of a rank's prompts). Kept groups beyond the batch go to
+            the carry-over with ``carry_over``, else are dropped and counted
+            (``data/dropped_surplus_groups``).
+        in_flight: With an engine that streams groups (``stream_groups``: the vLLM engine), a
+            round stops as soon as the batch is full: groups are scored as they finish, the
+            requests still queued or running are aborted and their prompts drawn first next
+            time. Other engines (HF) keep whole rounds.
 
     Raises:
         ValueError: a setting out of range, named with the fix.
@@ -117,6 +151,12 @@ class DynamicSamplingConfig:
     revisit_every: int = 1
     adaptive_n: bool = False
     max_n: int | None = None
+    selection: Selection = "predictive"
+    max_skip: float = 0.99
+    revisit_within: int = 16
+    round_sizing: RoundSizing = "kept_frac"
+    max_gen_batch_size: int | None = None
+    in_flight: bool = True
 
     def __post_init__(self) -> None:
         _at_least(self.n, 1, "n", "responses per prompt")
@@ -145,11 +185,34 @@ class DynamicSamplingConfig:
         _at_least(self.revisit_every, 1, "revisit_every", "epochs")
         if self.adaptive_n and self.group_max < self.n:
             raise ValueError(f"max_n={self.max_n} must be >= n={self.n}.")
+        if self.selection not in ("uniform", "predictive"):
+            raise ValueError(
+                f"selection must be 'uniform' or 'predictive', got {self.selection!r}."
+            )
+        if not (isinstance(self.max_skip, (int, float)) and 0.0 <= self.max_skip < 1.0):
+            raise ValueError(
+                f"max_skip must be in [0, 1) (1 - max_skip is the exploration floor), "
+                f"got {self.max_skip!r}."
+            )
+        _at_least(self.revisit_within, 1, "revisit_within", "epochs")
+        if self.round_sizing not in ("fixed", "kept_frac"):
+            raise ValueError(
+                f"round_sizing must be 'fixed' or 'kept_frac', got {self.round_sizing!r}."
+            )
+        if self.max_gen_batch_size is not None:
+            _at_least(self.max_gen_batch_size, 1, "max_gen_batch_size", "prompts, or null")
 
     @property
     def prompts_per_round(self) -> int:
         """``gen_batch_size``, or ``train_batch_size`` when it is None."""
         return self.gen_batch_size or self.train_batch_size
+
+    @property
+    def round_cap(self) -> int:
+        """The most prompts of a sized round over all ranks (``max_gen_batch_size``)."""
+        if self.max_gen_batch_size is not None:
+            return self.max_gen_batch_size
+        return max(4 * self.train_batch_size, self.prompts_per_round)
 
     @property
     def group_max(self) -> int:
@@ -176,9 +239,14 @@ class DynamicSamplingConfig:
                 "Lower gen_batch_size / train_batch_size or add prompts."
             )
 
+    @property
+    def predictive(self) -> bool:
+        """Predictive selection is on (and meaningful: the filter drops zero variance)."""
+        return self.selection == "predictive" and self.filter_metric is not None
+
     def make_tracker(self) -> DifficultyTracker | None:
-        """Per-prompt statistics when retiring, parking or adaptive sizes need them."""
-        if self.retire_after or self.park_after or self.adaptive_n:
+        """Per-prompt statistics when retiring, parking, adaptive sizes or prediction need them."""
+        if self.retire_after or self.park_after or self.adaptive_n or self.predictive:
             return DifficultyTracker(self.retire_after, self.park_after, self.revisit_every)
         return None
 
@@ -322,6 +390,15 @@ class RolloutProducer:
         self.tracker = config.make_tracker()
         self.sampler = PromptSampler(len(self.records), seed=seed, rank=group, world_size=groups)
         self.rng = random.Random(f"{seed}-{group}-subsample")
+        self.selector = (
+            PredictiveSelector(
+                config.n, config.max_skip, config.revisit_within, seed=f"{seed}-{group}-select"
+            )
+            if config.predictive
+            else None
+        )
+        #: Decayed (kept, generated) group counts over all ranks: the round-sizing estimate.
+        self.kept_estimate = [0.0, 0.0]
         self.carried: list[tuple[ScoredRollouts, list[int]]] = []
         self.drawn_uids: list[str] = []  # uids drawn by the last next_batch (tests, logging)
 
@@ -349,6 +426,19 @@ class RolloutProducer:
                 )
             for i, c in zip(which, out):
                 completions[i] = c
+        _add(stats, "data/gen_seconds", time.perf_counter() - t0)
+        return self.score_completions(records, completions, sampling, policy_version, stats)
+
+    def score_completions(
+        self,
+        records: Sequence[PromptRecord],
+        completions: Sequence[Sequence[Any]],
+        sampling: SamplingConfig,
+        policy_version: int,
+        stats: dict[str, float],
+    ) -> ScoredRollouts:
+        """Score ``completions[i]`` (the samples of ``records[i]``): group ``i`` of the result."""
+        t1 = time.perf_counter()
         t1 = time.perf_counter()
         flat = [(g, rec, c) for g, (rec, cs) in enumerate(zip(records, completions)) for c in cs]
         texts = [c.text if c.text is not None else self.decode(list(c.token_ids)) for *_, c in flat]
@@ -378,8 +468,8 @@ class RolloutProducer:
             extra={k: [r.extra.get(k) for r in results] for k in extra_keys},
             token_mask=token_masks([c for *_, c in flat]),
         )
-        _add(stats, "data/gen_seconds", t1 - t0)
         _add(stats, "data/score_seconds", t2 - t1)
+        _add(stats, "data/generated_samples", float(len(flat)))
         _add(stats, "data/generated_tokens", float(sum(len(r) for r in rollouts.response_ids)))
         _add(stats, "data/reward_failures", float(self.reward_runner.last_failures))
         for key, values in numeric_extras(rollouts.extra).items():
@@ -388,37 +478,52 @@ class RolloutProducer:
         return rollouts
 
     # ------------------------------------------------------------------ rounds
-    def _draw(self) -> tuple[list[PromptRecord], list[int]]:
-        tracker = self.tracker
-        eligible = None
+    def _draw(self, count: int) -> tuple[list[int], list[int], list[int]]:
+        """``count`` prompt indices (or adaptive sizes within ``count * n`` samples), their
+        sizes and the epochs they were drawn in."""
+        tracker, selector = self.tracker, self.selector
+        eligible = skip = None
         if tracker is not None:
 
             def eligible(i: int, epoch: int) -> bool:
                 return tracker.eligible(self.records[i].uid, epoch)
 
+        if selector is not None and tracker is not None:
+
+            def skip(i: int, epoch: int) -> bool:
+                return not selector.take(tracker.stats.get(self.records[i].uid), epoch)
+
         n = self.config.n
         if not self.config.adaptive_n:
-            recs = [self.records[i] for i in self.sampler.take(self.local_gen, eligible)]
-            return recs, [n] * len(recs)
-        budget = self.local_gen * n
-        recs, sizes = [], []
+            idx = self.sampler.take(count, eligible, skip=skip)
+            return idx, [n] * len(idx), list(self.sampler.last_epochs)
+        budget = count * n
+        idx, sizes, epochs = [], [], []
         while budget >= n:
-            rec = self.records[self.sampler.take(1, eligible)[0]]
-            size = min(tracker.group_size(rec.uid, n, self.config.group_max), budget)
-            recs.append(rec)
+            i = self.sampler.take(1, eligible, skip=skip)[0]
+            size = min(tracker.group_size(self.records[i].uid, n, self.config.group_max), budget)
+            idx.append(i)
             sizes.append(size)
+            epochs.append(self.sampler.last_epochs[0])
             budget -= size
-        return recs, sizes
+        return idx, sizes, epochs
 
-    def _round(self, policy_version: int, stats: dict[str, float]) -> ScoredRollouts | None:
-        """One generation round: draw, sample, score, shape, filter. None if nothing kept."""
-        records, sizes = self._draw()
-        self.drawn_uids.extend(r.uid for r in records)
-        rollouts = self.score(records, sizes, self.sampling, policy_version, stats)
+    def _filter(
+        self,
+        records: list[PromptRecord],
+        sizes: list[int],
+        epochs: list[int],
+        rollouts: ScoredRollouts,
+        stats: dict[str, float],
+    ) -> ScoredRollouts | None:
+        """Record the visits (in the epochs they were drawn in), subsample adaptive groups,
+        shape, keep groups with variance."""
         if self.tracker is not None:
-            for g, rec in enumerate(records):
-                accs = rollouts.acc[rollouts.group_index == g].tolist()
-                self.tracker.update(rec.uid, accs, self.sampler.epoch)
+            per_group: list[list[float]] = [[] for _ in records]
+            for g, a in zip(rollouts.group_index.tolist(), rollouts.acc.tolist()):
+                per_group[g].append(a)
+            for rec, accs, epoch in zip(records, per_group, epochs):
+                self.tracker.update(rec.uid, accs, epoch)
         if any(s != self.config.n for s in sizes):
             keep: list[int] = []
             for g in range(len(records)):
@@ -439,6 +544,90 @@ class RolloutProducer:
         _add(stats, "data/kept_groups", float(keep_group.sum()))
         keep_idx = keep_group[rollouts.group_index].nonzero().flatten().tolist()
         return rollouts.select(keep_idx) if keep_idx else None
+
+    def _round(
+        self, count: int, need: int, policy_version: int, stats: dict[str, float]
+    ) -> ScoredRollouts | None:
+        """One generation round of ``count`` prompts: draw, sample, score, shape, filter.
+
+        With a streaming engine (``in_flight``) the round stops once ``need`` groups are kept.
+        None if nothing was kept.
+        """
+        idx, sizes, epochs = self._draw(count)
+        records = [self.records[i] for i in idx]
+        engine = self.session.engine
+        if (
+            self.config.in_flight
+            and not self.config.adaptive_n
+            and hasattr(engine, "stream_groups")
+        ):
+            return self._stream_round(idx, epochs, need, policy_version, stats)
+        self.drawn_uids.extend(r.uid for r in records)
+        rollouts = self.score(records, sizes, self.sampling, policy_version, stats)
+        return self._filter(records, sizes, epochs, rollouts, stats)
+
+    def _stream_round(
+        self,
+        idx: list[int],
+        epochs: list[int],
+        need: int,
+        policy_version: int,
+        stats: dict[str, float],
+    ) -> ScoredRollouts | None:
+        """A round through ``engine.stream_groups``: groups are scored as they finish (each
+        completion step's finished groups together) until ``need`` are kept; the requests left
+        are aborted (closing the stream) and their prompts given back to the sampler."""
+        n, t0 = self.config.n, time.perf_counter()
+        stream = self.session.engine.stream_groups(
+            [self.records[i].prompt_ids for i in idx], n, self.sampling
+        )
+        done: set[int] = set()
+        parts: list[ScoredRollouts] = []
+        have = 0
+        try:
+            for finished in stream:
+                keys = [k for k, _ in finished]
+                if any(len(c) != n for _, c in finished):
+                    raise RuntimeError(
+                        f"stream_groups returned {[len(c) for _, c in finished]} completions "
+                        f"per group for n={n}: it must return n per finished group."
+                    )
+                done.update(keys)
+                records = [self.records[idx[k]] for k in keys]
+                self.drawn_uids.extend(r.uid for r in records)
+                _add(stats, "data/gen_seconds", time.perf_counter() - t0)
+                rollouts = self.score_completions(
+                    records, [c for _, c in finished], self.sampling, policy_version, stats
+                )
+                got = self._filter(
+                    records, [n] * len(keys), [epochs[k] for k in keys], rollouts, stats
+                )
+                t0 = time.perf_counter()
+                if got is not None:
+                    parts.append(got)
+                    have += got.num_groups
+                if have >= need:
+                    break
+        finally:
+            stream.close()  # aborts what is still queued or running
+        _add(stats, "data/gen_seconds", time.perf_counter() - t0)
+        left = [k for k in range(len(idx)) if k not in done]
+        _add(stats, "data/aborted_groups", float(len(left)))
+        self.sampler.give_back([idx[k] for k in left], [epochs[k] for k in left])
+        return concat_rollouts(parts) if parts else None
+
+    def _round_size(self, missing: int, short_ranks: int) -> int:
+        """Prompts this rank draws next: ``gen_batch_size / ranks`` (fixed sizing or no history
+        yet), else enough for the short ranks' mean missing groups at the kept fraction
+        ``(kept + 1) / (generated + 2)`` of the agreed estimate, capped. Equal on all ranks."""
+        groups = self.world_size // self.tp_size
+        kept, generated = self.kept_estimate
+        if self.config.round_sizing == "fixed" or generated <= 0 or short_ranks <= 0:
+            return self.local_gen
+        frac = (kept + 1.0) / (generated + 2.0)
+        want = math.ceil(missing / short_ranks / frac)
+        cap = max(1, self.config.round_cap // groups)
+        return max(1, min(want, cap, len(self.sampler.shard(0))))
 
     def _carried_within_staleness(
         self, policy_version: int, stats: dict[str, float]
@@ -481,29 +670,42 @@ class RolloutProducer:
         kept = self._carried_within_staleness(policy_version, stats)
         self.drawn_uids = []
         have = sum(r.num_groups for r, _ in kept)
+        skipped_before = self.selector.skipped if self.selector is not None else 0
+        missing, short_ranks = self.sync(
+            [max(self.local_train - have, 0), int(have < self.local_train)]
+        )
         rounds = 0
         with self.session.generating(policy_version):
             while True:
                 error: BaseException | None = None
                 exhausted = False
+                before = (stats["data/kept_groups"], stats["data/generated_groups"])
                 if have < self.local_train and stop_requested() is None:
                     try:
-                        got = self._round(policy_version, stats)
+                        count = self._round_size(missing, short_ranks)
+                        got = self._round(count, self.local_train - have, policy_version, stats)
                         _add(stats, "data/gen_rounds", 1.0)
                         if got is not None and len(got):
                             kept.append((got, [policy_version] * len(got)))
                             have += got.num_groups
                     except PromptsExhausted:
                         exhausted = True
+                    except StopRequested as e:  # the engine's should_stop: a stop like a signal
+                        request_stop(e.reason)
                     except Exception as e:  # noqa: BLE001 - re-raised after the collective below
                         error = e
                 rounds += 1
                 reason = stop_requested()
-                short, failed, out_of_prompts, *stops = self.sync(
+                short, failed, out_of_prompts, missing, round_kept, round_gen, *stops = self.sync(
                     [int(have < self.local_train), int(error is not None), int(exhausted)]
+                    + [max(self.local_train - have, 0)]
+                    + [int(stats["data/kept_groups"] - before[0])]
+                    + [int(stats["data/generated_groups"] - before[1])]
                     + [int(reason == name) for name in _STOP_NAMES]
                     + [int(reason is not None and reason not in _STOP_NAMES)]
                 )
+                short_ranks = short
+                self._update_kept_estimate(round_kept, round_gen)
                 if error is not None:
                     raise error
                 if failed:
@@ -524,7 +726,15 @@ class RolloutProducer:
                         self.config, have, self.local_train, short, self.world_size, stats
                     )
                     break
+        if self.selector is not None:
+            stats["data/skipped_predicted"] = float(self.selector.skipped - skipped_before)
         return self._assemble(kept, policy_version, stats)
+
+    def _update_kept_estimate(self, kept: int, generated: int) -> None:
+        """Decay the agreed (kept, generated) counts by :data:`KEPT_FRAC_DECAY`, add a round's."""
+        if generated > 0:
+            k, g = self.kept_estimate
+            self.kept_estimate = [KEPT_FRAC_DECAY * k + kept, KEPT_FRAC_DECAY * g + generated]
 
     def _assemble(
         self,
@@ -539,6 +749,9 @@ class RolloutProducer:
         end = int((allr.group_index < self.local_train).sum())
         if end < len(allr) and self.config.carry_over:
             self.carried = [(allr.select(list(range(end, len(allr)))), versions[end:])]
+        elif end < len(allr):
+            surplus = allr.num_groups - self.local_train
+            _add(stats, "data/dropped_surplus_groups", float(surplus))
         mine = member_rows(allr.group_index[:end], self.member, self.tp_size)
         batch_r = allr.select(mine)
         sample_version = torch.tensor([versions[i] for i in mine], dtype=torch.long)
@@ -547,8 +760,12 @@ class RolloutProducer:
         for key in [k for k in stats if k.startswith("_count/")]:
             name = key[len("_count/") :]
             stats[name] = stats[name] / max(stats.pop(key), 1.0)
+        kept_groups = stats.get("data/kept_groups", 0.0)
         stats.update(
             {
+                "data/samples_per_kept_group": (
+                    stats.get("data/generated_samples", 0.0) / kept_groups if kept_groups else 0.0
+                ),
                 "data/kept_frac": kept_frac,
                 "data/zero_variance_frac": 1.0 - kept_frac if gen else 0.0,
                 "data/batch_groups": float(batch_r.num_groups),
@@ -572,11 +789,14 @@ class RolloutProducer:
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Prompt cursor and epoch, subsampling RNG, per-prompt statistics, carried groups."""
+        """Prompt cursor, epoch and given-back prompts, subsampling RNG, per-prompt statistics,
+        the selection RNG, the round-sizing estimate, carried groups."""
         return {
             "sampler": self.sampler.state_dict(),
             "rng": self.rng.getstate(),
             "tracker": self.tracker.state_dict() if self.tracker is not None else None,
+            "selector": self.selector.state_dict() if self.selector is not None else None,
+            "kept_estimate": list(self.kept_estimate),
             "carried": [(r.state_dict(), v) for r, v in self.carried],
         }
 
@@ -587,6 +807,9 @@ class RolloutProducer:
         self.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
         if self.tracker is not None and state.get("tracker") is not None:
             self.tracker.load_state_dict(state["tracker"])
+        if self.selector is not None and state.get("selector") is not None:
+            self.selector.load_state_dict(state["selector"])
+        self.kept_estimate = [float(x) for x in state.get("kept_estimate", [0.0, 0.0])]
         self.carried = [(ScoredRollouts.from_state_dict(r), list(v)) for r, v in state["carried"]]
 
 

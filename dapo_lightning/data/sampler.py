@@ -3,7 +3,10 @@
 Epoch ``e`` orders the ``N`` prompts by a permutation seeded with ``(seed, e)``; rank ``r`` of
 ``W`` takes positions ``r, r + W, r + 2W, ...`` of it, cut to ``N // W`` prompts so every rank
 has an equally long epoch. Ranks therefore draw disjoint prompts within an epoch, and the whole
-state is ``(epoch, cursor)``: the permutation is recomputed, never stored.
+state is ``(epoch, cursor, pending)``: the permutation is recomputed, never stored. ``pending``
+holds prompts drawn but not generated (a round stopped before their requests ran, e.g. the
+vLLM in-flight path once the batch is full): :meth:`PromptSampler.give_back` puts them there
+and the next :meth:`PromptSampler.take` returns them first, so a stopped round skips no prompt.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class PromptSampler:
         self.epoch = 0
         self.cursor = 0
         self._order_cache: tuple[int, list[int]] | None = None
+        self.pending: list[tuple[int, int]] = []  # (index, epoch it was drawn in)
+        #: The epoch each index of the last :meth:`take` was drawn in (given-back ones: theirs).
+        self.last_epochs: list[int] = []
 
     def shard(self, epoch: int) -> list[int]:
         """This rank's prompt indices for ``epoch``, in draw order."""
@@ -65,14 +71,23 @@ class PromptSampler:
         return shard
 
     def take(
-        self, k: int, eligible: Callable[[int, int], bool] | None = None, max_empty_epochs: int = 2
+        self,
+        k: int,
+        eligible: Callable[[int, int], bool] | None = None,
+        max_empty_epochs: int = 2,
+        skip: Callable[[int, int], bool] | None = None,
     ) -> list[int]:
         """The next ``k`` indices for which ``eligible(index, epoch)`` holds (all when None).
 
-        Skipped prompts are passed over for this epoch. Raises when ``max_empty_epochs`` whole
-        epochs in a row offer no eligible prompt (everything retired or parked).
+        Given-back prompts (:meth:`give_back`) come first. Ineligible prompts are passed over
+        for this epoch; so are eligible ones for which ``skip(index, epoch)`` is True (a chosen
+        skip: predictive selection), which still count as eligible. Raises when
+        ``max_empty_epochs`` whole epochs in a row offer no eligible prompt (everything retired
+        or parked).
         """
-        out: list[int] = []
+        out = [i for i, _ in self.pending[:k]]
+        epochs = [e for _, e in self.pending[:k]]
+        self.pending = self.pending[k:]
         empty_epochs = 0
         found_this_epoch = self.cursor > 0
         while len(out) < k:
@@ -93,16 +108,30 @@ class PromptSampler:
             idx = shard[self.cursor]
             self.cursor += 1
             if eligible is None or eligible(idx, self.epoch):
-                out.append(idx)
                 found_this_epoch = True
                 empty_epochs = 0
+                if skip is None or not skip(idx, self.epoch):
+                    out.append(idx)
+                    epochs.append(self.epoch)
+        self.last_epochs = epochs
         return out
 
+    def give_back(self, indices: list[int], epochs: list[int]) -> None:
+        """Prompts drawn (in ``epochs``) but not generated: the next :meth:`take` returns them
+        first, in order, with their draw epochs."""
+        self.pending = [(int(i), int(e)) for i, e in zip(indices, epochs)] + self.pending
+
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "seed": self.seed,
+            "pending": [list(p) for p in self.pending],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.cursor = int(state["cursor"])
         self.seed = int(state.get("seed", self.seed))
+        self.pending = [(int(i), int(e)) for i, e in state.get("pending", [])]
         self._order_cache = None

@@ -1,0 +1,361 @@
+"""How many samples dynamic sampling generates per group it keeps: uniform draws vs predictive
+selection, right-sized rounds and in-flight refill (issue #27).
+
+``--simulated`` (no model, seconds): the REAL :class:`~dapo_lightning.data.producer.RolloutProducer`
+(sampler, difficulty tracker, predictive selector, round sizing, streaming round, carry-over,
+filter, lockstep flags) with a real :class:`~dapo_lightning.rewards.base.RewardRunner`, driven by a
+simulated engine in the one place a model would be: :class:`SimulatedEngine` answers prompt ``i``
+correctly with probability ``p_i(t)``, a fixed per-prompt pass-rate distribution taken from the
+SmolLM2 recipe's logs (benchmarks/RESULTS.md: about 80% of its groups had zero variance, almost
+all all-wrong) that drifts as training "learns":
+
+* 60% hopeless (``p0 ~ U(0, 0.01)``), 20% solved (``U(0.97, 1)``), 20% mixed (``U(0.1, 0.9)``);
+* every rollout step ``logit p_i += d_i``, ``d_i ~ U(0, 0.02)`` (200 steps move a hopeless prompt
+  from ``p = 0.005`` up to at most ``p = 0.2``: some prompts change class during a run).
+
+Sample lengths are drawn per sample (1-32 tokens); the engine runs ``slots`` samples at a time
+and, in its streaming form (``stream_groups``, what the vLLM engine offers), finishes groups in
+the order their samples end, so an aborted request costs the tokens it had generated. "Samples"
+below count a finished sample as 1 and an aborted one as its generated share of its length.
+
+The recipe's batch shape: 256 prompts, ``n = 8``, ``train_batch_size = 8``, ``gen_batch_size =
+16``, ``retire_after = 3``, ``max_num_gen_batches = 10``; 200 rollout steps per configuration:
+
+* samples per kept group (in units of ``n``): all samples generated / groups that reached a batch;
+* rounds per step (median), zero-variance share of the generated groups;
+* starved prompts: prompts eligible at the end (not retired) whose longest gap between visits
+  (or from the last visit to the end) exceeds ``revisit_within`` epochs; the largest gap;
+* subsample bias (``adaptive_n``): mean (kept group's accuracy - the prompt's true pass rate).
+
+Prints a table, writes ``benchmarks/out/sampling_efficiency.png`` and ends with the line
+``samples per kept group: uniform X.X n, default Y.Y n``.
+
+Usage::
+
+    .venv/bin/python -m benchmarks.sampling_efficiency --simulated          # ~20 s
+    .venv/bin/python -m benchmarks.sampling_efficiency --simulated --quick  # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import bar_chart, out_dir, print_table  # noqa: E402
+
+from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
+from dapo_lightning.data.sources import PromptRecord  # noqa: E402
+from dapo_lightning.rewards.base import RewardResult, RewardRunner  # noqa: E402
+from dapo_lightning.rollout.base import Completion, SamplingConfig  # noqa: E402
+from dapo_lightning.rollout.session import EngineSession  # noqa: E402
+
+#: The recipe's dynamic-sampling shape (configs/smollm2_135m.yaml).
+RECIPE = dict(n=8, train_batch_size=8, gen_batch_size=16, max_num_gen_batches=10, retire_after=3)
+
+#: Today's behaviour: uniform draws, fixed rounds, whole rounds (the HF engine's path).
+UNIFORM = dict(selection="uniform", round_sizing="fixed", in_flight=False)
+
+
+def make_pass_rates(num_prompts: int, seed: int) -> tuple[list[float], list[float], list[str]]:
+    """Initial logits, drift per step and class of every prompt (module docstring)."""
+    rng = random.Random(seed)
+    logits, drift, kinds = [], [], []
+    for i in range(num_prompts):
+        u = i / num_prompts
+        kind, p0 = (
+            ("hopeless", rng.uniform(0.0005, 0.01))
+            if u < 0.6
+            else ("solved", rng.uniform(0.97, 0.9995))
+            if u < 0.8
+            else ("mixed", rng.uniform(0.1, 0.9))
+        )
+        logits.append(math.log(p0 / (1 - p0)))
+        drift.append(rng.uniform(0.0, 0.02))
+        kinds.append(kind)
+    order = list(range(num_prompts))
+    rng.shuffle(order)  # classes spread over the file, as a task's problems are
+    return [logits[i] for i in order], [drift[i] for i in order], [kinds[i] for i in order]
+
+
+@dataclass
+class SimulatedEngine:
+    """Stands in for the model (and only for it): sample ``j`` of prompt ``i`` is right with
+    probability ``p_i(step)``; lengths 1..``max_len`` tokens; ``slots`` samples run at a time.
+
+    ``generate`` runs whole rounds; ``stream_groups`` (present when ``streaming``) yields the
+    groups as their last sample ends and, when closed early, aborts the rest (their generated
+    tokens still count)."""
+
+    logits: list[float]
+    drift: list[float]
+    seed: int = 0
+    max_len: int = 32
+    slots: int = 64
+    step: int = 0
+    samples: float = 0.0  # sample-equivalents generated (finished 1, aborted partial)
+    steps: int = 0  # engine steps (one token for every running sample): the time proxy
+    rng: random.Random = field(default_factory=random.Random)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(f"engine-{self.seed}")
+
+    def pass_rate(self, i: int) -> float:
+        return 1.0 / (1.0 + math.exp(-(self.logits[i] + self.drift[i] * self.step)))
+
+    def _group(self, prompt: Sequence[int], n: int) -> tuple[list[Completion], list[int]]:
+        p = self.pass_rate(int(prompt[0]))
+        group, lengths = [], []
+        for _ in range(n):
+            right = self.rng.random() < p
+            length = self.rng.randint(1, self.max_len)
+            # one token stands for the response (its length only times the engine's slots)
+            group.append(
+                Completion([1 if right else 2], [-0.1], "stop", text="1" if right else "0")
+            )
+            lengths.append(length)
+        return group, lengths
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        groups = [self._group(p, n) for p in prompts]
+        self.samples += len(prompts) * n
+        self.steps += _steps_to_finish(
+            [length for _, lengths in groups for length in lengths], self.slots
+        )
+        return [g for g, _ in groups]
+
+    def load_weights(self, named_tensors: Any) -> None:  # no weights: the step drives p
+        pass
+
+
+def _steps_to_finish(lengths: list[int], slots: int) -> int:
+    """Engine steps until every sample of ``lengths`` (FIFO, ``slots`` at a time) has ended."""
+    free_at = [0] * min(slots, len(lengths))
+    for length in lengths:  # each sample takes the slot that frees first
+        k = min(range(len(free_at)), key=free_at.__getitem__)
+        free_at[k] += length
+    return max(free_at, default=0)
+
+
+class StreamingSimulatedEngine(SimulatedEngine):
+    """:class:`SimulatedEngine` with the streaming API (``stream_groups``)."""
+
+    def stream_groups(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+    ) -> Iterator[list[tuple[int, list[Completion]]]]:
+        groups = [self._group(p, n) for p in prompts]
+        queue = [(k, j) for k in range(len(prompts)) for j in range(n)]  # FIFO, as vLLM
+        running: dict[tuple[int, int], int] = {}  # sample -> tokens generated
+        left = [n] * len(prompts)
+        try:
+            while queue or running:
+                while queue and len(running) < self.slots:
+                    running[queue.pop(0)] = 0
+                self.steps += 1
+                finished = []
+                for key in list(running):
+                    running[key] += 1
+                    k, j = key
+                    if running[key] >= groups[k][1][j]:
+                        del running[key]
+                        self.samples += 1
+                        left[k] -= 1
+                        if left[k] == 0:
+                            finished.append((k, groups[k][0]))
+                if finished:
+                    yield finished
+        finally:  # closed early: the running samples' generated share counts, queued ones not
+            self.samples += sum(t / groups[k][1][j] for (k, j), t in running.items())
+
+
+class MatchReward:
+    """Exact match of the response text with the answer (+1 / -1)."""
+
+    def __call__(self, responses: list[str], answers: list[str], **kw: Any) -> list[RewardResult]:
+        return [
+            RewardResult(1.0 if r == a else -1.0, r == a, {"has_answer": True})
+            for r, a in zip(responses, answers)
+        ]
+
+
+@dataclass
+class Outcome:
+    samples_per_group: float  # in units of n
+    rounds: float
+    zero_variance: float
+    starved: int
+    max_gap: int
+    bias: float
+    skipped: float
+    engine_steps: float
+    seconds: float
+
+
+def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed: int) -> Outcome:
+    """Run ``steps`` rollout steps of the real producer on the simulated engine."""
+    logits, drift, _ = make_pass_rates(prompts, seed)
+    streaming = settings.get("in_flight", True)
+    engine_cls = StreamingSimulatedEngine if streaming else SimulatedEngine
+    engine = engine_cls(logits, drift, seed=seed)
+    records = [
+        PromptRecord(uid=f"p{i}", prompt=f"p{i}", answer="1", prompt_ids=[i])
+        for i in range(prompts)
+    ]
+    config = DynamicSamplingConfig(**{**RECIPE, **settings})
+    visits: dict[str, list[int]] = defaultdict(list)
+    bias: list[float] = []
+    producer: RolloutProducer | None = None
+
+    def on_scored(rollouts: Any) -> None:
+        acc = rollouts.acc.view(-1, config.n)
+        for g in range(acc.shape[0]):
+            uid = rollouts.prompt_uid[g * config.n]
+            if acc[g].max() > acc[g].min():
+                bias.append(float(acc[g].mean()) - engine.pass_rate(int(uid[1:])))
+
+    producer = RolloutProducer(
+        EngineSession(engine),
+        RewardRunner(MatchReward(), in_process=True),
+        records,
+        config,
+        decode=lambda ids: "1" if ids and ids[0] == 1 else "0",
+        pad_token_id=0,
+        sampling=SamplingConfig(max_tokens=32),
+        seed=seed,
+        on_scored=on_scored,
+    )
+    update = producer.tracker.update
+
+    def record_visit(uid: str, accs: Any, epoch: int) -> None:  # every visit, in its draw epoch
+        visits[uid].append(epoch)
+        update(uid, accs, epoch)
+
+    producer.tracker.update = record_visit
+    t0 = time.perf_counter()
+    batch_groups, rounds, zero_var, skipped = 0.0, [], [], 0.0
+    for step in range(steps):
+        engine.step = step
+        batch = producer.next_batch(policy_version=step)
+        s = batch.stats
+        batch_groups += s["data/batch_groups"]
+        rounds.append(s["data/gen_rounds"])
+        zero_var.append(s["data/zero_variance_frac"])
+        skipped += s["data/skipped_predicted"]
+    for i, epoch in producer.sampler.pending:  # drawn, given back by a stopped round: next up
+        visits[records[i].uid].append(epoch)
+    end_epoch = producer.sampler.epoch
+    bound = config.revisit_within
+    gaps = {}
+    for r in records:
+        st = producer.tracker.stats.get(r.uid) if producer.tracker is not None else None
+        if st is not None and st.retired:
+            continue
+        seen = [-1] + visits.get(r.uid, []) + [end_epoch]
+        gaps[r.uid] = max(b - a for a, b in zip(seen, seen[1:]))
+    return Outcome(
+        samples_per_group=engine.samples / max(batch_groups, 1.0) / config.n,
+        rounds=statistics.median(rounds),
+        zero_variance=statistics.fmean(zero_var),
+        starved=sum(g > bound for g in gaps.values()),
+        max_gap=max(gaps.values()) if gaps else 0,
+        bias=statistics.fmean(bias) if bias else 0.0,
+        skipped=skipped / steps,
+        engine_steps=engine.steps / steps,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+#: The configurations compared: today's behaviour, each part alone, all parts (the defaults).
+CONFIGS: dict[str, dict[str, Any]] = {
+    "uniform (today)": UNIFORM,
+    "uniform + adaptive_n (subsample)": {**UNIFORM, "adaptive_n": True, "max_n": 16},
+    "+ predictive selection": {**UNIFORM, "selection": "predictive"},
+    "+ right-sized rounds": {**UNIFORM, "round_sizing": "kept_frac"},
+    "+ right-sized rounds, carry-over": {
+        **UNIFORM,
+        "round_sizing": "kept_frac",
+        "carry_over": True,
+    },
+    "+ in-flight refill": {**UNIFORM, "in_flight": True},
+    "all parts (default)": {},
+    "all parts + carry-over": {"carry_over": True},
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--simulated", action="store_true", help="the simulated engine (no model)")
+    parser.add_argument("--quick", action="store_true", help="20 steps (smoke test)")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not args.simulated and not args.quick:
+        parser.error(
+            "only --simulated is implemented here; the real recipe comparison is "
+            "benchmarks/smollm2_curve.py with the old defaults (see benchmarks/RESULTS.md)."
+        )
+    steps = 20 if args.quick else args.steps
+    results = {
+        name: simulate(name, cfg, steps, args.prompts, args.seed) for name, cfg in CONFIGS.items()
+    }
+    rows = [
+        [
+            name,
+            f"{o.samples_per_group:.2f}",
+            o.rounds,
+            f"{o.zero_variance:.2f}",
+            f"{o.skipped:.1f}",
+            o.starved,
+            o.max_gap,
+            f"{o.bias:+.3f}",
+            f"{o.engine_steps:.0f}",
+            f"{o.seconds:.1f}",
+        ]
+        for name, o in results.items()
+    ]
+    print_table(
+        f"Simulated dynamic sampling: {args.prompts} prompts, n={RECIPE['n']}, "
+        f"train_batch_size={RECIPE['train_batch_size']}, {steps} rollout steps",
+        [
+            "configuration",
+            "samples / kept group (n)",
+            "rounds / step (median)",
+            "zero-variance frac",
+            "skipped / step",
+            "starved prompts",
+            "max gap (epochs)",
+            "kept acc - p",
+            "engine steps / step",
+            "seconds",
+        ],
+        rows,
+    )
+    png = bar_chart(
+        out_dir() / ("sampling_efficiency_quick.png" if args.quick else "sampling_efficiency.png"),
+        "Samples generated per kept group (units of n), simulated recipe",
+        list(results),
+        {"samples / kept group": [o.samples_per_group for o in results.values()]},
+        ylabel="samples per kept group / n",
+    )
+    print(f"wrote {png}")
+    uniform, default = results["uniform (today)"], results["all parts (default)"]
+    print(
+        f"samples per kept group: uniform {uniform.samples_per_group:.1f} n, "
+        f"default {default.samples_per_group:.1f} n"
+    )
+
+
+if __name__ == "__main__":
+    main()
