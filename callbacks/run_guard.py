@@ -47,7 +47,9 @@ from typing_extensions import override
 from dapo_lightning.checkpoint import (
     AtomicCheckpointIO,
     CheckpointDiskFullError,
+    NonFiniteCheckpointError,
     apply_optimizer_settings,
+    newest_checkpoint,
     optimizer_settings,
 )
 from dapo_lightning.interrupt import (
@@ -60,6 +62,7 @@ from dapo_lightning.interrupt import (
     stop_requested,
 )
 from dapo_lightning.run_lock import RunDirLockedError, RunLock
+from dapo_lightning.step_guard import NonFiniteUpdatesError
 
 #: Exceptions every rank raises together: the state can be saved collectively.
 _COLLECTIVE_STOPS = (StopRequested, SIGTERMException)
@@ -201,6 +204,14 @@ class RunGuard(DAPOCallback):
         if checkpoint is None or not self._started or trainer.sanity_checking:
             return ""  # checkpointing is off, or training has not started
         where = _last_path(checkpoint).parent
+        if trainer.global_step == 0:
+            return "nothing to save yet (no update was made)."
+        if isinstance(exception, NonFiniteCheckpointError):
+            return str(exception)
+        if isinstance(exception, NonFiniteUpdatesError):
+            last = newest_checkpoint(where)
+            kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+            return f"not saved; {kept}."
         if self._already_saved(trainer, checkpoint):
             return f"update {trainer.global_step} is already saved in {where}."
         if isinstance(exception, CheckpointDiskFullError):
@@ -218,7 +229,18 @@ class RunGuard(DAPOCallback):
         return None
 
     def _save(self, trainer: pl.Trainer, checkpoint: ModelCheckpoint, why: str) -> None:
-        """Write ``last.ckpt`` through ``checkpoint`` (collective; rank 0 writes)."""
+        """Write ``last.ckpt`` through ``checkpoint`` (collective; rank 0 writes); non-finite
+        weights are not written (the message names the last good checkpoint)."""
+        try:
+            self._write_last(trainer, checkpoint)
+        except NonFiniteCheckpointError as refused:
+            _say(trainer, f"{why}: {refused}")
+            return
+        self._saved_step = trainer.global_step
+        self._report(trainer, _last_path(checkpoint), why)
+
+    @staticmethod
+    def _write_last(trainer: pl.Trainer, checkpoint: ModelCheckpoint) -> None:
         if checkpoint.save_last:
             candidates = checkpoint._monitor_candidates(trainer)
             if checkpoint.save_last == "link" and checkpoint.save_top_k != 0:
@@ -227,8 +249,6 @@ class RunGuard(DAPOCallback):
             checkpoint._save_last_checkpoint(trainer, candidates)
         else:
             trainer.save_checkpoint(_last_path(checkpoint))
-        self._saved_step = trainer.global_step
-        self._report(trainer, _last_path(checkpoint), why)
 
     @staticmethod
     def _report(trainer: pl.Trainer, path: Path, why: str) -> None:

@@ -48,6 +48,8 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from dapo_lightning.step_guard import all_finite
+
 #: What a disk-full failure raises as (EDQUOT: a quota is full, the same to the user).
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 
@@ -158,6 +160,41 @@ def _fsync_dir(directory: Path) -> None:
         os.close(dir_fd)
 
 
+def nonfinite_weight(state_dict: dict[str, Any]) -> str | None:
+    """The name of the first floating-point tensor of ``state_dict`` with a NaN / inf element,
+    or None (one fused check: :func:`~dapo_lightning.step_guard.all_finite`)."""
+    floats = [(k, v) for k, v in state_dict.items() if torch.is_tensor(v) and v.is_floating_point()]
+    if all_finite([v for _, v in floats]):
+        return None
+    return next(k for k, v in floats if not all_finite([v]))
+
+
+def newest_checkpoint(directory: str | os.PathLike[str] | None) -> Path | None:
+    """The most recently written ``*.ckpt`` file of ``directory`` (None: none, or no folder)."""
+    if directory is None or not Path(directory).is_dir():
+        return None
+    files = [p for p in Path(directory).glob("*.ckpt") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_mtime, default=None)
+
+
+class NonFiniteCheckpointError(RuntimeError):
+    """A checkpoint was not written because the weights hold NaN / inf values.
+
+    Args:
+        path: The file that was not written.
+        tensor: The first non-finite weight's name.
+    """
+
+    def __init__(self, path: Any, tensor: str) -> None:
+        self.path = Path(str(path).removeprefix("file://"))
+        last = newest_checkpoint(self.path.parent)
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+        super().__init__(
+            f"not saved: {self.path.name} would hold non-finite weights ({tensor} has NaN / inf "
+            f"values); {kept}."
+        )
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning ``CheckpointIO`` whose local saves are atomic (temporary file + fsync + rename).
 
@@ -171,6 +208,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     Raises:
         CheckpointDiskFullError: From :meth:`save_checkpoint`, when the disk is full.
+        NonFiniteCheckpointError: From :meth:`save_checkpoint`, when a weight holds NaN / inf
+            (the file is not written: the previous checkpoints stay as they are).
     """
 
     def __init__(self, keep_previous: bool = True) -> None:
@@ -185,6 +224,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 "AtomicCheckpointIO.save_checkpoint does not take storage_options: remove them "
                 "or use another CheckpointIO plugin."
             )
+        bad = nonfinite_weight(checkpoint.get("state_dict", {}))
+        if bad is not None:
+            raise NonFiniteCheckpointError(path, bad)
         if not _is_local(path):
             super().save_checkpoint(checkpoint, path)
             return

@@ -55,12 +55,18 @@ from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
-from dapo_lightning.checkpoint import CheckpointDiskFullError, find_resume_checkpoint
+from dapo_lightning.checkpoint import (
+    CheckpointDiskFullError,
+    NonFiniteCheckpointError,
+    find_resume_checkpoint,
+)
+from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.datamodule import DAPODataModule
 from dapo_lightning.interrupt import exit_on_stop
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.precision import resolve_trainer_precision
 from dapo_lightning.run_lock import RunDirLockedError
+from dapo_lightning.step_guard import NonFiniteUpdatesError
 
 #: ``--ckpt_path`` value that picks the newest loadable checkpoint (see :func:`resolve_auto_checkpoint`).
 AUTO_CKPT = "auto"
@@ -89,10 +95,6 @@ class _HelpFormatter(DefaultHelpFormatter):
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         return "".join(indent + line for line in text.splitlines(keepends=True))
-
-
-class ConfigError(ValueError):
-    """A class of the config rejected its arguments (the message names the section)."""
 
 
 @dataclass
@@ -445,7 +447,13 @@ def _run_lightning(args: list[str] | None) -> None:
     try:
         with exit_on_stop():
             build_cli(args)
-    except (ConfigError, RunDirLockedError, CheckpointDiskFullError) as error:
+    except (
+        ConfigError,
+        RunDirLockedError,
+        CheckpointDiskFullError,
+        NonFiniteCheckpointError,
+        NonFiniteUpdatesError,
+    ) as error:
         print(f"dapo-lightning: error: {error}", file=sys.stderr)
         sys.exit(2 if isinstance(error, ConfigError) else 1)
 

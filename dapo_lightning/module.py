@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from dapo_lightning.advantages import centered_moments, compute_advantages, std_from_moments
 from dapo_lightning.callbacks.base import call_dapo_hook
+from dapo_lightning.checks import check_optimizer_settings, optimizer_error
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.metrics import rollout_step_metrics, validation_metrics
 from dapo_lightning.logprobs import response_log_probs
@@ -57,6 +58,7 @@ from dapo_lightning.loss import compute_policy_loss
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.rollout.session import is_sharded
 from dapo_lightning.schedules import WarmupConstantLR
+from dapo_lightning.step_guard import NonFiniteGuard, all_finite, nonfinite_step_input
 from dapo_lightning.strategy import ShardingConfig, StrategyAdapter, shard_policy
 from dapo_lightning.update import (
     LOSS_METRIC_OPS,
@@ -234,7 +236,11 @@ class DAPOModule(LightningModule):
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = self.optimizer_factory(params)
+        try:
+            optimizer = self.optimizer_factory(params)
+        except ValueError as err:  # torch's "Invalid learning rate: -1.0" names no config path
+            raise optimizer_error(err, "model.optimizer.init_args") from err
+        check_optimizer_settings(optimizer.param_groups, "model.optimizer.init_args")
         if self.lr_scheduler_factory is None:
             scheduler = WarmupConstantLR(optimizer, warmup_steps=self.hparams.warmup_steps)
         else:
@@ -386,7 +392,10 @@ class DAPOModule(LightningModule):
         acc.add("lr", float(optimizer.param_groups[0]["lr"]), op="max")  # the rate it uses
         optimizer.step()  # -> on_before_optimizer_step: norm, clip, skip decision
         grad_norm, skipped = self._step_outcome
+        skipped = skipped or self._undo_if_nonfinite()
         optimizer.zero_grad(set_to_none=True)
+        if self.hparams.skip_nonfinite:
+            self.nonfinite_guard.record(skipped, self.nonfinite_guard.last_reason)
         if skipped:
             self.skipped_updates += 1
         else:
@@ -442,13 +451,43 @@ class DAPOModule(LightningModule):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Gradient norm and clipping (gradients are unscaled here under ``16-mixed``); a
-        non-finite norm drops the gradients so the step leaves the weights as they are."""
-        norm = self.adapter.clip_grad_norm(self.hparams.gradient_clip_val)
+        non-finite norm, clip value or optimizer setting drops the gradients so the step leaves
+        the weights as they are; otherwise the step is snapshot so that it can be undone
+        (:mod:`dapo_lightning.step_guard`)."""
+        clip = self.hparams.gradient_clip_val
+        norm = self.adapter.clip_grad_norm(clip)
         known = not (math.isnan(norm) and self.adapter.kind == "deepspeed")
         skipped = bool(self.hparams.skip_nonfinite and known and not math.isfinite(norm))
+        guard = self.nonfinite_guard
+        guard.last_reason = f"gradient norm {norm}" if skipped else ""
+        if self.hparams.skip_nonfinite and not skipped and self.adapter.kind != "deepspeed":
+            bad = nonfinite_step_input(optimizer.param_groups, clip)
+            skipped, guard.last_reason = bad is not None, f"the step would use {bad}"
+            if not skipped:
+                guard.snapshot.take(optimizer)
         if skipped:
             optimizer.zero_grad(set_to_none=True)
         self._step_outcome = (norm, skipped)
+
+    @property
+    def nonfinite_guard(self) -> NonFiniteGuard:
+        """Counts non-finite updates, holds the pre-step snapshot (:mod:`~dapo_lightning.step_guard`)."""
+        guard = self.__dict__.get("_nonfinite_guard")
+        if guard is None:
+            guard = self.__dict__["_nonfinite_guard"] = NonFiniteGuard()
+        return guard
+
+    def _undo_if_nonfinite(self) -> bool:
+        """After a step: when a parameter is not finite (on any rank), put the snapshot back
+        (parameters and optimizer state as before the step) and return True."""
+        if not self.hparams.skip_nonfinite or self.adapter.kind == "deepspeed":
+            return False
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        bad = self.adapter.any_rank(not all_finite(params))
+        if bad:
+            self.nonfinite_guard.snapshot.restore()
+            self.nonfinite_guard.last_reason = "the step left non-finite weights (undone)"
+        return bad
 
     def _finish_update(
         self,

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from dapo_lightning.advantages import ADVANTAGE_ESTIMATORS
+from dapo_lightning.checks import ConfigError, check_finite
 from dapo_lightning.data.batch import RolloutBatch
 from dapo_lightning.loss import check_loss_settings
 from dapo_lightning.metrics import ReduceOp
@@ -209,6 +210,9 @@ def has_dropout(model: nn.Module) -> bool:
     )
 
 
+_CLIP_FIX = "Give the max gradient norm (paper 1.0), or 0 / null for no clipping."
+
+
 def check_module_settings(hp: Any, *, has_policy: bool) -> None:
     """Raise a ValueError naming the field and the fix for an invalid module setting."""
     if hp.model_name_or_path is None and not has_policy:
@@ -238,9 +242,11 @@ def check_module_settings(hp: Any, *, has_policy: bool) -> None:
         )
     for name in ("tis_cap", "stale_tis_cap"):
         value = getattr(hp, name)
-        if value is not None and value <= 0:
+        check_finite(name, value, "Give a cap > 0, or null to disable it.", none_ok=True)
+        if value is not None and not value > 0:
             raise ValueError(f"{name} must be > 0 (or null to disable it), got {value}.")
-    if hp.gradient_clip_val is not None and hp.gradient_clip_val < 0:
+    check_finite("gradient_clip_val", hp.gradient_clip_val, _CLIP_FIX, none_ok=True)
+    if hp.gradient_clip_val is not None and not hp.gradient_clip_val >= 0:
         raise ValueError(
             f"gradient_clip_val must be >= 0 (0 or null: no clipping), got {hp.gradient_clip_val}; "
             "a negative norm bound would flip the gradient."
@@ -262,14 +268,14 @@ def check_data_settings(hp: Any, data: Any, policy: nn.Module | None) -> None:
     context = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
     longest = data.max_prompt_length + data.sampling.max_tokens
     if isinstance(context, int) and longest > context:
-        raise ValueError(
+        raise ConfigError(
             f"data.max_prompt_length={data.max_prompt_length} + data.sampling.max_tokens="
             f"{data.sampling.max_tokens} = {longest} tokens exceeds the model's context "
             f"(max_position_embeddings={context}). Fix: lower max_prompt_length or "
             "sampling.max_tokens so that their sum fits the context."
         )
     if config.n < 2 and hp.advantage_estimator in ("grpo", "rloo"):
-        raise ValueError(
+        raise ConfigError(
             f"data.dynamic_sampling.n={config.n} with model.advantage_estimator="
             f"{hp.advantage_estimator!r}: a group of one response has no std / no other "
             "responses to compare with. Fix: n >= 2 (paper 16), or advantage_estimator "
@@ -277,7 +283,7 @@ def check_data_settings(hp: Any, data: Any, policy: nn.Module | None) -> None:
         )
     mini = hp.mini_batch_size
     if mini is not None and config.train_batch_size % mini:
-        raise ValueError(
+        raise ConfigError(
             f"model.mini_batch_size={mini} does not divide data.dynamic_sampling."
             f"train_batch_size={config.train_batch_size} (prompts per rollout step). Fix: choose "
             "a divisor of train_batch_size, or null for one update per rollout step."

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from math import inf, nan
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,9 @@ def test_cli_eps_high_below_eps_low(capsys):
         ({"tis_cap": 0.0}, "tis_cap must be > 0"),
         ({"stale_tis_cap": -1.0}, "stale_tis_cap must be > 0"),
         ({"gradient_clip_val": -1.0}, "gradient_clip_val must be >= 0.*flip the gradient"),
+        ({"gradient_clip_val": nan}, "gradient_clip_val=nan is not finite"),
+        ({"gradient_clip_val": inf}, "gradient_clip_val=inf is not finite"),
+        ({"stale_tis_cap": nan}, "stale_tis_cap=nan is not finite"),
         ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
         ({"warmup_steps": -1}, "warmup_steps must be >= 0"),
         ({"max_tokens_per_micro_batch": 0}, "max_tokens_per_micro_batch must be >= 1"),
@@ -155,6 +159,21 @@ def test_module_missing_model_path(tmp_path):
         ({"task": "arithmetic", "val_n": 0}, ValueError, "val_n and val_batch_size"),
         ({"task": "arithmetic", "steps_per_epoch": 0}, ValueError, "steps_per_epoch must be"),
         ({"task": "arithmetic", "max_prompt_length": 0}, ValueError, "max_prompt_length must be"),
+        ({"task": "arithmetic", "reward_timeout_s": 0.0}, ValueError, "timeout_s must be > 0"),
+        ({"task": "arithmetic", "reward_timeout_s": nan}, ValueError, "reward_timeout_s=nan is not"),
+        ({"task": "arithmetic", "reward_workers": 0}, ValueError, "reward_workers must be >= 1"),
+        (
+            {"task": "arithmetic", "max_reward_failure_frac": 2.0},
+            ValueError,
+            "max_reward_failure_frac must be in",
+        ),
+        (
+            {"task": "arithmetic", "max_reward_failure_frac": nan},
+            ValueError,
+            "max_reward_failure_frac=nan is not",
+        ),
+        ({"task": "arithmetic", "val_fraction": nan}, ValueError, "val_fraction=nan is not"),
+        ({"task": "arithmetic", "val_temperature": nan}, ValueError, "temperature=nan is not"),
     ],
 )
 def test_datamodule_bad_arguments(tiny_checkpoint, kwargs, error, match):
@@ -168,6 +187,9 @@ def test_datamodule_bad_arguments(tiny_checkpoint, kwargs, error, match):
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
         ({"max_tokens": 4, "top_p": 0.0}, "top_p must be in"),
         ({"max_tokens": 4, "temperature": 0.0}, "temperature must be > 0"),
+        ({"max_tokens": 4, "temperature": nan}, "temperature=nan is not finite"),
+        ({"max_tokens": 4, "temperature": inf}, "temperature=inf is not finite"),
+        ({"max_tokens": 4, "top_p": nan}, "top_p must be in"),
         ({"max_tokens": 4, "top_k": 0}, "top_k must be -1"),
     ],
 )
@@ -218,8 +240,6 @@ def _dm(path: Any, dynamic: dict[str, Any] | None = None, **kw: Any) -> DAPOData
     [
         ({"dynamic": {"train_batch_size": 16}}, "more than the 8 training prompts"),
         ({"reward": "exact_match"}, "reward='exact_match' is not a built-in reward"),
-        ({"reward_timeout_s": 0.0}, "timeout_s must be > 0"),
-        ({"max_reward_failure_frac": 2.0}, "max_reward_failure_frac must be in"),
         ({"val_fraction": 1.0}, "val_fraction must be in"),
         ({"overlong_prompts": "truncate"}, "overlong_prompts must be 'error' or 'drop'"),
         ({"max_prompt_length": 2}, "max_prompt_length=2"),
@@ -419,6 +439,58 @@ def test_reward_that_hangs_is_killed_by_the_timeout():
     finally:
         runner.close()
     assert time.monotonic() - t0 < 60
+
+
+class LockedReward:
+    """A reward holding a lock: it cannot be pickled into a worker process."""
+
+    failure_score = -1.0
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+
+    def __call__(self, responses, ground_truths, **kw):
+        return [RewardResult(score=1.0, acc=True) for _ in responses]
+
+
+def test_reward_that_cannot_be_pickled_names_the_fix():
+    with pytest.raises(ValueError, match=r"reward LockedReward cannot be sent to a reward worker "
+                       r"process .*_thread.lock.*reward_in_process: true"):  # fmt: skip
+        RewardRunner(LockedReward(), num_workers=1)
+    RewardRunner(LockedReward(), in_process=True).close()  # the fix works
+
+
+class HangsUnlessOk:
+    """Scores "ok" at once; hangs for an hour on anything else."""
+
+    failure_score = -1.0
+
+    def __call__(self, responses, ground_truths, **kw):
+        if any(r != "ok" for r in responses):
+            time.sleep(3600)
+        return [RewardResult(score=1.0, acc=True) for _ in responses]
+
+
+def test_reward_that_hangs_on_every_sample_fails_the_round_within_its_budget():
+    """20 samples, 2 workers, 1 s each: the round's wall budget is 1 s x ceil(20 / 2) + slack
+    (+ twice a worker's start, for the respawns); every sample fails, the round raises."""
+    from dapo_lightning.rewards.base import ROUND_SLACK_S
+
+    # fork: a worker starts in milliseconds (spawn imports torch again: 5-100 s on busy cores)
+    runner = RewardRunner(HangsUnlessOk(), timeout_s=1.0, num_workers=2, mp_context="fork")
+    try:
+        assert runner.score(["ok", "ok"], ["1", "1"])[0].acc  # both workers started
+        start = runner.worker_start_s
+        t0 = time.monotonic()
+        with pytest.raises(RewardFailureError, match="20 of 20 responses"):
+            runner.score(["x"] * 20, ["1"] * 20)
+        scored = time.monotonic() - t0
+    finally:
+        runner.close()
+    assert runner.last_round_budget_s == pytest.approx(1.0 * 10 + ROUND_SLACK_S + 2 * start)
+    assert scored < runner.last_round_budget_s + 3.0, (scored, start)
 
 
 def test_reward_that_returns_nan():
@@ -621,3 +693,109 @@ def test_cli_subcommand_that_does_not_exist(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "test" in err and "fit" in err and "validate" in err
+
+
+# ------------------------------------------------- the CLI's error contract (issue 29)
+# Every configuration error found before training starts, wherever it is found (a constructor,
+# the data's settings against the model's, the optimizer, the prompt files), is one
+# ``dapo-lightning: error:`` line naming the field, exit status 2, no traceback.
+
+
+def fit_config(tmp_path: Path, model_path: Path) -> Path:
+    """A one-update fit of the tiny model on the arithmetic task (reward in process)."""
+    config = tmp_path / "fit.yaml"
+    config.write_text(
+        f"""
+model:
+  class_path: dapo_lightning.DAPOModule
+  init_args:
+    model_name_or_path: {model_path}
+    micro_batch_size: 8
+    parity_check_every: 0
+data:
+  class_path: dapo_lightning.DAPODataModule
+  init_args:
+    task: arithmetic
+    task_kwargs: {{level: 1, num_prompts: 16}}
+    reward_in_process: true
+    apply_chat_template: false
+    max_prompt_length: 16
+    sampling: {{max_tokens: 4}}
+    dynamic_sampling: {{n: 2, train_batch_size: 2, filter_metric: null}}
+trainer:
+  max_steps: 1
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  accelerator: cpu
+  default_root_dir: {tmp_path / "run"}
+"""
+    )
+    return config
+
+
+def fit_main(args: list[str], capfd: pytest.CaptureFixture) -> tuple[int, str]:
+    """``dapo-lightning fit ARGS`` through the console script's entry point, in this process:
+    (exit status, stderr)."""
+    from dapo_lightning.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", *args])
+    return int(exc.value.code or 0), capfd.readouterr().err
+
+
+def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("dapo-lightning: error: "), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--model.gradient_clip_val=.nan"], ["DAPOModule: gradient_clip_val=nan is not finite"]),
+        (["--model.gradient_clip_val=.inf"], ["gradient_clip_val=inf is not finite"]),
+        (["--data.sampling.temperature=.nan"], ["temperature=nan is not finite"]),
+        (["--data.sampling.temperature=.inf"], ["temperature=inf is not finite"]),
+        (["--data.sampling.top_p=.nan"], ["top_p must be in (0, 1], got nan"]),
+        (["--data.val_temperature=.nan"], ["temperature=nan is not finite"]),
+        (["--data.reward_timeout_s=.nan"], ["reward_timeout_s=nan is not finite"]),
+        (["--data.val_fraction=.nan"], ["val_fraction=nan is not finite"]),
+        (
+            ["--model.optimizer=torch.optim.AdamW", "--model.optimizer.lr=.nan"],
+            ["model.optimizer.init_args.lr: Invalid learning rate: nan"],
+        ),
+        (
+            ["--model.optimizer=torch.optim.SGD", "--model.optimizer.lr=.nan"],
+            ["model.optimizer.init_args.lr=nan is not finite"],
+        ),
+        (
+            ["--model.optimizer=torch.optim.AdamW", "--model.optimizer.weight_decay=.nan"],
+            ["model.optimizer.init_args.weight_decay"],
+        ),
+        (
+            ["--model.optimizer=torch.optim.AdamW", "--model.optimizer.eps=.nan"],
+            ["model.optimizer.init_args.eps"],
+        ),
+        (["--data.dynamic_sampling.n=1"], ["data.dynamic_sampling.n=1", "Fix: n >= 2"]),
+        (
+            ["--data.dynamic_sampling.train_batch_size=4", "--model.mini_batch_size=3"],
+            ["model.mini_batch_size=3 does not divide", "Fix:"],
+        ),
+        (
+            ["--data.max_prompt_length=500", "--data.sampling.max_tokens=100"],
+            ["exceeds the model's context", "Fix:"],
+        ),
+        (["--data.max_prompt_length=2"], ["more than max_prompt_length=2", "raise max_prompt"]),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0].startswith("--") else "",
+)
+def test_cli_config_error_is_one_line_exit_2(tiny_checkpoint, tmp_path, capfd, args, fragments):
+    config = fit_config(tmp_path, tiny_checkpoint)
+    code, err = fit_main([f"--config={config}", *args], capfd)
+    assert_one_error_line(code, err, *fragments)
+    assert not (tmp_path / "run" / "checkpoints").exists()

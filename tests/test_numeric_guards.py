@@ -248,3 +248,133 @@ def test_quickstart_in_process_reward_is_explicit():
     """The quickstart opts in to in-process scoring explicitly (a trusted built-in reward)."""
     text = (Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml").read_text()
     assert "reward_in_process: true" in text
+
+
+# ------------------------------------------------- non-finite weights (issue 29)
+
+
+def _adam_eps0(params: Any) -> torch.optim.Optimizer:
+    """AdamW with eps=0: a weight whose gradient is exactly 0 gets m / sqrt(v) = 0 / 0 = NaN
+    although every input of the step is finite."""
+    return torch.optim.AdamW(params, lr=1e-3, eps=0.0)
+
+
+def _zero_grad_on_one_weight(module: DAPOModule) -> None:
+    weight = module.policy.model.layers[0].mlp.up_proj.weight
+    weight.register_hook(lambda g: g * 0.0)
+
+
+def test_step_that_leaves_nonfinite_weights_is_undone(tiny_checkpoint, tmp_path):
+    """The step itself makes NaN weights from finite inputs: the guard's after-check sees it
+    and puts parameters and optimizer state back exactly as they were."""
+    rec = UpdateRecorder()
+    module, before, trainer = _fit(
+        tiny_checkpoint,
+        fixed_batch(),
+        tmp_path,
+        steps=2,
+        callbacks=[rec],
+        optimizer=_adam_eps0,
+        module_setup=_zero_grad_on_one_weight,
+    )
+    assert _unchanged(module, before)
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+    assert module.skipped_updates == 2 and module.policy_version == 0
+    assert [m["skipped_nonfinite"] for m in rec.metrics] == [1.0, 1.0]
+    assert torch.isfinite(torch.tensor(rec.metrics[0]["grad_norm"]))  # the norm was fine
+    assert all(not s for s in trainer.optimizers[0].state.values())  # state as before: none
+    assert module.nonfinite_guard.in_a_row == 2
+
+
+def test_negative_control_eps0_without_the_guard_makes_nan_weights(tiny_checkpoint, tmp_path):
+    module, _, _ = _fit(
+        tiny_checkpoint, fixed_batch(), tmp_path, steps=1, optimizer=_adam_eps0,
+        module_setup=_zero_grad_on_one_weight, skip_nonfinite=False,
+    )  # fmt: skip
+    assert any(not torch.isfinite(p).all() for p in module.policy.parameters())
+
+
+class _NanLrAfter:
+    """Sets the learning rate to NaN after ``after`` updates (a broken scheduler / callback)."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+        self.weights: list[dict[str, torch.Tensor]] = []
+
+    def on_dapo_update(self, trainer: Any, pl_module: Any, metrics: dict[str, float]) -> None:
+        self.weights.append({k: v.clone() for k, v in pl_module.policy.state_dict().items()})
+        if len(self.weights) >= self.after:
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] = float("nan")
+
+
+def test_nan_learning_rate_mid_run_skips_and_then_stops(tiny_checkpoint, tmp_path):
+    """Update 1 is normal; then lr is NaN: the next updates are skipped before the step (the
+    weights stay those of update 1) and the fifth in a row stops the run, naming lr."""
+    from dapo_lightning.step_guard import NonFiniteUpdatesError
+
+    hook = _NanLrAfter(after=1)
+    with pytest.raises(NonFiniteUpdatesError, match=r"5 updates in a row .*last: the step would "
+                       r"use lr=nan"):  # fmt: skip
+        _fit(tiny_checkpoint, fixed_batch(), tmp_path, steps=10, callbacks=[hook])
+    assert len(hook.weights) == 5  # updates 1..5 reported; the 6th raised
+    first = hook.weights[0]
+    for later in hook.weights[1:]:
+        assert all(torch.equal(later[k], first[k]) for k in first)
+    assert all(torch.isfinite(v).all() for v in first.values())
+
+
+def test_snapshot_restores_parameters_and_adam_state_exactly():
+    """StepSnapshot against an independent copy: after a real Adam step (state created) and a
+    second one undone, parameters and state equal the deep copy taken before it."""
+    import copy
+
+    from dapo_lightning.step_guard import StepSnapshot, all_finite
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(2):  # first with no state yet, then with state
+        model(torch.randn(5, 4)).pow(2).sum().backward()
+        params_before = [p.detach().clone() for p in model.parameters()]
+        state_before = copy.deepcopy(opt.state_dict())
+        snap = StepSnapshot()
+        snap.take(opt)
+        opt.step()
+        with torch.no_grad():
+            model.weight[0, 0] = float("nan")
+        assert not all_finite(list(model.parameters()))
+        snap.restore()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params_before))
+        after = opt.state_dict()
+        assert after["state"].keys() == state_before["state"].keys()
+        for k, st in state_before["state"].items():
+            assert all(torch.equal(st[n], after["state"][k][n]) for n in st)
+        opt.step()  # a real step, so the second round starts with state
+        opt.zero_grad()
+
+
+def test_all_finite_is_exact():
+    from dapo_lightning.step_guard import all_finite
+
+    ok = [torch.ones(3), torch.full((2, 2), 3.0e38)]  # near float32's max: no overflow
+    assert all_finite(ok) and all_finite([])
+    assert not all_finite([*ok, torch.tensor([0.0, float("nan")])])
+    assert not all_finite([torch.tensor([-float("inf")])])
+    assert not all_finite([torch.tensor([6.0e4, float("inf")], dtype=torch.float16)])
+
+
+def test_checkpoint_of_nonfinite_weights_is_refused(tmp_path):
+    """AtomicCheckpointIO writes no file from NaN weights and names the last good one."""
+    from dapo_lightning.checkpoint import AtomicCheckpointIO, NonFiniteCheckpointError
+
+    io = AtomicCheckpointIO()
+    good = {"state_dict": {"w": torch.ones(3), "step": torch.tensor(3)}}
+    io.save_checkpoint(good, tmp_path / "last.ckpt")
+    bad = {"state_dict": {"w": torch.tensor([1.0, float("nan")]), "step": torch.tensor(4)}}
+    with pytest.raises(NonFiniteCheckpointError, match=rf"last.ckpt would hold non-finite "
+                       rf"weights \(w has NaN / inf values\); the last good checkpoint is "
+                       rf"{tmp_path / 'last.ckpt'}"):  # fmt: skip
+        io.save_checkpoint(bad, tmp_path / "last.ckpt")
+    assert torch.equal(torch.load(tmp_path / "last.ckpt")["state_dict"]["w"], torch.ones(3))
+    assert not (tmp_path / "last-previous.ckpt").exists()

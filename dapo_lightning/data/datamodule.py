@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from dapo_lightning.callbacks.base import call_dapo_hook
+from dapo_lightning.checks import check_finite
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer, TrainingComplete
 from dapo_lightning.data.sources import (
@@ -46,6 +47,7 @@ from dapo_lightning.envs import (
     with_instructions,
 )
 from dapo_lightning.rewards import RewardRunner, get_reward
+from dapo_lightning.rewards.base import check_reward_settings
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
 
@@ -212,6 +214,8 @@ class DAPODataModule(pl.LightningDataModule):
             raise ValueError(f"steps_per_epoch must be >= 1 or None, got {steps_per_epoch}.")
         if max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 token, got {max_prompt_length}.")
+        check_finite("val_fraction", val_fraction, "Give a share in [0, 1).")
+        check_reward_settings(reward_timeout_s, reward_workers, max_reward_failure_frac)
         self.save_hyperparameters(ignore=["reward", "engine"])
         self.model_name_or_path = model_name_or_path
         self.train_files = _as_list(train_files)

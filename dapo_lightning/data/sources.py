@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dapo_lightning.checks import ConfigError
+
 log = logging.getLogger(__name__)
 
 Prompt = str | list[dict[str, str]]
 
 
-class PromptDataError(ValueError):
+class PromptDataError(ConfigError):
     """A row of a prompt file cannot be used; the message names the row, the field and the fix."""
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing as mp
+import pickle
 import time
 import traceback
 from collections import deque
@@ -24,6 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol, runtime_checkable
+
+from dapo_lightning.checks import ConfigError, check_finite
+from dapo_lightning.interrupt import StopRequested, stop_requested
 
 
 @dataclass
@@ -109,6 +113,19 @@ def _as_float(value: Any) -> float | None:
         return None
 
 
+def check_reward_settings(timeout_s: float, num_workers: int, max_failure_frac: float) -> None:
+    """Raise a ValueError naming the setting (``reward_timeout_s``, ``reward_workers``,
+    ``max_reward_failure_frac``) that is out of range or not finite."""
+    check_finite("reward_timeout_s", timeout_s, "Give the seconds one response may take (> 0).")
+    if not timeout_s > 0:
+        raise ConfigError(f"reward_timeout_s must be > 0 seconds, got {timeout_s}.")
+    if isinstance(num_workers, bool) or not num_workers >= 1:
+        raise ConfigError(f"reward_workers must be >= 1 worker processes, got {num_workers}.")
+    check_finite("max_reward_failure_frac", max_failure_frac, "Give a share in [0, 1].")
+    if not 0 <= max_failure_frac <= 1:
+        raise ConfigError(f"max_reward_failure_frac must be in [0, 1], got {max_failure_frac}.")
+
+
 def failure_result(reward: Any, reason: str) -> RewardResult:
     """The result of a sample whose scoring failed (``reason``: "timeout" or the error text)."""
     return RewardResult(
@@ -136,29 +153,68 @@ def _worker_main(conn: Connection, reward: Any) -> None:  # pragma: no cover - r
             conn.send((job_id, "error", traceback.format_exc(limit=3)))
 
 
+#: Most seconds a fresh worker may take to import the reward before the run fails.
+WORKER_START_S = 120.0
+#: Seconds a round's wall budget allows beyond ``timeout_s * ceil(samples / workers)``, plus
+#: twice the time the last worker took to start (respawns after a kill fit in it).
+ROUND_SLACK_S = 5.0
+#: Longest wait between two looks at a stop request (SIGTERM) while scoring.
+STOP_POLL_S = 0.25
+
+
 class _Worker:
+    """One worker process; started without waiting: it is ``ready`` once its first message
+    (sent after it imported the reward) arrives."""
+
     def __init__(self, ctx: Any, reward: Any) -> None:
+        self.reward_name = type(reward).__name__
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, reward), daemon=True)
         self.proc.start()
         child.close()
-        # Wait until the worker has imported the reward, so its time limit measures scoring only.
-        try:
-            ready = self.conn.poll(120) and self.conn.recv() == "ready"
-        except (EOFError, OSError):
-            ready = False
-        if not ready:
+        self.started = time.monotonic()
+        self.ready = False
+        self.job: tuple[int, list[int], float, float] | None = None  # id, samples, start, limit
+
+    def check_started(self, now: float) -> None:
+        """Raise when the worker died or has not imported the reward within WORKER_START_S."""
+        if not self.ready and (now - self.started > WORKER_START_S or not self.proc.is_alive()):
             self.kill()
             raise RuntimeError(
-                f"reward worker for {type(reward).__name__} did not start within 120 s: check "
-                "that the reward is picklable and importable in a fresh process."
+                f"reward worker for {self.reward_name} did not start within {WORKER_START_S:.0f} "
+                "s (or died starting): check that the reward is picklable and importable in a "
+                "fresh process, or set data.reward_in_process: true."
             )
-        self.job: tuple[int, list[int], float, float] | None = None  # id, samples, start, limit
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.join(5)
         self.conn.close()
+
+
+def round_budget_s(
+    timeout_s: float, num_samples: int, num_workers: int, start_s: float = 0.0
+) -> float:
+    """Wall seconds one round of ``num_samples`` may take with ``num_workers`` workers whose
+    start took ``start_s``: ``timeout_s * ceil(num_samples / num_workers) + ROUND_SLACK_S +
+    2 * start_s`` (every worker busy with its share at the per-sample limit, plus room for
+    respawning killed workers)."""
+    share = math.ceil(num_samples / max(1, num_workers))
+    return timeout_s * share + ROUND_SLACK_S + 2.0 * start_s
+
+
+def check_picklable(reward: Any) -> None:
+    """Raise :class:`ConfigError` naming the reward and the fix when it cannot be sent to a
+    worker process (the ``spawn`` start method pickles it)."""
+    try:
+        pickle.dumps(reward)
+    except Exception as err:  # noqa: BLE001 - TypeError, PicklingError, AttributeError, ...
+        raise ConfigError(
+            f"reward {type(reward).__name__} cannot be sent to a reward worker process "
+            f"(pickling it failed: {err}). Fix: set data.reward_in_process: true to score in "
+            "the training process (no timeout), or make the reward picklable (no locks, open "
+            "files or lambdas among its attributes; a module-level class)."
+        ) from err
 
 
 class RewardRunner:
@@ -167,14 +223,20 @@ class RewardRunner:
     Args:
         reward: A :class:`RewardFunction` (picklable when ``in_process`` is False).
         timeout_s: Most seconds one sample may take; a slower sample is killed and fails.
-        num_workers: Worker processes (persistent; a worker that hangs is killed and replaced).
+        num_workers: Worker processes (persistent; a worker that hangs is killed and replaced
+            when there is work for it; its start is outside every sample's limit).
         max_failure_frac: Largest share of a round that may fail before the run stops with
             :class:`RewardFailureError` (failures below it score ``reward.failure_score``).
-        chunk_size: Samples sent to a worker per call (its time limit is ``timeout_s`` per
-            sample); a chunk that fails or times out is retried one sample at a time, so one bad
-            sample never fails its neighbours.
-        in_process: Call the reward in this process, without timeouts (exceptions still count
-            as failures). For trusted, fast rewards and debugging only.
+        chunk_size: Most samples sent to a worker per call (its time limit is ``timeout_s`` per
+            sample; a round is split so that every worker gets a share); a chunk that fails or
+            times out is retried one sample at a time, so one bad sample never fails its
+            neighbours. A round has a wall budget (:func:`round_budget_s`): what is unscored
+            when it runs out fails as a timeout, so a reward that hangs on every sample fails
+            the round within about ``timeout_s * ceil(samples / num_workers)`` seconds.
+            A stop request (SIGTERM) kills the workers and raises
+            :class:`~dapo_lightning.interrupt.StopRequested` within ``STOP_POLL_S``.
+        in_process: Call the reward in this process, without timeouts or stop checks
+            (exceptions still count as failures). For trusted, fast rewards and debugging only.
         mp_context: ``multiprocessing`` start method for the workers ("spawn" is safe with
             threads and torch.distributed in the parent).
     """
@@ -192,12 +254,9 @@ class RewardRunner:
     ) -> None:
         if not callable(reward):
             raise TypeError(f"reward must be callable, got {type(reward).__name__}.")
-        if timeout_s <= 0:
-            raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}.")
-        if num_workers < 1:
-            raise ValueError(f"reward num_workers must be >= 1, got {num_workers}.")
-        if not 0 <= max_failure_frac <= 1:
-            raise ValueError(f"max_reward_failure_frac must be in [0, 1], got {max_failure_frac}.")
+        check_reward_settings(timeout_s, num_workers, max_failure_frac)
+        if not in_process:
+            check_picklable(reward)
         self.reward = reward
         self.timeout_s = float(timeout_s)
         self.num_workers = num_workers
@@ -206,6 +265,10 @@ class RewardRunner:
         self.in_process = in_process
         self._ctx = mp.get_context(mp_context)
         self._workers: list[_Worker] = []
+        #: Seconds the last worker took to import the reward (part of the round budget).
+        self.worker_start_s = 0.0
+        #: Wall budget of the last round scored in workers (:func:`round_budget_s`).
+        self.last_round_budget_s = math.nan
         #: Failures of the last :meth:`score` call and of all calls.
         self.last_failures = 0
         self.total_failures = 0
@@ -307,59 +370,113 @@ class RewardRunner:
             results.extend(check_reward_output(one, 1, self.reward))
         return results
 
-    def _spawn(self) -> _Worker:
-        return _Worker(self._ctx, self.reward)
-
     def _score_in_workers(
         self, responses: list[str], gts: list[str], extra_kwargs: list[dict[str, Any]]
     ) -> list[RewardResult]:
-        while len(self._workers) < self.num_workers:
-            self._workers.append(self._spawn())
+        """Score in the worker pool within the round's wall budget (:func:`round_budget_s`,
+        counted from the first ready worker); a stop request (SIGTERM) kills the workers and
+        raises :class:`~dapo_lightning.interrupt.StopRequested` within ``STOP_POLL_S``."""
         n = len(responses)
         results: list[RewardResult | None] = [None] * n
+        size = max(1, min(self.chunk_size, math.ceil(n / self.num_workers)))  # every worker busy
         pending: deque[list[int]] = deque(
-            list(range(s, min(n, s + self.chunk_size))) for s in range(0, n, self.chunk_size)
+            list(range(s, min(n, s + size))) for s in range(0, n, size)
         )
-        next_id = 0
+        deadline: float | None = None
+        jobs = 0
         while pending or any(w.job is not None for w in self._workers):
-            for wi, w in enumerate(self._workers):
-                if w.job is None and pending:
-                    idx = pending.popleft()
-                    if not w.proc.is_alive():
-                        w.kill()
-                        w = self._workers[wi] = self._spawn()
-                    msg = (next_id, [responses[i] for i in idx], [gts[i] for i in idx])
-                    w.conn.send((*msg, self._kw(extra_kwargs, idx)))
-                    w.job = (next_id, idx, time.monotonic(), self.timeout_s * len(idx))
-                    next_id += 1
-            busy = [w for w in self._workers if w.job is not None]
+            self._raise_if_stopping()
             now = time.monotonic()
-            wait_s = max(0.0, min(w.job[2] + w.job[3] - now for w in busy))
-            ready = wait([w.conn for w in busy], timeout=wait_s)
-            for wi, w in enumerate(self._workers):
-                if w.job is None:
+            if deadline is None and any(w.ready for w in self._workers):
+                self.last_round_budget_s = self._budget(n)
+                deadline = now + self.last_round_budget_s
+            if deadline is not None and now > deadline:
+                self._over_budget(results, pending, n)
+                break
+            if pending:
+                self._fill_pool()
+            for w in self._workers:
+                if w.ready and w.job is None and pending:
+                    idx = pending.popleft()
+                    msg = (jobs, [responses[i] for i in idx], [gts[i] for i in idx])
+                    w.conn.send((*msg, self._kw(extra_kwargs, idx)))
+                    w.job = (jobs, idx, time.monotonic(), self.timeout_s * len(idx))
+                    jobs += 1
+            ready = wait([w.conn for w in self._workers], timeout=self._wait_s(deadline))
+            self._collect(ready, results, pending)
+        return [r for r in results if r is not None]
+
+    def _fill_pool(self) -> None:
+        """Drop dead workers and start new ones up to ``num_workers`` (without waiting: a fresh
+        worker's import time is outside every sample's limit)."""
+        for w in [w for w in self._workers if not w.proc.is_alive() and w.job is None]:
+            w.kill()
+            self._workers.remove(w)
+        while len(self._workers) < self.num_workers:
+            self._workers.append(_Worker(self._ctx, self.reward))
+
+    def _wait_s(self, deadline: float | None) -> float:
+        now = time.monotonic()
+        ends = [w.job[2] + w.job[3] for w in self._workers if w.job is not None]
+        ends += [deadline] if deadline is not None else []
+        return max(0.0, min([now + STOP_POLL_S, *ends]) - now)
+
+    def _collect(
+        self, ready: list[Any], results: list[RewardResult | None], pending: deque[list[int]]
+    ) -> None:
+        """Take the messages of the ``ready`` workers; kill the ones past their limit."""
+        for w in list(self._workers):
+            now = time.monotonic()
+            if w.conn in ready:
+                try:
+                    msg = w.conn.recv()
+                except (EOFError, OSError):
+                    msg = (None, "error", "worker process died")
+                    w.kill()
+                    self._workers.remove(w)
+                if msg == "ready":
+                    w.ready = True
+                    self.worker_start_s = now - w.started
                     continue
-                job_id, idx, start, limit = w.job
-                if w.conn in ready:
-                    try:
-                        rid, status, payload = w.conn.recv()
-                    except (EOFError, OSError):
-                        status, payload = "error", "worker process died"
-                        w.kill()
-                        self._workers[wi] = self._spawn()
-                    w.job = None
-                    if status == "ok":
-                        for i, r in zip(idx, check_reward_output(payload, len(idx), self.reward)):
-                            results[i] = r
-                        continue
+                _, status, payload = msg
+                idx, w.job = w.job[1] if w.job is not None else [], None
+                if status == "ok":
+                    for i, r in zip(idx, check_reward_output(payload, len(idx), self.reward)):
+                        results[i] = r
+                elif idx:
                     self._fail_or_split(
                         idx, f"error: {str(payload).strip()[-300:]}", results, pending
                     )
-                elif time.monotonic() - start > limit:
-                    w.kill()
-                    self._workers[wi] = self._spawn()
-                    self._fail_or_split(idx, "timeout", results, pending)
-        return [r for r in results if r is not None]
+            elif w.job is not None and now - w.job[2] > w.job[3]:
+                w.kill()
+                self._workers.remove(w)
+                self._fail_or_split(w.job[1], "timeout", results, pending)
+            elif w.job is None:
+                w.check_started(now)
+
+    def _over_budget(
+        self, results: list[RewardResult | None], pending: deque[list[int]], n: int
+    ) -> None:
+        """The round's wall budget is spent: kill the busy workers, fail what is unscored."""
+        for w in [w for w in self._workers if w.job is not None]:
+            w.kill()
+            self._workers.remove(w)
+        pending.clear()
+        reason = f"timeout (the round's {self.last_round_budget_s:.0f} s budget ran out)"
+        for i, r in enumerate(results):
+            if r is None:
+                results[i] = failure_result(self.reward, reason)
+
+    def _budget(self, n: int) -> float:
+        return round_budget_s(self.timeout_s, n, self.num_workers, self.worker_start_s)
+
+    def _raise_if_stopping(self) -> None:
+        reason = stop_requested()
+        if reason is not None:
+            for w in self._workers:
+                w.kill()  # a hanging reward would hold the stop otherwise
+            self._workers = []
+            raise StopRequested(reason)
 
     def _fail_or_split(
         self,

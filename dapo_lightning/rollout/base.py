@@ -8,6 +8,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from dapo_lightning.checks import check_finite
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -30,11 +32,12 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}.")
-        if self.temperature <= 0:
+        check_finite("temperature", self.temperature, "Give a temperature > 0.")
+        if not self.temperature > 0:
             raise ValueError(
                 f"SamplingConfig.temperature must be > 0 for RL sampling, got {self.temperature}."
             )
-        if not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:  # False for NaN
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"SamplingConfig.top_k must be -1 (off) or >= 1, got {self.top_k}.")

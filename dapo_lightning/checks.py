@@ -1,0 +1,88 @@
+"""The checks every setting shares, and the one error type a bad configuration raises.
+
+A comparison such as ``x < 0`` is False for NaN, so a range check written that way lets NaN
+through; every float setting is therefore checked with :func:`check_finite` first (or with a
+range test written so that NaN fails it, ``not x >= 0``).
+
+:class:`ConfigError` is what a check that runs after the classes are built raises (the data's
+settings against the model's, the optimizer's arguments, prompt files): the ``dapo-lightning``
+CLI prints it as one ``error:`` line and exits with status 2, as it does for an argument a
+class's constructor rejects.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["ConfigError", "check_finite", "check_optimizer_settings", "optimizer_error"]
+
+#: Words of torch's optimizer argument errors -> the argument they are about.
+_TORCH_ARGUMENT_WORDS = {
+    "learning rate": "lr",
+    "epsilon": "eps",
+    "weight_decay": "weight_decay",
+    "beta": "betas",
+    "momentum": "momentum",
+}
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the field and the fix."""
+
+
+def check_finite(name: str, value: Any, fix: str = "", *, none_ok: bool = False) -> None:
+    """Raise :class:`ConfigError` naming ``name`` unless ``value`` is a finite real number.
+
+    Args:
+        name: The field as the user writes it (e.g. ``"data.sampling.temperature"``).
+        value: The value given.
+        fix: What to give instead (appended to the message).
+        none_ok: None is a valid value (the setting is optional).
+    """
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}." + (f" {fix}" if fix else ""))
+    if not math.isfinite(value):
+        raise ConfigError(
+            f"{name}={value} is not finite." + (f" {fix}" if fix else " Give a finite number.")
+        )
+
+
+def _numbers(value: Any) -> Iterable[Any]:
+    """The numbers inside an optimizer hyper-parameter (a float, or a tuple such as ``betas``)."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _numbers(v)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield value
+    elif hasattr(value, "numel") and value.numel() == 1 and value.is_floating_point():
+        yield float(value)  # a tensor learning rate
+
+
+def check_optimizer_settings(param_groups: Iterable[dict[str, Any]], prefix: str) -> None:
+    """Every number among the optimizer's hyper-parameters (``lr``, ``weight_decay``, ``betas``,
+    ``eps``, ``momentum``, ...) is finite; raises :class:`ConfigError` naming
+    ``{prefix}.{key}`` otherwise (torch checks some of them with ``not 0.0 <= lr``, some with
+    ``lr < 0``, which NaN passes)."""
+    for group in param_groups:
+        for key, value in group.items():
+            if key == "params":
+                continue
+            for number in _numbers(value):
+                if not math.isfinite(number):
+                    raise ConfigError(
+                        f"{prefix}.{key}={value} is not finite: every optimizer setting must be "
+                        "a finite number (a NaN learning rate turns every weight into NaN)."
+                    )
+
+
+def optimizer_error(error: ValueError, prefix: str) -> ConfigError:
+    """A :class:`ConfigError` naming ``{prefix}.{argument}`` for torch's rejection of an
+    optimizer argument (``Invalid learning rate: -1.0`` names no config path)."""
+    text = str(error)
+    key = next((k for w, k in _TORCH_ARGUMENT_WORDS.items() if w in text.lower()), None)
+    where = f"{prefix}.{key}" if key else prefix
+    return ConfigError(f"{where}: {text}. Fix: give the optimizer a valid {key or 'argument'}.")
