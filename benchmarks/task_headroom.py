@@ -94,14 +94,16 @@ def word_problem_rows(mix: str, prompts: int) -> tuple[list[dict[str, Any]], Any
     return rows, lambda text, row: reward.score_one(text, row["answer"]).acc
 
 
-def reasoning_gym_rows(setting: str, prompts: int) -> tuple[list[dict[str, Any]], Any]:
+def reasoning_gym_rows(
+    setting: str, prompts: int, answer_format: str = "last_number"
+) -> tuple[list[dict[str, Any]], Any]:
     """The setting's first ``prompts`` seed-0 training problems (template: the setting's
-    name) and their reasoning-gym scorer."""
+    name) and their reasoning-gym scorer reading ``answer_format``."""
     dataset, config = RG_SETTINGS[setting]
     rows = make_reasoning_gym_rows(seed=0, dataset=dataset, config=config, size=prompts, val_size=0)
     for row in rows:
         row["template"] = setting
-    reward = ReasoningGymReward()
+    reward = ReasoningGymReward(answer_format=answer_format)
     return rows, lambda text, row: reward.score_one(text, row["reward_kwargs"]["rg_entry"]).acc
 
 
@@ -165,6 +167,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     parser.add_argument("--max-tokens", type=int, default=128, help="response tokens")
     parser.add_argument("--dtype", default="auto", help="engine dtype (auto: fits the device)")
+    parser.add_argument(
+        "--answer-format", default="last_number", help="reasoning-gym extractor (the recipe's)"
+    )
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -176,14 +181,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         str(model_dir), dtype=args.dtype, max_model_len=224, kv_cache_space_gb=2, seed=0
     )
     tasks = {m: word_problem_rows(m, args.prompts) for m in args.mixes} | {
-        s: reasoning_gym_rows(s, args.prompts) for s in args.rg
+        s: reasoning_gym_rows(s, args.prompts, args.answer_format) for s in args.rg
     }
     kw = dict(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens)
-    results = [
-        row
-        for name, task in tasks.items()
-        for row in score_rows(engine, tokenizer, name, task, **kw)
-    ]
+    results = []
+    for name, task in tasks.items():  # one line per mix / setting as it finishes
+        rows = score_rows(engine, tokenizer, name, task, **kw)
+        print(f"{name}: {rows[-1]}", flush=True)
+        results.extend(rows)
     columns = list(results[0])
     print_table(
         f"untrained {model_dir.name}: accuracy per template (seed-0 problems, "

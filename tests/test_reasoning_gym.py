@@ -78,6 +78,16 @@ def test_reward_is_the_datasets_own_score_answer(name):
             assert got.score == pytest.approx(-1.0 + 2.0 * value), (name, text)
             assert got.acc == (value == 1.0), (name, text)
             assert got.extra["has_answer"] == (extracted is not None)
+        by_number = ReasoningGymReward(answer_format="last_number")
+        got = by_number(
+            responses, [row["answer"]] * len(responses), rg_entry=[entry] * len(responses)
+        )
+        for text, result in zip(responses, got):
+            value = own.score_answer(EXTRACTORS["last_number"](text), own[index])
+            assert result.score == pytest.approx(-1.0 + 2.0 * value), (name, text)
+            assert result.acc == (value == 1.0), (name, text)
+        if name == "basic_arithmetic":  # integers: the last number is the answer
+            assert [r.acc for r in got] == [True, True, False, False, True, False, False, True]
         assert (results[0].score, results[0].acc) == (1.0, True)
         assert (results[1].score, results[1].acc) == (1.0, True)  # "answer: X." is read as X
         if name != "countdown":  # countdown gives 0.01 for no answer

@@ -36,8 +36,11 @@ Rows are::
   (:data:`EXTRACTORS`): ``"answer_line"`` (default) takes the text after the last ``Answer:``
   (:func:`dapo_lightning.rewards.dapo.extract_answer_line`), stripped of spaces and one trailing
   period; ``"answer_tag"`` the text inside the last ``<answer>...</answer>`` (reasoning-gym's own
-  convention); ``"boxed"`` the last ``\\boxed{...}``. A response without one scores as the
-  dataset scores ``None`` (0: wrong).
+  convention); ``"boxed"`` the last ``\\boxed{...}``; ``"last_number"`` the last number
+  written anywhere in the response (``"5 - 3 = 2."`` -> ``"2"``; it also reads an ``Answer:``
+  line that ends with the number). A response without one scores as the dataset scores
+  ``None`` (0: wrong). SmolLM2-135M-Instruct hardly ever writes the ``Answer:`` line it is asked
+  for ("The answer is: 2", "5 - 3 = 2."), so its recipe scores with ``"last_number"``.
 * **Score**: ``wrong_score + (correct_score - wrong_score) * s`` with ``s`` the dataset's
   ``score_answer`` (+1 right, -1 wrong by default; partial credit in between where the dataset
   gives it), ``acc`` is ``s == 1``.
@@ -59,6 +62,7 @@ from typing import Any
 
 from dapo_lightning.rewards.base import RewardResult
 from dapo_lightning.rewards.dapo import extract_answer_line, extract_boxed
+from dapo_lightning.tasks.word_problems import last_number_text
 
 #: How to install the package this task needs.
 INSTALL_HINT = "install it with: pip install 'dapo-lightning[tasks]' (or pip install reasoning-gym)"
@@ -104,6 +108,7 @@ EXTRACTORS: dict[str, Callable[[str], str | None]] = {
     "answer_line": _answer_line,
     "answer_tag": _answer_tag,
     "boxed": extract_boxed,
+    "last_number": last_number_text,
 }
 
 

@@ -260,8 +260,15 @@ def last_number(text: str) -> Fraction | None:
 
         last_number("3 * 4 = 12, minus 2 is 10.")  # Fraction(10, 1)
     """
+    found = last_number_text(text)
+    return Fraction(found) if found is not None else None
+
+
+def last_number_text(text: str) -> str | None:
+    """The last number written in ``text`` as it is written, thousands separators removed
+    (``"-3"``, ``"2.50"``, ``"1234"``), or None when there is none."""
     found = _NUMBER_RE.findall(text)
-    return Fraction(found[-1].replace(",", "")) if found else None
+    return found[-1].replace(",", "") if found else None
 
 
 class LastNumberReward:
