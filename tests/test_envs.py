@@ -103,6 +103,16 @@ def test_calculator_environment_answers_tool_calls_and_errors():
     assert env.step("Answer: 12") == StepResult(done=True)
 
 
+def test_calculator_nudge_asks_once_for_a_call():
+    env = CalculatorEnvironment(nudge="Use the calculator.")
+    env.reset(PromptRecord("u", "q", "12"))
+    assert env.step("12") == StepResult(observation="Use the calculator.")
+    assert env.step("still 12") == StepResult(done=True)
+    env = CalculatorEnvironment(nudge="Use the calculator.")
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>'
+    assert env.step(call).observation == "12" and env.step("12").done
+
+
 def test_parse_tool_calls_reads_the_tag_format():
     text = (
         'a <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call> b '
@@ -122,8 +132,8 @@ def test_environment_config_and_registry_errors():
         EnvironmentConfig(call_timeout_s=0)
     with pytest.raises(ValueError, match="neither a built-in environment"):
         environment_factory(EnvironmentConfig(name="no_such_env"))
-    with pytest.raises(ValueError, match="cannot be built with init_args"):
-        environment_factory(EnvironmentConfig(init_args={"bogus": 1}))
+    with pytest.raises(ValueError, match="cannot be built with kwargs"):
+        environment_factory(EnvironmentConfig(kwargs={"bogus": 1}))
     make = environment_factory(EnvironmentConfig(name="tests.test_envs.ScriptedEnv"))
     assert type(make()).__qualname__ == "ScriptedEnv" and make() is not make()
 

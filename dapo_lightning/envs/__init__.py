@@ -1,7 +1,7 @@
 """Multi-turn episodes: environments, tools, and the runner that turns episodes into rollouts.
 
 * :mod:`dapo_lightning.envs.base`: the :class:`Environment` protocol, :class:`StepResult`,
-  :class:`EnvironmentConfig` (``data.init_args.environment``), the tool-call tag format and
+  :class:`EnvironmentConfig` (``data.kwargs.environment``), the tool-call tag format and
   :class:`ToolEnvironment`;
 * :mod:`dapo_lightning.envs.calculator`: the built-in ``calculator`` environment;
 * :mod:`dapo_lightning.envs.runner`: :class:`EpisodeRunner`, an engine that runs episodes;
@@ -43,18 +43,18 @@ ENVIRONMENTS: dict[str, type] = {"calculator": CalculatorEnvironment}
 
 def environment_factory(config: EnvironmentConfig) -> Callable[[], Any]:
     """A function building one episode's environment from ``config`` (name or class path,
-    ``init_args``).
+    ``kwargs``).
 
     Raises:
         ValueError: an unknown name, or constructor arguments the class does not take.
     """
     cls = environment_class(config.name, ENVIRONMENTS)
-    kwargs = dict(config.init_args)
+    kwargs = dict(config.kwargs)
     try:
         cls(**kwargs)
     except TypeError as err:
         raise ValueError(
-            f"environment {config.name!r} cannot be built with init_args={kwargs}: {err}."
+            f"environment {config.name!r} cannot be built with kwargs={kwargs}: {err}."
         ) from err
     return lambda: cls(**kwargs)
 

@@ -195,8 +195,8 @@ class EnvironmentConfig:
     Args:
         name: A built-in environment (:data:`dapo_lightning.envs.ENVIRONMENTS`:
             ``"calculator"``), or the dotted path of your own class
-            (``my_pkg.envs.MyEnv``; one object per episode, built with ``init_args``).
-        init_args: Keyword arguments of the environment's constructor.
+            (``my_pkg.envs.MyEnv``; one object per episode, built with ``kwargs``).
+        kwargs: Keyword arguments of the environment's constructor.
         max_turns: Most assistant turns per episode (the last one ends it whatever it says).
         max_episode_tokens: Most tokens of prompt + all assistant turns + all observations
             (<= the engine's context). None: ``max_prompt_length + sampling.max_tokens``,
@@ -215,7 +215,7 @@ class EnvironmentConfig:
     """
 
     name: str = "calculator"
-    init_args: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)
     max_turns: int = 4
     max_episode_tokens: int | None = None
     call_timeout_s: float = 10.0

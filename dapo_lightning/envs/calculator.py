@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from dapo_lightning.envs.base import ToolEnvironment
+from dapo_lightning.envs.base import StepResult, ToolEnvironment
 
 #: Longest expression the calculator reads (characters) and deepest nesting.
 MAX_EXPRESSION_CHARS = 200
@@ -139,9 +139,29 @@ class CalculatorEnvironment(ToolEnvironment):
     A turn with ``<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}
     </tool_call>`` gets ``12`` back as the next message; a turn without a tool call is the
     final answer (the run's reward function scores it).
+
+    Args:
+        nudge: A user turn sent back when the first turns of an episode make no tool call
+            (e.g. ``"Check it with the calculator first."``), so a model that never tries the
+            tool is asked to once; None (default): such a turn is the final answer.
     """
 
     tools = {"calculator": calculator}
+
+    def __init__(self, nudge: str | None = None) -> None:
+        super().__init__()
+        if nudge is not None and (not isinstance(nudge, str) or not nudge.strip()):
+            raise ValueError("CalculatorEnvironment nudge must be a non-empty text or None.")
+        self.nudge = nudge
+        self.called = False
+
+    def step(self, text: str) -> StepResult:
+        result = super().step(text)
+        self.called = self.called or result.tool_calls > 0
+        if result.done and self.nudge is not None and not self.called:
+            self.called = True  # nudged once: the next turn without a call is the answer
+            return StepResult(observation=self.nudge)
+        return result
 
     def instructions(self) -> str:
         return (
