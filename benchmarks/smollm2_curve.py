@@ -33,6 +33,8 @@ Usage::
     .venv/bin/python benchmarks/smollm2_curve.py --clock cpu           # equal compute under load
     .venv/bin/python benchmarks/smollm2_curve.py --quick     # smoke: DAPO, 1 seed, 2 updates
     .venv/bin/python benchmarks/smollm2_curve.py --methods lora --seeds 0   # LoRA adapters
+    .venv/bin/python benchmarks/smollm2_curve.py --methods dapo calculator --name smollm2_calculator
+    .venv/bin/python benchmarks/smollm2_curve.py --quick --methods dapo calculator --model-dir M
     .venv/bin/python benchmarks/smollm2_curve.py --report    # tables + PNG of the runs on disk
     .venv/bin/python benchmarks/smollm2_curve.py --name smollm2_curve_lr1e-4 --model.optimizer.init_args.lr 1e-4
     .venv/bin/python benchmarks/smollm2_curve.py --recipe reasoning_gym --budget-min 20   # the
@@ -75,14 +77,20 @@ METHOD_OVERRIDES: dict[str, list[str]] = {
     "dapo": [],
     "grpo": ["configs/smollm2_grpo_baseline.yaml"],
     "lora": ["configs/smollm2_lora.yaml"],  # DAPO with LoRA adapters (r 16)
+    "calculator": [],  # DAPO on multi-turn episodes with the calculator tool (METHOD_RECIPES)
 }
+#: Methods that replace the word-problem recipe by a recipe of their own (the same settings
+#: plus what the method needs; tests/test_envs_fit.py pins the difference).
+METHOD_RECIPES: dict[str, str] = {"calculator": "configs/smollm2_calculator.yaml"}
 #: The config files of each method for the word-problem recipe, in order.
-METHODS: dict[str, list[str]] = {m: [RECIPE, *o] for m, o in METHOD_OVERRIDES.items()}
+METHODS: dict[str, list[str]] = {
+    m: [METHOD_RECIPES.get(m, RECIPE), *o] for m, o in METHOD_OVERRIDES.items()
+}
 #: Each recipe's target: ``("acc", x)`` held-out val/acc >= x, ``("gain", x)`` val/acc >= the
 #: initial val/acc + x.
 TARGETS = {"word_problems": ("acc", 0.8), "reasoning_gym": ("gain", 0.35)}
 #: Line style of each method in the PNG.
-STYLES = {"dapo": "-", "grpo": "--", "lora": ":"}
+STYLES = {"dapo": "-", "grpo": "--", "lora": ":", "calculator": "-."}
 #: The held-out accuracy the word-problem recipe is tuned to reach.
 TARGET = TARGETS["word_problems"][1]
 #: The default training-time budget per run (minutes).
@@ -219,14 +227,15 @@ def read_run(run_dir: Path, cores: int) -> dict[str, Any]:
         for r in rows
         if r["val_acc"] is not None
     ]
-    samples = 0
+    samples, tool_calls = 0, []
     try:
         series = read_metrics(find_metrics_csv(run_dir / "logs"))
         groups = sum(v for _, v in series.get("data/generated_groups", []))
         samples = int(groups) * _group_size(run_dir)
+        tool_calls = [v for _, v in series.get("env/tool_calls_mean", [])]
     except (FileNotFoundError, StopIteration, KeyError):
         pass
-    return {"curve": curve, "samples": samples}
+    return {"curve": curve, "samples": samples, "tool_calls": tool_calls}
 
 
 def _group_size(run_dir: Path) -> int:
@@ -268,6 +277,11 @@ def summarize(
         "train_minutes": trained[-1][2] / 60 if trained else 0.0,
         "idle_minutes": trained[-1][3] / 60 if trained else 0.0,
         "samples": run["samples"],
+        # multi-turn runs: tool calls per training episode, first step and mean of the last 5
+        "tool_calls_first": run["tool_calls"][0] if run["tool_calls"] else None,
+        "tool_calls_last": sum(run["tool_calls"][-5:]) / len(run["tool_calls"][-5:])
+        if run["tool_calls"]
+        else None,
         "total_s": total_s,
         "load_start": load_start,
         "load_end": load_end,
@@ -295,7 +309,11 @@ def run_one(
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    configs = [RECIPES[recipe], *METHOD_OVERRIDES[method]]
+    if method in METHOD_RECIPES and recipe != "word_problems":
+        raise SystemExit(
+            f"--methods {method} runs the word-problem recipe only (--recipe {recipe})."
+        )
+    configs = [METHOD_RECIPES.get(method, RECIPES[recipe]), *METHOD_OVERRIDES[method]]
     override = write_override(
         run_dir,
         configs,
@@ -376,7 +394,8 @@ def plot(results: list[dict[str, Any]], path: Path, budget_min: float, clock: st
     axes[0 if clock == "wall" else 1].axvline(budget_min, color="red", ls=":", lw=1)
     axes[2].legend(fontsize=8)
     task = "word problems" if recipe == "word_problems" else "reasoning-gym arithmetic"
-    fig.suptitle(f"SmolLM2-135M-Instruct {task} on CPU: DAPO vs GRPO, equal training budget")
+    names = " vs ".join(dict.fromkeys(r["method"].upper() for r in results))
+    fig.suptitle(f"SmolLM2-135M-Instruct {task} on CPU: {names}, equal training budget")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -397,6 +416,12 @@ def _num(value: float | None, digits: int = 1) -> Any:
     return "-" if value is None else round(value, digits)
 
 
+def _tool_calls(result: dict[str, Any]) -> str:
+    """Tool calls per training episode, first step -> mean of the last 5 ("-": single-turn)."""
+    first, last = result.get("tool_calls_first"), result.get("tool_calls_last")
+    return "-" if first is None else f"{first:.2f} -> {last:.2f}"
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -404,13 +429,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         "--recipe", choices=sorted(RECIPES), default="word_problems", help="which recipe"
     )
     parser.add_argument(
-        "--methods", nargs="+", choices=sorted(METHODS), default=["dapo", "grpo"]
-    )  # lora: DAPO + configs/smollm2_lora.yaml, on request
+        "--methods", nargs="+", choices=sorted(METHODS), default=None
+    )  # default dapo grpo (--quick: dapo); lora, calculator on request
     parser.add_argument("--budget-min", type=float, default=BUDGET_MIN, help="training minutes")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="budget clock")
     parser.add_argument("--cores", type=int, default=2, help="cores (OMP_NUM_THREADS, cpu clock)")
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--quick", action="store_true", help="smoke: DAPO, first seed, 2 updates")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke: first seed, 2 updates (DAPO unless --methods)"
+    )
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep each run's ckpts")
     parser.add_argument(
         "--name", default=None, help="output folder and PNG name (default smollm2_curve)"
@@ -422,7 +449,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         "(each run writes result.json; runs taken by separate invocations are reported together)",
     )
     args, extra = parser.parse_known_args(argv)
-    methods = ["dapo"] if args.quick else args.methods
+    methods = args.methods or (["dapo"] if args.quick else ["dapo", "grpo"])
     seeds = args.seeds[:1] if args.quick else args.seeds
     base = "smollm2_curve" if args.recipe == "word_problems" else "smollm2_rg_curve"
     name = args.name or (f"{base}_quick" if args.quick else base)
@@ -473,6 +500,7 @@ def report(
             _num(r["train_minutes"]),
             _num(r["idle_minutes"]),
             r["samples"],
+            _tool_calls(r),
             f"{r['load_start'].split()[0]} / {r['load_end'].split()[0]}",
             r["exit_code"],
         ]
@@ -495,6 +523,7 @@ def report(
             "train min",
             "idle-eq min",
             "samples",
+            "tool calls/episode",
             "load start / end",
             "exit",
         ],

@@ -57,12 +57,13 @@ HF_STOPS = ["--data.init_args.engine_kwargs", f"{{eos_token_id: {STOP_IDS}}}"]
 
 @pytest.fixture(scope="module")
 def quickstart_model(tmp_path_factory):
-    """The quickstart's warmed-up tiny model (it ends its answers with EOS), written by a
-    1-update quickstart fit (~40-90 s here: slow tests only)."""
-    root = tmp_path_factory.mktemp("mtmodel")
-    check(run_cli("fit", "--config", QUICKSTART, "--trainer.default_root_dir", str(root),
-                  "--trainer.max_steps", "1", "--trainer.val_check_interval", "1"))  # fmt: skip
-    return root / "model"
+    """The quickstart's warmed-up tiny model (it ends its answers with EOS), written as the
+    quickstart's create_model_if_missing writes it (~25 s on 2 idle cores: slow tests only)."""
+    from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
+
+    path = tmp_path_factory.mktemp("mtmodel") / "model"
+    make_quickstart_checkpoint(path, seed=0, level=1, num_prompts=100, task_seed=0)
+    return path
 
 
 def fit(tmp_path: Path, model_dir: Path, environment: str, *extra: str, timeout: int = 300):
@@ -105,6 +106,7 @@ def test_calculator_fit_hf(tmp_path, tiny_checkpoint):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the warm-up and vLLM's start are minutes on a loaded machine
 def test_calculator_fit_vllm(tmp_path, quickstart_model):
     """vLLM (no stop ids to set there): the quickstart's warmed-up model, which stops."""
     pytest.importorskip("vllm")
@@ -129,3 +131,38 @@ def test_faulty_environment_is_counted_not_fatal(tmp_path, tiny_checkpoint):
     failures = [v for _, v in series(rows, "env/failures")]
     timeouts = [v for _, v in series(rows, "env/timeouts")]
     assert failures and all(v >= 1 for v in failures) and all(v >= 1 for v in timeouts)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def test_calculator_recipe_differs_from_the_single_turn_one_only_where_it_must(capsys):
+    """configs/smollm2_calculator.yaml is configs/smollm2_135m.yaml plus the environment and
+    the lengths and paths it needs: a change to one recipe must be made to the other."""
+    from tests.test_configs import print_config
+
+    single = _flatten(print_config(capsys, str(REPO / "configs" / "smollm2_135m.yaml")))
+    multi = _flatten(print_config(capsys, str(REPO / "configs" / "smollm2_calculator.yaml")))
+    differ = {k for k in single.keys() | multi.keys() if single.get(k) != multi.get(k)}
+    assert {k for k in differ if not k.startswith("data.init_args.environment.")} == {
+        "trainer.default_root_dir",
+        "model.init_args.model_name_or_path",
+        "data.init_args.max_prompt_length",
+        "data.init_args.engine_kwargs.max_model_len",
+    }
+    assert single["data.init_args.environment"] is None
+    assert multi["data.init_args.environment.name"] == "calculator"
+    budget = multi["data.init_args.environment.max_episode_tokens"]
+    assert budget == multi["data.init_args.engine_kwargs.max_model_len"]
+    assert (
+        budget
+        >= multi["data.init_args.max_prompt_length"] + multi["data.init_args.sampling.max_tokens"]
+    )

@@ -20,8 +20,10 @@ observation tokens, ``text`` the final assistant turn (what the reward function 
 Budgets: the assistant tokens of an episode are at most ``sampling.max_tokens`` (the maximum
 response length overlong shaping uses); prompt + all turns + all observations are at most
 ``max_episode_tokens`` (checked against the engine's context). An episode that reaches either
-ends with finish reason ``"length"``; one whose environment says ``done``, or that used
-``max_turns`` assistant turns, ends with ``"stop"``.
+ends with finish reason ``"length"`` (the environment does not see that cut turn; the reward
+function scores the text); one whose environment says ``done``, or that used ``max_turns``
+assistant turns (the environment sees the last one and may give its reward), ends with
+``"stop"``.
 
 Faults are data: a ``reset`` / ``step`` call that raises, runs over ``call_timeout_s`` or
 returns something that is not a :class:`~dapo_lightning.envs.base.StepResult` fails its
@@ -296,11 +298,8 @@ class EpisodeRunner:
                 break
             self._assistant_turn(live, sampling)
             stepping = [s for s in live if s.finish is None]
-            if turn == self.config.max_turns - 1:
-                for s in stepping:
-                    s.finish = "stop"
-            elif stepping:
-                self._observe(stepping)
+            if stepping:
+                self._observe(stepping, last=turn == self.config.max_turns - 1)
         episodes = [self._episode(s) for s in states]
         self._account(episodes)
         return [episodes[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -350,8 +349,10 @@ class EpisodeRunner:
             if over or c.finish_reason == "length":
                 s.finish = "length"
 
-    def _observe(self, stepping: list[_State]) -> None:
-        """Each environment's answer to its episode's last turn: an observation or the end."""
+    def _observe(self, stepping: list[_State], last: bool) -> None:
+        """Each environment's answer to its episode's last turn: an observation or the end
+        (after the ``last`` allowed turn the episode ends either way; a reward given then
+        counts)."""
         calls = [lambda s=s: check_step_result(s.env.step(s.text)) for s in stepping]
         for s, (status, value) in zip(stepping, call_all(calls, self.config.call_timeout_s)):
             if status != "ok":
@@ -359,7 +360,7 @@ class EpisodeRunner:
                 continue
             s.tool_calls += value.tool_calls
             s.tool_errors += value.tool_errors
-            if value.done:
+            if value.done or last:
                 s.finish = "stop"
                 s.reward, s.acc = value.reward, value.acc
                 continue
