@@ -378,6 +378,11 @@ def test_unknown_prompts_and_context_are_refused(tiny):
         runner.generate([[5, 6, 7]], 1, SamplingConfig(max_tokens=4))
     with pytest.raises(ValueError, match="exceeds the engine's context"):
         make_runner(tiny, ScriptedEnv, max_episode_tokens=10_000)
+    # the producer streams groups from an engine that has stream_groups (vLLM): never past
+    # the episode runner, which only delegates what the session and module read
+    runner.engine.stream_groups = lambda *a, **k: iter(())
+    assert not hasattr(runner, "stream_groups")
+    assert runner.model is model and runner.state_dict()["seed"] == runner.engine.seed
 
 
 # ---------------------------------------------------------------------------- the batch

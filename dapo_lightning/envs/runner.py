@@ -228,6 +228,13 @@ class _State:
         return sum(self.mask)
 
 
+#: The wrapped engine's attributes an :class:`EpisodeRunner` passes through (sleep mode, the
+#: policy it samples with, LoRA adapters, the sampling RNG state, vLLM's ``llm``).
+DELEGATED = frozenset(
+    {"model", "sleep_mode", "wake_up", "sleep", "lora_enabled", "load_adapter", "llm",
+     "state_dict", "load_state_dict", "owns_model", "seed", "tie_word_embeddings"}
+)  # fmt: skip
+
 _STAT_KEYS = ("episodes", "turns", "tool_calls", "tool_errors", "failures", "timeouts", "tokens")
 
 
@@ -274,10 +281,12 @@ class EpisodeRunner:
             )
         self.totals = dict.fromkeys(_STAT_KEYS, 0)
 
-    def __getattr__(self, name: str) -> Any:  # model, sleep_mode, wake_up, lora_enabled, ...
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
+    def __getattr__(self, name: str) -> Any:
+        """What the engine session and the module read from an engine, from the wrapped one;
+        nothing else (``stream_groups`` above all: episodes are not streamed)."""
+        if name not in DELEGATED:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return getattr(self.__dict__["engine"], name)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Pass the weights to the wrapped engine."""
