@@ -271,3 +271,68 @@ def test_engine_start_keeps_the_trainers_threads(engine):
     assert torch.get_num_threads() == 1
     torch.set_num_threads(before)
     assert torch.get_num_threads() == before
+
+
+def _engine_capacity(engine) -> int:
+    """Sequences the vLLM scheduler runs at once (more requests wait in its queue)."""
+    return engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+
+
+@pytest.mark.vllm
+def test_stream_groups_yields_whole_groups_and_close_aborts_the_rest(engine):
+    groups = _engine_capacity(engine) // 2 + 8  # groups of 2: the last 8+ wait in the queue
+    prompts = [PROMPTS[k % 3] for k in range(groups)]
+    stream = engine.stream_groups(prompts, 2, SamplingConfig(max_tokens=4))
+    first = next(stream)
+    assert 0 < len(first) < groups and all(len(g) == 2 for _, g in first)
+    assert len({k for k, _ in first}) == len(first)
+    stream.close()  # the producer's batch is full: the requests left are aborted
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    # the engine is usable at once; generate (the same loop, run to the end) keeps prompt order
+    out = engine.generate(PROMPTS, 2, SamplingConfig(max_tokens=4))
+    assert [len(g) for g in out] == [2] * 3
+
+
+@pytest.mark.vllm
+def test_should_stop_aborts_everything_in_flight(engine):
+    from dapo_lightning.interrupt import StopRequested
+
+    calls = {"n": 0}
+
+    def stop_after_two_steps():
+        calls["n"] += 1
+        return calls["n"] > 2
+
+    engine.should_stop = stop_after_two_steps
+    try:
+        with pytest.raises(StopRequested, match="should_stop"):
+            engine.generate(PROMPTS * 4, 4, SamplingConfig(max_tokens=64))
+    finally:
+        engine.should_stop = None
+    assert calls["n"] == 3 and not engine.llm.llm_engine.has_unfinished_requests()
+    assert [len(g) for g in engine.generate(PROMPTS, 2, SamplingConfig(max_tokens=4))] == [2] * 3
+
+
+@pytest.mark.vllm
+def test_producer_in_flight_round_with_vllm_is_exact(engine):
+    """The real engine under the producer's in-flight path: the round stops once the batch is
+    full (the first groups the scheduler ran), the requests still queued are aborted and their
+    prompts given back; the batch is exactly train_batch_size groups of n with its version."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_producer import make_producer
+
+    groups = _engine_capacity(engine) // 2 + 8
+    producer = make_producer(
+        engine, num_prompts=groups + 8, level=2, n=2, train_batch_size=2, gen_batch_size=groups,
+        filter_metric=None, in_flight=True,
+    )  # fmt: skip
+    batch = producer.next_batch(policy_version=0)
+    s = batch.stats
+    assert batch.num_groups == 2 and batch.group_size == 2 and batch.batch_size == 4
+    assert (batch.sample_version == 0).all()
+    assert s["data/generated_groups"] + s["data/aborted_groups"] == groups
+    assert (
+        s["data/aborted_groups"] > 0 and len(producer.sampler.pending) == s["data/aborted_groups"]
+    )
+    assert s["data/dropped_surplus_groups"] == s["data/generated_groups"] - 2
+    assert not engine.llm.llm_engine.has_unfinished_requests()

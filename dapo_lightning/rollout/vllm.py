@@ -14,6 +14,13 @@ What the engine guarantees:
   serves a LoRA policy's adapters over its original base: ``load_adapter`` writes them as a
   peft folder and every later ``generate`` runs with that ``LoRARequest``.
 
+* Requests go through the engine's request API (``llm_engine.add_request`` / ``step`` /
+  ``abort_request``): :meth:`VLLMRolloutEngine.stream_groups` yields each group (prompt) as
+  its ``n`` samples have finished, and aborts what is still queued or running when it is
+  closed; ``generate`` runs the same loop to the end. Between engine steps the engine checks
+  ``should_stop`` (a callable, e.g. wired to SIGTERM): when it returns True every request in
+  flight is aborted and :class:`~dapo_lightning.interrupt.StopRequested` is raised.
+
 vLLM is imported only when an engine is built: importing this module costs nothing.
 """
 
@@ -24,12 +31,13 @@ import itertools
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from dapo_lightning.interrupt import StopRequested
 from dapo_lightning.logging_setup import quiet_partial_reload
 from dapo_lightning.precision import resolve_dtype
 from dapo_lightning.rollout.base import Completion, SamplingConfig
@@ -162,6 +170,70 @@ def _dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _check_settings(dtype: str, weight_bucket_bytes: int, kv_cache_space_gb: float) -> None:
+    """Raise a ValueError naming the VLLMRolloutEngine setting that is out of range."""
+    if dtype not in _DTYPES:
+        raise ValueError(
+            f"VLLMRolloutEngine.dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}."
+        )
+    if weight_bucket_bytes < 1:
+        raise ValueError(
+            f"VLLMRolloutEngine.weight_bucket_bytes must be >= 1, got {weight_bucket_bytes}."
+        )
+    if kv_cache_space_gb <= 0:
+        raise ValueError(
+            f"VLLMRolloutEngine.kv_cache_space_gb must be > 0 GiB, got {kv_cache_space_gb}; "
+            "kv_cache_gib(config, sequences, tokens) gives what a batch needs."
+        )
+
+
+def _llm_kwargs(
+    engine: VLLMRolloutEngine,
+    tensor_parallel_size: int,
+    max_model_len: int | None,
+    gpu_memory_utilization: float,
+    kv_cache_space_gb: float,
+    engine_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments: the engine's settings, then ``engine_kwargs`` over them."""
+    kwargs: dict[str, Any] = dict(
+        model=engine.model_path,
+        dtype=engine.dtype,
+        seed=engine.seed,
+        tensor_parallel_size=tensor_parallel_size,
+        logprobs_mode="processed_logprobs",
+        enable_sleep_mode=engine.sleep_mode,
+    )
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    else:
+        kwargs["enforce_eager"] = True
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * 2**30)
+    if engine.distributed:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    kwargs.update(engine_kwargs)
+    return kwargs
+
+
+def _completions(request: Any) -> list[Completion]:
+    """The ``n`` samples of a finished vLLM ``RequestOutput``, in sample order."""
+    group = []
+    for out in sorted(request.outputs, key=lambda o: o.index):
+        token_ids = list(out.token_ids)
+        log_probs = [float(out.logprobs[i][tok].logprob) for i, tok in enumerate(token_ids)]
+        if out.finish_reason not in ("length", "stop"):
+            raise RuntimeError(
+                f"vLLM finished a sample with reason {out.finish_reason!r} "
+                "(expected 'stop' or 'length'); the request was aborted."
+            )
+        group.append(
+            Completion(token_ids=token_ids, log_probs=log_probs, finish_reason=out.finish_reason)
+        )
+    return group
+
+
 class VLLMRolloutEngine:
     """An in-process ``vllm.LLM`` behind the :class:`~dapo_lightning.rollout.base.RolloutEngine` protocol.
 
@@ -186,6 +258,10 @@ class VLLMRolloutEngine:
             torch.distributed is initialised with world size > 1.
         weight_bucket_bytes: Bytes of converted tensors sent per ``reload_weights`` call
             (bounded extra memory during a push).
+        should_stop: Checked between engine steps (also the attribute ``should_stop``, which
+            a run guard may set later): when it returns True, the requests in flight are
+            aborted and ``generate`` / ``stream_groups`` raise
+            :class:`~dapo_lightning.interrupt.StopRequested`. None: never.
         **engine_kwargs: Passed to ``vllm.LLM`` (override the defaults set here).
             ``enable_lora=True`` (with ``max_lora_rank`` >= the adapters' ``r``) makes the
             engine session push a LoRA policy's adapters only (:meth:`load_adapter`).
@@ -204,26 +280,14 @@ class VLLMRolloutEngine:
         seed: int = 0,
         distributed: bool | None = None,
         weight_bucket_bytes: int = 512 * 2**20,
+        should_stop: Callable[[], bool] | None = None,
         **engine_kwargs: Any,
     ) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = resolve_dtype(dtype, device, "VLLMRolloutEngine.dtype")  # auto: fits the device
-        if dtype not in _DTYPES:
-            raise ValueError(
-                f"VLLMRolloutEngine.dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}."
-            )
-        if weight_bucket_bytes < 1:
-            raise ValueError(
-                f"VLLMRolloutEngine.weight_bucket_bytes must be >= 1, got {weight_bucket_bytes}."
-            )
-        if kv_cache_space_gb <= 0:
-            raise ValueError(
-                f"VLLMRolloutEngine.kv_cache_space_gb must be > 0 GiB, got {kv_cache_space_gb}; "
-                "kv_cache_gib(config, sequences, tokens) gives what a batch needs."
-            )
-        on_cuda = torch.cuda.is_available()
+        _check_settings(dtype, weight_bucket_bytes, kv_cache_space_gb)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if not on_cuda:
+        if device == "cpu":
             # vLLM's legacy VLLM_CPU_KVCACHE_SPACE (whole GiB only) would override the size
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         from dapo_lightning.logging_setup import quiet_known_warnings
@@ -256,25 +320,13 @@ class VLLMRolloutEngine:
         if enable_sleep_mode and not self.sleep_mode:
             log.warning("vLLM sleep mode is not available on this platform; sleep() is a no-op.")
         self.is_sleeping = False
-
-        kwargs: dict[str, Any] = dict(
-            model=self.model_path,
-            dtype=dtype,
-            seed=self.seed,
-            tensor_parallel_size=tensor_parallel_size,
-            logprobs_mode="processed_logprobs",
-            enable_sleep_mode=self.sleep_mode,
-        )
-        if max_model_len is not None:
-            kwargs["max_model_len"] = max_model_len
-        if on_cuda:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        else:
-            kwargs["enforce_eager"] = True
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * 2**30)
-        if self.distributed:
-            kwargs["distributed_executor_backend"] = "external_launcher"
-        kwargs.update(engine_kwargs)
+        #: Checked between engine steps; True aborts the requests in flight (see Args).
+        self.should_stop = should_stop
+        self._request_ids = itertools.count()
+        kwargs = _llm_kwargs(
+            self, tensor_parallel_size, max_model_len, gpu_memory_utilization,
+            kv_cache_space_gb, engine_kwargs,
+        )  # fmt: skip
         #: Serves LoRA adapters itself (the session then pushes adapters, not merged weights).
         self.lora_enabled = bool(kwargs.get("enable_lora", False))
         #: The adapter every generate runs with (set by load_adapter), or None: the base.
@@ -291,12 +343,55 @@ class VLLMRolloutEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
     ) -> list[list[Completion]]:
-        """Sample ``n`` completions per prompt; see :class:`~dapo_lightning.rollout.base.RolloutEngine`."""
-        from vllm import SamplingParams
+        """Sample ``n`` completions per prompt; see :class:`~dapo_lightning.rollout.base.RolloutEngine`.
 
+        Raises:
+            StopRequested: ``should_stop`` returned True (nothing is left in flight).
+        """
+        result: list[list[Completion]] = [[] for _ in prompts]
+        for finished in self.stream_groups(prompts, n, sampling):
+            for k, group in finished:
+                result[k] = group
+        return result
+
+    def stream_groups(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+    ) -> Iterator[list[tuple[int, list[Completion]]]]:
+        """Submit one request of ``n`` samples per prompt; after each engine step that
+        finished some, yield ``(prompt position, its n completions)`` for each.
+
+        Closing the iterator early (the producer does once its batch is full) aborts every
+        request still queued or running; so does ``should_stop`` returning True, which then
+        raises :class:`~dapo_lightning.interrupt.StopRequested`.
+        """
         if n < 1:
             raise ValueError(f"generate(n=...) must be >= 1, got {n}.")
-        params = SamplingParams(
+        engine = self.llm.llm_engine
+        params = self._params(n, sampling)
+        where: dict[str, int] = {}
+        try:
+            for k, prompt in enumerate(prompts):
+                rid = f"dapo-{next(self._request_ids)}"
+                where[rid] = k
+                engine.add_request(
+                    rid, {"prompt_token_ids": list(map(int, prompt))}, params,
+                    lora_request=self.lora_request,
+                )  # fmt: skip
+            while where:
+                if self.should_stop is not None and self.should_stop():
+                    raise StopRequested("should_stop")
+                done = [o for o in engine.step() if o.finished and o.request_id in where]
+                if done:
+                    yield [(where.pop(o.request_id), _completions(o)) for o in done]
+        finally:
+            if where:  # closed early, stopped or failed: nothing may stay in flight
+                engine.abort_request(list(where))
+
+    def _params(self, n: int, sampling: SamplingConfig) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
             n=n,
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
@@ -305,31 +400,8 @@ class VLLMRolloutEngine:
             logprobs=0,
             detokenize=False,
             seed=None,  # never per request: it would make identical prompts identical
+            output_kind=RequestOutputKind.FINAL_ONLY,  # a group's outputs once, all n done
         )
-        requests = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
-        outputs = self.llm.generate(
-            requests, params, use_tqdm=False, lora_request=self.lora_request
-        )
-        result: list[list[Completion]] = []
-        for request in outputs:
-            group = []
-            for out in sorted(request.outputs, key=lambda o: o.index):
-                token_ids = list(out.token_ids)
-                log_probs = [float(out.logprobs[i][tok].logprob) for i, tok in enumerate(token_ids)]
-                if out.finish_reason == "length":
-                    reason = "length"
-                elif out.finish_reason == "stop":
-                    reason = "stop"
-                else:
-                    raise RuntimeError(
-                        f"vLLM finished a sample with reason {out.finish_reason!r} "
-                        "(expected 'stop' or 'length'); the request was aborted."
-                    )
-                group.append(
-                    Completion(token_ids=token_ids, log_probs=log_probs, finish_reason=reason)
-                )
-            result.append(group)
-        return result
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
