@@ -58,6 +58,7 @@ def worker_update(p: dict[str, Any]) -> dict[str, Any]:
     from benchmarks._probe import thread_cpu_seconds, thread_state, thread_use
     from dapo_lightning.module import DAPOModule
     from dapo_lightning.testing import make_random_rollout_batch
+    from dapo_lightning.update import BatchingConfig
 
     torch.set_num_threads(p["threads"])
     result: dict[str, Any] = {"before_engine": thread_state()}
@@ -102,8 +103,7 @@ def worker_update(p: dict[str, Any]) -> dict[str, Any]:
 
     module = DAPOModule(
         p["smol_ckpt"],
-        mini_batch_size=None,
-        micro_batch_size=p["micro"],
+        batching=BatchingConfig(mini_batch_size=None, micro_batch_size=p["micro"]),
         parity_check_every=0,
     )
     timer = Timer()

@@ -49,6 +49,7 @@ def worker(payload: dict[str, Any]) -> dict[str, Any]:
     from dapo_lightning.module import DAPOModule
     from dapo_lightning.rollout.session import full_named_tensors
     from dapo_lightning.testing import make_random_rollout_batch
+    from dapo_lightning.update import BatchingConfig
 
     torch.manual_seed(0)
     case = CASES[payload["case"]]
@@ -82,7 +83,7 @@ def worker(payload: dict[str, Any]) -> dict[str, Any]:
         payload["ckpt"],
         lora=LoraSettings() if payload["lora"] else None,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-5),
-        micro_batch_size=case["micro"],
+        batching=BatchingConfig(micro_batch_size=case["micro"]),
         parity_check_every=0,
     )
     module.configure_model()

@@ -254,6 +254,7 @@ def worker_dapo(case: Case) -> dict[str, Any]:
 
     from dapo_lightning.module import DAPOModule
     from dapo_lightning.rollout.session import full_named_tensors
+    from dapo_lightning.update import BatchingConfig
 
     torch.manual_seed(0)
     batch = _make_batch(case)
@@ -302,8 +303,7 @@ def worker_dapo(case: Case) -> dict[str, Any]:
 
     module = DAPOModule(
         case.ckpt,
-        mini_batch_size=None,
-        micro_batch_size=case.micro_batch_size,
+        batching=BatchingConfig(mini_batch_size=None, micro_batch_size=case.micro_batch_size),
         gradient_checkpointing=case.gradient_checkpointing,
         torch_dtype="float32",
         parity_check_every=0,
@@ -378,8 +378,7 @@ def worker_dapo(case: Case) -> dict[str, Any]:
         result["micro_batches"] = len(micro_batch_rows(lengths, case.micro_batch_size))
         module2 = DAPOModule(
             case.ckpt,
-            mini_batch_size=max(1, case.num_groups // 2),
-            micro_batch_size=case.micro_batch_size,
+            batching=BatchingConfig(max(1, case.num_groups // 2), case.micro_batch_size),
             parity_check_every=0,
         )
         module2.configure_model()

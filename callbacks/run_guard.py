@@ -321,6 +321,13 @@ def _describe(exception: BaseException) -> str:
     return f"{type(exception).__name__}: {text}" if text else type(exception).__name__
 
 
+class _Group:
+    """A config group's dict, seen as an object with ``hparams`` (for the recursion)."""
+
+    def __init__(self, hparams: dict) -> None:
+        self.hparams = hparams
+
+
 def _hparam_changes(section: str, saved: Any, obj: Any) -> list[str]:
     """``section.key: old (checkpoint) -> new (config)`` for each differing hyper-parameter."""
     current = getattr(obj, "hparams", None)
@@ -329,6 +336,9 @@ def _hparam_changes(section: str, saved: Any, obj: Any) -> list[str]:
     out = []
     for key, value in current.items():
         if key.startswith("_") or key not in saved:
+            continue
+        if isinstance(value, dict) and isinstance(saved[key], dict):  # a config group
+            out += _hparam_changes(f"{section}.{key}", saved[key], _Group(value))
             continue
         try:
             differs = bool(saved[key] != value)

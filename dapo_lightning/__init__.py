@@ -4,10 +4,17 @@ Public API::
 
     from dapo_lightning import DAPOModule, DAPODataModule
     from dapo_lightning import compute_policy_loss, compute_advantages
+    from dapo_lightning import PolicyLossConfig, BatchingConfig, RolloutCorrection
+    from dapo_lightning import register_policy_objective, register_advantage_estimator
     from dapo_lightning.callbacks import OverlongRewardShaping, EntropyScheduler, CollapseDetector
 """
 
-from dapo_lightning.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from dapo_lightning.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    GroupStats,
+    compute_advantages,
+    register_advantage_estimator,
+)
 from dapo_lightning.data import (
     DAPODataModule,
     DynamicSamplingConfig,
@@ -17,9 +24,11 @@ from dapo_lightning.data import (
     validation_metrics,
 )
 from dapo_lightning.lora import LoraSettings
-from dapo_lightning.loss import LOSS_AGG_MODES, aggregate_loss, compute_policy_loss
+from dapo_lightning.loss import LOSS_AGG_MODES, LossInputs, PolicyLossConfig, aggregate_loss
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.module import DAPOModule
+from dapo_lightning.objectives import POLICY_OBJECTIVES, register_policy_objective
+from dapo_lightning.policy_loss import compute_policy_loss, policy_loss
 from dapo_lightning.rollout import (
     Completion,
     EngineSession,
@@ -28,23 +37,31 @@ from dapo_lightning.rollout import (
     SamplingConfig,
     create_engine,
 )
+from dapo_lightning.rollout_correction import RolloutCorrection
 from dapo_lightning.schedules import WarmupConstantLR, WarmupCosineLR
 from dapo_lightning.strategy import StrategyAdapter
+from dapo_lightning.update import BatchingConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "POLICY_OBJECTIVES",
+    "BatchingConfig",
     "Completion",
     "DAPODataModule",
     "DAPOModule",
     "DynamicSamplingConfig",
     "EngineSession",
+    "GroupStats",
     "HFRolloutEngine",
     "LoraSettings",
+    "LossInputs",
     "MetricAccumulator",
+    "PolicyLossConfig",
     "RolloutBatch",
+    "RolloutCorrection",
     "RolloutEngine",
     "RolloutProducer",
     "SamplingConfig",
@@ -56,6 +73,9 @@ __all__ = [
     "compute_advantages",
     "compute_policy_loss",
     "create_engine",
+    "policy_loss",
+    "register_advantage_estimator",
+    "register_policy_objective",
     "validation_metrics",
 ]
 

@@ -1,35 +1,26 @@
-"""The DAPO policy objective: clipped token-level surrogate, aggregation modes, metrics.
+"""The policy loss's shared pieces: its config, the inputs every objective sees, aggregation.
 
 Notation (all per response token ``t`` of row ``b``; ``m_t`` is the response mask)::
 
-    log_ratio_t = clamp(logp_t - old_logp_t, -20, 20)
-    ratio_t     = exp(log_ratio_t)                                   # pi_theta / pi_old
-    pg_t        = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
-                = max(-ratio_t * A_t, -clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
+    log_ratio_t = clamp(logp_t - old_logp_t, -20, 20)           (token level)
+    log_ratio_b = clamp(sum_t m_t (logp_t - old_logp_t) / max(sum_t m_t, 1), -20, 20)
+                                                                 (sequence level, GSPO)
+    ratio       = exp(log_ratio)                                 # pi_theta / pi_old
 
-``pg_t`` is the per-token term of DAPO's clip-higher objective (Yu et al. 2025, Eq. 8/10,
-negated into a loss); ``eps_low`` and ``eps_high`` are decoupled (the paper uses 0.2 / 0.28).
+The loss of a micro-batch is assembled by :func:`dapo_lightning.policy_loss.policy_loss`::
 
-Optional terms, each added per token before aggregation:
+    pg_t = objective(inputs, config, params)_t        (a registered policy objective: dapo,
+                                                       gspo, cispo, sapo; dapo_lightning.objectives)
+    l_t  = w_t * pg_t - entropy_coef * H_t + kl_coef * kl_t
+    loss = aggregate_loss(l, m, loss_agg_mode, ...)
 
-* Dual clip (Ye et al. 2020), ``c = clip_ratio_c > 1``: for ``A_t < 0`` the token loss is
-  ``min(pg_t, -c * A_t)``, i.e. capped at ``c * |A_t|`` (it engages when ``ratio_t > c``).
-* Rollout correction, truncated importance sampling (TIS): the rollout engine samples from
-  ``pi_rollout`` which may differ numerically from ``pi_old`` (other kernels, lower precision)::
+with ``w_t`` the rollout-correction weight (:mod:`dapo_lightning.rollout_correction`; 1 when
+off), ``H_t`` the token entropy and ``kl_t`` the k3 estimator of the KL to a reference policy
+(samples from ``pi_theta``)::
 
-      w_t = min(exp(old_logp_t - rollout_logp_t), tis_cap)        # detached
+    kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1,   ref_t - logp_t clamped to [-20, 20]
 
-  multiplies the policy-gradient term: ``pg_t <- w_t * pg_t``.
-* Entropy bonus: ``- entropy_coef * H_t``.
-* KL penalty to a reference policy with the k3 estimator (samples from ``pi_theta``)::
-
-      kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1,   ref_t - logp_t clamped to [-20, 20]
-
-  added as ``+ kl_coef * kl_t``.
-
-So the token loss is ``l_t = w_t * pg_t - entropy_coef * H_t + kl_coef * kl_t``, and the
-returned loss is ``aggregate_loss(l, m, loss_agg_mode, ...)`` (see :func:`aggregate_loss` for
-the four modes). Gradients flow through ``log_probs`` (and ``entropy``) only; ``old_log_probs``,
+Gradients flow through ``log_probs`` (and ``entropy``) only; ``old_log_probs``,
 ``advantages``, ``rollout_log_probs`` and ``ref_log_probs`` are treated as constants.
 
 Ranks and gradient accumulation. These functions know nothing of ranks. The returned loss is
@@ -41,17 +32,24 @@ shares of all micro-batches on all ranks sum to the loss of the whole mini-batch
 shares must be *summed*. Without the global normaliser each call normalises by its own
 micro-batch, which is exact only for a single micro-batch on a single rank.
 
-Safety. Tokens with ``m_t == 0`` are replaced by zeros before any arithmetic, so padding may
-hold anything (even ``inf``/``NaN``) without reaching the loss or the gradient. The log-ratio
-clamp keeps ``exp`` finite for any input; outside ``[-20, 20]`` its gradient is zero (such a
-token is far outside the trust region anyway). A fully masked micro-batch gives a loss of 0
-that still belongs to the autograd graph, and finite metrics.
+Safety. Tokens with ``m_t == 0`` are replaced by zeros before any arithmetic
+(:meth:`LossInputs.build`), so padding may hold anything (even ``inf``/``NaN``) without
+reaching the loss or the gradient. The log-ratio clamp keeps ``exp`` finite for any input;
+outside ``[-20, 20]`` its gradient is zero (such a token is far outside the trust region
+anyway). A fully masked micro-batch gives a loss of 0 that still belongs to the autograd graph,
+and finite metrics.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Literal
+
 import torch
 from torch import Tensor
+
+from dapo_lightning.checks import check_finite
+from dapo_lightning.rollout_correction import RolloutCorrection
 
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
@@ -157,11 +155,105 @@ def aggregate_loss(
     return row_sums.sum() / seqs
 
 
-def _check_same_shape(name: str, tensor: Tensor | None, shape: torch.Size) -> None:
-    if tensor is not None and tensor.shape != shape:
-        raise ValueError(
-            f"{name} must have the shape of log_probs {tuple(shape)} ([B, T]); got {tuple(tensor.shape)}."
+ImportanceSamplingLevel = Literal["token", "sequence"]
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
+
+
+def _finite(name: str, value: float | None) -> None:
+    check_finite(f"loss.{name}", value, none_ok=True)
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The policy loss: which objective, its clipping, aggregation, corrections and extra terms.
+
+    Declared and validated here once; passed whole (``DAPOModule(loss=PolicyLossConfig(...))``,
+    YAML ``model.init_args.loss.*``). Every float must be finite.
+
+    Args:
+        objective: A registered policy objective (:mod:`dapo_lightning.objectives`: ``dapo``,
+            the clipped surrogate of the paper; ``gspo``, the same at sequence level; ``cispo``;
+            ``sapo``), or the dotted import path ``pkg.module.function`` of a user's function
+            decorated with ``@register_policy_objective``.
+        objective_kwargs: The objective's own parameters (``cispo``: ``cap``, default 5.0;
+            ``sapo``: ``temperature_pos`` 1.0, ``temperature_neg`` 1.05); a key the objective
+            does not declare is rejected when the module is built.
+        advantage_estimator: A registered estimator (:mod:`dapo_lightning.advantages`:
+            ``grpo``, ``reinforce_baseline``, ``rloo``, ``dr_grpo``) or a dotted import path. It
+            is chosen here because it belongs to the algorithm as much as the objective does
+            (Dr. GRPO changes both the estimator and ``loss_agg_mode``).
+        clip_ratio_low: ``eps_low``, lower clip ``1 - eps_low`` of the ratio; in ``[0, 1)``
+            (paper 0.2).
+        clip_ratio_high: ``eps_high``, upper clip ``1 + eps_high``; ``>= eps_low``. DAPO's
+            clip-higher uses 0.28 against entropy collapse (0.2: symmetric PPO/GRPO).
+        clip_ratio_c: Dual-clip constant ``c > 1`` bounding the loss of negative-advantage
+            tokens at ``c * |A|``; None disables it (the paper does not use it; verl: 3.0).
+        loss_agg_mode: ``token-mean`` (DAPO), ``seq-mean-token-mean`` (GRPO),
+            ``seq-mean-token-sum``, ``seq-mean-token-sum-norm`` (Dr. GRPO); see
+            :func:`aggregate_loss`.
+        importance_sampling_level: ``token`` (one ratio per token) or ``sequence`` (one per
+            response, the exp of its mean log-ratio: TRL's ``importance_sampling_level``), for
+            the objectives that take a ratio (``gspo`` is always ``sequence``).
+        rollout_correction: The engine/trainer mismatch correction
+            (:class:`~dapo_lightning.rollout_correction.RolloutCorrection`; its ``stale_tis_cap``
+            corrects stale responses).
+        entropy_coef: Weight of the entropy bonus ``- entropy_coef * H_t`` at the start
+            (``EntropyScheduler`` changes it during training); 0 in the paper.
+        kl_coef: Weight ``>= 0`` of the k3 KL penalty to the initial policy; 0 (paper) loads no
+            reference model.
+    """
+
+    objective: str = "dapo"
+    objective_kwargs: dict[str, float] = field(default_factory=dict)
+    advantage_estimator: str = "grpo"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float | None = None
+    loss_agg_mode: LossAggMode = "token-mean"
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rollout_correction, dict):  # a plain mapping (e.g. saved hparams)
+            object.__setattr__(
+                self, "rollout_correction", RolloutCorrection(**self.rollout_correction)
+            )
+        for name in (
+            "clip_ratio_low",
+            "clip_ratio_high",
+            "clip_ratio_c",
+            "entropy_coef",
+            "kl_coef",
+        ):
+            _finite(name, getattr(self, name))
+        for key, value in self.objective_kwargs.items():
+            _finite(f"objective_kwargs.{key}", value)
+        for name in ("objective", "advantage_estimator"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(
+                    f"loss.{name} must be a non-empty name, got {getattr(self, name)!r}."
+                )
+        check_loss_settings(
+            self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c, self.loss_agg_mode
         )
+        if self.clip_ratio_high < self.clip_ratio_low:
+            raise ValueError(
+                f"loss.clip_ratio_high ({self.clip_ratio_high}) < loss.clip_ratio_low "
+                f"({self.clip_ratio_low}): clip-higher needs eps_high >= eps_low (paper: 0.28 and 0.2)."
+            )
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise ValueError(
+                f"loss.importance_sampling_level must be 'token' or 'sequence', got "
+                f"{self.importance_sampling_level!r}."
+            )
+        if self.kl_coef < 0:
+            raise ValueError(
+                f"loss.kl_coef must be >= 0 (0: no KL penalty, no reference model), got {self.kl_coef}."
+            )
 
 
 def check_loss_settings(
@@ -174,204 +266,129 @@ def check_loss_settings(
         )
     if not 0.0 <= clip_ratio_low < 1.0:
         raise ValueError(
-            f"clip_ratio_low (eps_low) must be in [0, 1) so that 1 - eps_low > 0; got {clip_ratio_low}."
+            f"loss.clip_ratio_low (eps_low) must be in [0, 1) so that 1 - eps_low > 0; got {clip_ratio_low}."
         )
     if clip_ratio_high < 0.0:
-        raise ValueError(f"clip_ratio_high (eps_high) must be >= 0; got {clip_ratio_high}.")
+        raise ValueError(f"loss.clip_ratio_high (eps_high) must be >= 0; got {clip_ratio_high}.")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(
-            f"clip_ratio_c (dual clip) must be > 1, or None to disable it; got {clip_ratio_c}."
+            f"loss.clip_ratio_c (dual clip) must be > 1, or None to disable it; got {clip_ratio_c}."
         )
 
 
-def compute_policy_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_c: float | None = None,
-    loss_agg_mode: str = "token-mean",
-    global_token_count: Count | None = None,
-    global_seq_count: Count | None = None,
-    max_response_length: int | None = None,
-    rollout_log_probs: Tensor | None = None,
-    tis_cap: float | None = None,
-    entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    ref_log_probs: Tensor | None = None,
-    kl_coef: float = 0.0,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """DAPO clipped token-level policy loss of one micro-batch (formulas: module docstring).
+def _check_same_shape(name: str, tensor: Tensor | None, shape: torch.Size) -> None:
+    if tensor is not None and tensor.shape != shape:
+        raise ValueError(
+            f"{name} must have the shape of log_probs {tuple(shape)} ([B, T]); got {tuple(tensor.shape)}."
+        )
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch as every policy objective sees it: ``[B, T]`` tensors, zeros wherever
+    ``valid`` is False (build it with :meth:`build`).
 
     Args:
-        log_probs: ``[B, T]`` log-probabilities of the response tokens under the current
-            policy (the only input that must carry gradients).
-        old_log_probs: ``[B, T]`` log-probabilities under the policy that the advantages and
-            the trust region refer to (``pi_old``; computed before the first update).
-        advantages: ``[B]`` (one per response, broadcast over its tokens) or ``[B, T]``.
-        response_mask: ``[B, T]`` bool or float, 1 on tokens that enter the loss.
-        clip_ratio_low: ``eps_low``, lower clip ``1 - eps_low`` of the ratio; in ``[0, 1)``.
-        clip_ratio_high: ``eps_high``, upper clip ``1 + eps_high``; ``>= 0``. DAPO's
-            clip-higher uses ``eps_high > eps_low`` (0.28 vs 0.2) against entropy collapse.
-        clip_ratio_c: Dual-clip constant ``c > 1`` bounding the loss of negative-advantage
-            tokens at ``c * |A|``; None disables it (the DAPO paper does not use it; verl's
-            default is 3.0).
-        loss_agg_mode: One of :data:`LOSS_AGG_MODES`; DAPO uses ``"token-mean"``.
-        global_token_count: Response tokens in the whole mini-batch over all micro-batches
-            and ranks (``token-mean``); None uses this micro-batch's count.
-        global_seq_count: Sequences in the whole mini-batch over all micro-batches and ranks
-            (``seq-*`` modes); None uses this micro-batch's (see :func:`aggregate_loss`).
-        max_response_length: Dr. GRPO's constant ``L`` (``seq-mean-token-sum-norm`` only).
-        rollout_log_probs: ``[B, T]`` the rollout engine's log-probabilities of the sampled
-            tokens; used for TIS only when ``tis_cap`` is set.
-        tis_cap: Truncation ``C > 0`` of the TIS weight ``min(exp(old - rollout), C)``; None
-            disables the correction (typical value 2.0).
-        entropy: ``[B, T]`` token entropies of the current policy (for the bonus and the
-            ``entropy`` metric).
-        entropy_coef: Weight of the entropy bonus (``0`` disables it; DAPO uses 0).
-        ref_log_probs: ``[B, T]`` log-probabilities under a frozen reference policy.
-        kl_coef: Weight of the k3 KL penalty to the reference (``0`` disables it; DAPO uses 0).
-
-    Returns:
-        ``(loss, metrics)``: the scalar loss share, and detached scalar metrics of this
-        micro-batch. Means are over its valid tokens (weighted by the mask); to reduce them
-        over micro-batches/ranks weight each by ``metrics["token_count"]``. Keys:
-        ``token_count``, ``pg_loss`` (mean of ``w_t * pg_t``), ``clipfrac_high``
-        (``A > 0`` and ``ratio > 1 + eps_high``), ``clipfrac_low`` (``A < 0`` and
-        ``ratio < 1 - eps_low``), ``dual_clipfrac`` (``A < 0`` and ``ratio > c``; 0 when
-        dual clip is off), ``approx_kl_k1`` (mean of ``old - logp``), ``approx_kl_k3``
-        (mean of ``ratio - 1 - log ratio``, KL(old || new)), ``ratio_mean``, ``ratio_max``;
-        ``entropy`` when ``entropy`` is given; ``tis_weight_mean``, ``tis_weight_min`` when
-        TIS is active; ``kl_ref`` (mean of ``kl_t``) when ``ref_log_probs`` is given. On a
-        fully masked micro-batch means are 0, ``ratio_max`` is 0 and ``tis_weight_min`` is
-        ``tis_cap`` (the neutral elements of a max / min reduction).
+        log_probs: Current policy's log-probs of the response tokens (carries the gradient).
+        old_log_probs: The policy's before the step's updates (``pi_old``), detached.
+        advantages: Detached, broadcast over each row's tokens.
+        mask: Response mask as floats (1 where the token enters the loss).
+        valid: ``mask != 0``.
+        rollout_log_probs: The engine's log-probs of the sampled tokens (rollout correction).
+        entropy: Token entropies of the current policy (bonus and metric).
+        ref_log_probs: A frozen reference policy's log-probs (KL penalty).
+        global_token_count / global_seq_count / max_response_length: The normalisers of
+            :func:`aggregate_loss`.
     """
-    # ---- validation: every error names the argument and the fix.
-    if log_probs.dim() != 2:
-        raise ValueError(f"log_probs must be [B, T]; got shape {tuple(log_probs.shape)}.")
-    if not log_probs.is_floating_point():
-        raise TypeError(f"log_probs must be a floating-point tensor; got {log_probs.dtype}.")
-    shape = log_probs.shape
-    _check_same_shape("old_log_probs", old_log_probs, shape)
-    _check_same_shape("response_mask", response_mask, shape)
-    _check_same_shape("rollout_log_probs", rollout_log_probs, shape)
-    _check_same_shape("entropy", entropy, shape)
-    _check_same_shape("ref_log_probs", ref_log_probs, shape)
-    if advantages.shape not in (shape, shape[:1]):
-        raise ValueError(
-            f"advantages must be [B] = {tuple(shape[:1])} or [B, T] = {tuple(shape)}; "
-            f"got {tuple(advantages.shape)}."
-        )
-    check_loss_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode)
-    if tis_cap is not None:
-        if not tis_cap > 0.0:
-            raise ValueError(f"tis_cap must be > 0, or None to disable TIS; got {tis_cap}.")
-        if rollout_log_probs is None:
+
+    log_probs: Tensor
+    old_log_probs: Tensor
+    advantages: Tensor
+    mask: Tensor
+    valid: Tensor
+    rollout_log_probs: Tensor | None = None
+    entropy: Tensor | None = None
+    ref_log_probs: Tensor | None = None
+    global_token_count: Count | None = None
+    global_seq_count: Count | None = None
+    max_response_length: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        log_probs: Tensor,
+        old_log_probs: Tensor,
+        advantages: Tensor,
+        response_mask: Tensor,
+        **optional: Tensor | Count | int | None,
+    ) -> LossInputs:
+        """Validate the shapes (errors name the argument) and zero everything off the mask.
+
+        ``advantages`` may be ``[B]`` (one per response) or ``[B, T]``; ``optional`` takes the
+        other fields by name.
+        """
+        if log_probs.dim() != 2:
+            raise ValueError(f"log_probs must be [B, T]; got shape {tuple(log_probs.shape)}.")
+        if not log_probs.is_floating_point():
+            raise TypeError(f"log_probs must be a floating-point tensor; got {log_probs.dtype}.")
+        shape = log_probs.shape
+        for name in ("rollout_log_probs", "entropy", "ref_log_probs"):
+            _check_same_shape(name, optional.get(name), shape)
+        _check_same_shape("old_log_probs", old_log_probs, shape)
+        _check_same_shape("response_mask", response_mask, shape)
+        if advantages.shape not in (shape, shape[:1]):
             raise ValueError(
-                "tis_cap is set but rollout_log_probs is None: pass the engine's sampling "
-                "log-probabilities, or set tis_cap=None to disable the rollout correction."
+                f"advantages must be [B] = {tuple(shape[:1])} or [B, T] = {tuple(shape)}; "
+                f"got {tuple(advantages.shape)}."
             )
-    if entropy_coef != 0.0 and entropy is None:
-        raise ValueError(
-            f"entropy_coef={entropy_coef} needs the token entropies: pass entropy=[B, T] "
-            "(response_log_probs(..., with_entropy=True)) or set entropy_coef=0."
+        mask = response_mask.to(log_probs.dtype)
+        valid = mask != 0
+        zeros = torch.zeros_like(log_probs)
+
+        def clean(x: Tensor | None, detach: bool = True) -> Tensor | None:
+            if x is None:
+                return None
+            x = x.detach() if detach else x
+            return torch.where(valid, x.to(log_probs.dtype), zeros)
+
+        adv = advantages.detach().to(log_probs.dtype)
+        adv = adv.unsqueeze(-1).expand(shape) if adv.dim() == 1 else adv
+        tensors = {k: clean(optional.pop(k, None)) for k in ("rollout_log_probs", "ref_log_probs")}
+        entropy = optional.pop("entropy", None)
+        return cls(
+            clean(log_probs, detach=False),
+            clean(old_log_probs),
+            clean(adv),
+            mask,
+            valid,
+            entropy=clean(entropy, detach=False),
+            **tensors,
+            **optional,
         )
-    if kl_coef != 0.0 and ref_log_probs is None:
-        raise ValueError(
-            f"kl_coef={kl_coef} needs the reference policy: pass ref_log_probs=[B, T] or set kl_coef=0."
+
+    def mean(self, x: Tensor) -> Tensor:
+        """Masked mean over the valid tokens (``x`` broadcast to ``[B, T]``); 0 when none."""
+        x = x.expand_as(self.mask)
+        total = torch.where(self.valid, x * self.mask, torch.zeros_like(self.mask)).sum()
+        return total / self.mask.sum().clamp(min=1.0)
+
+    def frac(self, cond: Tensor) -> Tensor:
+        """Fraction of the valid tokens where ``cond`` (broadcast to ``[B, T]``) holds."""
+        return self.mean((cond.expand_as(self.valid) & self.valid).to(self.mask.dtype))
+
+
+def importance_log_ratio(inputs: LossInputs, level: str) -> Tensor:
+    """``log(pi_theta / pi_old)``: ``[B, T]`` at the ``token`` level, ``[B, 1]`` (the masked mean
+    of the row's token log-ratios, GSPO) at the ``sequence`` level; clamped to ``[-20, 20]``."""
+    diff = inputs.log_probs - inputs.old_log_probs
+    if level == "sequence":
+        diff = (diff * inputs.mask).sum(-1, keepdim=True) / inputs.mask.sum(-1, keepdim=True).clamp(
+            min=1.0
         )
+    return diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
-    # ---- sanitise: masked tokens become zeros before any arithmetic (no inf/NaN leaks).
-    mask = response_mask.to(log_probs.dtype)
-    valid = mask != 0
-    zeros = torch.zeros_like(log_probs)
 
-    def clean(x: Tensor) -> Tensor:
-        return torch.where(valid, x.to(log_probs.dtype), zeros)
-
-    logp = clean(log_probs)
-    old = clean(old_log_probs.detach())
-    adv = advantages.detach().to(log_probs.dtype)
-    adv = clean(adv.unsqueeze(-1).expand(shape) if adv.dim() == 1 else adv)
-
-    # ---- clipped surrogate (+ dual clip).
-    log_ratio = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    lo, hi = 1.0 - clip_ratio_low, 1.0 + clip_ratio_high
-    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(lo, hi))
-    negative = adv < 0
-    if clip_ratio_c is not None:
-        pg = torch.where(negative, torch.minimum(pg, -adv * clip_ratio_c), pg)
-
-    # ---- rollout correction (TIS).
-    tis_weight = None
-    if tis_cap is not None:
-        rollout = clean(rollout_log_probs.detach())
-        tis_log = (old - rollout).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        tis_weight = torch.exp(tis_log).clamp(max=tis_cap).detach()
-        pg = pg * tis_weight
-
-    token_loss = pg
-    ent = None
-    if entropy is not None:
-        ent = clean(entropy)
-        if entropy_coef != 0.0:
-            token_loss = token_loss - entropy_coef * ent
-    kl_ref = None
-    if ref_log_probs is not None:
-        ref_diff = (clean(ref_log_probs.detach()) - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        kl_ref = torch.exp(ref_diff) - ref_diff - 1.0
-        if kl_coef != 0.0:
-            token_loss = token_loss + kl_coef * kl_ref
-
-    loss = aggregate_loss(
-        token_loss,
-        mask,
-        loss_agg_mode,
-        global_token_count=global_token_count,
-        global_seq_count=global_seq_count,
-        max_response_length=max_response_length,
-    )
-
-    # ---- metrics (detached, masked means over this micro-batch's valid tokens).
-    with torch.no_grad():
-        count = mask.sum()
-        denom = count.clamp(min=1.0)
-
-        def mean(x: Tensor) -> Tensor:
-            return (torch.where(valid, x * mask, zeros)).sum() / denom
-
-        def frac(cond: Tensor) -> Tensor:
-            return mean((cond & valid).to(log_probs.dtype))
-
-        ratio_d, log_ratio_d = ratio.detach(), log_ratio.detach()
-        metrics: dict[str, Tensor] = {
-            "token_count": count.detach(),
-            "pg_loss": mean(pg.detach()),
-            "clipfrac_high": frac((adv > 0) & (ratio_d > hi)),
-            "clipfrac_low": frac(negative & (ratio_d < lo)),
-            "dual_clipfrac": frac(negative & (ratio_d > clip_ratio_c))
-            if clip_ratio_c is not None
-            else torch.zeros((), dtype=log_probs.dtype, device=log_probs.device),
-            "approx_kl_k1": mean(-log_ratio_d),
-            "approx_kl_k3": mean(ratio_d - 1.0 - log_ratio_d),
-            "ratio_mean": mean(ratio_d),
-            "ratio_max": torch.where(valid, ratio_d, zeros).amax()
-            if ratio_d.numel()
-            else zeros.sum(),
-        }
-        if ent is not None:
-            metrics["entropy"] = mean(ent.detach())
-        if tis_weight is not None:
-            metrics["tis_weight_mean"] = mean(tis_weight)
-            metrics["tis_weight_min"] = (
-                torch.where(valid, tis_weight, torch.full_like(tis_weight, tis_cap)).amin()
-                if tis_weight.numel()
-                else torch.tensor(tis_cap, dtype=log_probs.dtype, device=log_probs.device)
-            )
-        if kl_ref is not None:
-            metrics["kl_ref"] = mean(kl_ref.detach())
-    return loss, metrics
+def k3_kl(ref_log_probs: Tensor, log_probs: Tensor) -> Tensor:
+    """``exp(ref - logp) - (ref - logp) - 1`` with ``ref - logp`` clamped to ``[-20, 20]``."""
+    diff = (ref_log_probs - log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(diff) - diff - 1.0

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import asdict, replace
 from typing import Any, Literal
 
 import torch
@@ -35,7 +36,12 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
-from dapo_lightning.advantages import centered_moments, compute_advantages, std_from_moments
+from dapo_lightning.advantages import (
+    advantage_estimator,
+    centered_moments,
+    compute_advantages,
+    std_from_moments,
+)
 from dapo_lightning.callbacks.base import call_dapo_hook
 from dapo_lightning.checks import check_optimizer_settings, optimizer_error
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
@@ -54,14 +60,16 @@ from dapo_lightning.lora import (
     restore_adapter_checkpoint,
     with_adapters,
 )
-from dapo_lightning.loss import compute_policy_loss
+from dapo_lightning.loss import LossInputs, PolicyLossConfig
 from dapo_lightning.metrics import MetricAccumulator
+from dapo_lightning.policy_loss import policy_loss
 from dapo_lightning.rollout.session import is_sharded
 from dapo_lightning.schedules import WarmupConstantLR
 from dapo_lightning.step_guard import NonFiniteGuard, all_finite, nonfinite_step_input
 from dapo_lightning.strategy import ShardingConfig, StrategyAdapter, shard_policy
 from dapo_lightning.update import (
     LOSS_METRIC_OPS,
+    BatchingConfig,
     StepTensors,
     behaviour_log_probs,
     check_data_settings,
@@ -76,6 +84,12 @@ from dapo_lightning.update import (
 )
 
 __all__ = ["DAPOModule", "default_optimizer"]
+
+
+def _as_config(cls: type, value: Any) -> Any:
+    """A config group from itself or a dict of its fields (LightningCLI and saved
+    hyper-parameters give dicts)."""
+    return cls(**value) if isinstance(value, dict) else value
 
 
 def default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -99,29 +113,12 @@ class DAPOModule(LightningModule):
             optimizer update. Default: linear warm-up over ``warmup_steps`` updates, then
             constant (paper). :class:`~dapo_lightning.schedules.WarmupCosineLR` decays.
         warmup_steps: Warm-up length of the default scheduler, in optimizer updates.
-        clip_ratio_low: epsilon_low of clip-higher (paper 0.2).
-        clip_ratio_high: epsilon_high of clip-higher (paper 0.28; 0.2 is symmetric PPO/GRPO).
-        clip_ratio_c: Dual-clip constant c > 1 capping the loss of negative-advantage tokens;
-            None off.
-        loss_agg_mode: ``token-mean`` (DAPO), ``seq-mean-token-mean`` (GRPO),
-            ``seq-mean-token-sum``, ``seq-mean-token-sum-norm`` (Dr. GRPO).
-        advantage_estimator: ``grpo``, ``reinforce_baseline`` (std over all ranks), ``rloo``
-            or ``dr_grpo``.
-        mini_batch_size: Prompts (groups) per optimizer update, over all ranks. None: the whole
-            rollout batch in one update.
-        micro_batch_size: Sequences per forward/backward on one rank.
-        max_tokens_per_micro_batch: Optional cap on padded tokens per micro-batch (rows sorted
-            by length and packed greedily under it).
-        ppo_epochs: Passes over each rollout batch.
+        loss: The policy loss, objective and advantage estimator
+            (:class:`~dapo_lightning.loss.PolicyLossConfig`: clip ratios, aggregation, rollout
+            correction, entropy and KL weights; a dict of its fields is accepted).
+        batching: Mini-/micro-batches and epochs of each rollout step
+            (:class:`~dapo_lightning.update.BatchingConfig`; a dict is accepted).
         gradient_clip_val: Max global gradient norm (paper/verl 1.0); None or 0 disables it.
-        entropy_coef: Weight of the entropy bonus (``EntropyScheduler`` sets it); 0 in the paper.
-        kl_coef: Weight of the k3 KL penalty to the initial policy (>= 0); 0 (paper) loads no
-            reference model.
-        tis_cap: Cap of the truncated importance-sampling weight
-            ``min(pi_old / pi_engine, cap)`` on every token (engine/trainer mismatch); None off.
-        stale_tis_cap: The same correction on stale responses only (sampled by an older policy
-            version, e.g. carried-over groups), against the engine's log-probs stored with the
-            sample; used when ``tis_cap`` is None; None disables it.
         torch_dtype: Dtype the policy is loaded in (``float32``, ``bfloat16``, ``float16``).
             Use the Trainer's ``precision`` for mixed precision.
         gradient_checkpointing: Recompute activations in backward (saves memory, costs a forward).
@@ -138,7 +135,11 @@ class DAPOModule(LightningModule):
 
     Example::
 
-        module = DAPOModule("Qwen/Qwen2.5-0.5B", mini_batch_size=32, micro_batch_size=8)
+        module = DAPOModule(
+            "Qwen/Qwen2.5-0.5B",
+            loss=PolicyLossConfig(clip_ratio_high=0.28),
+            batching=BatchingConfig(mini_batch_size=32, micro_batch_size=8),
+        )
         trainer = Trainer(max_steps=100)
         trainer.fit(module, datamodule=DAPODataModule(...))
     """
@@ -151,22 +152,9 @@ class DAPOModule(LightningModule):
         optimizer: OptimizerCallable = default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
         warmup_steps: int = 0,
-        clip_ratio_low: float = 0.2,
-        clip_ratio_high: float = 0.28,
-        clip_ratio_c: float | None = None,
-        loss_agg_mode: Literal[
-            "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-        ] = "token-mean",
-        advantage_estimator: Literal["grpo", "reinforce_baseline", "rloo", "dr_grpo"] = "grpo",
-        mini_batch_size: int | None = None,
-        micro_batch_size: int = 8,
-        max_tokens_per_micro_batch: int | None = None,
-        ppo_epochs: int = 1,
+        loss: PolicyLossConfig = PolicyLossConfig(),  # noqa: B008 - a frozen dataclass
+        batching: BatchingConfig = BatchingConfig(),  # noqa: B008 - a frozen dataclass
         gradient_clip_val: float | None = 1.0,
-        entropy_coef: float = 0.0,
-        kl_coef: float = 0.0,
-        tis_cap: float | None = None,
-        stale_tis_cap: float | None = 2.0,
         torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         gradient_checkpointing: bool = False,
         parity_check_every: int = 1,
@@ -175,8 +163,13 @@ class DAPOModule(LightningModule):
         lora: LoraSettings | None = None,
     ) -> None:
         super().__init__()
+        #: The policy loss (the object; the hyper-parameters hold it as a dict).
+        self.loss = _as_config(PolicyLossConfig, loss)
+        #: How each rollout step is cut into updates and micro-batches.
+        self.batching = _as_config(BatchingConfig, batching)
         self.save_hyperparameters(ignore=["policy", "optimizer", "lr_scheduler"])
-        check_module_settings(self.hparams, has_policy=policy is not None)
+        self.hparams["loss"], self.hparams["batching"] = asdict(self.loss), asdict(self.batching)
+        check_module_settings(self.hparams, self.loss, has_policy=policy is not None)
         self.automatic_optimization = False
         #: FSDP2 settings (the object itself: LightningCLI keeps hyper-parameters as dicts).
         self.sharding = sharding
@@ -193,7 +186,7 @@ class DAPOModule(LightningModule):
         self.lr_scheduler_factory = lr_scheduler
         self.adapter = StrategyAdapter(self)
         #: Weight of the entropy bonus; callbacks (EntropyScheduler) change it between updates.
-        self.entropy_coef = entropy_coef
+        self.entropy_coef = self.loss.entropy_coef
         #: Weight changes so far (the version stamped on rollouts sampled after them).
         self.policy_version = 0
         #: Rollout steps (training steps) done so far.
@@ -222,7 +215,7 @@ class DAPOModule(LightningModule):
         self.policy.train()  # from_pretrained returns eval mode; Lightning keeps modes as they are
         if hp.gradient_checkpointing:
             enable_gradient_checkpointing(self.policy)
-        if hp.kl_coef > 0 and self.ref_policy is None:
+        if self.loss.kl_coef > 0 and self.ref_policy is None:
             # Kept outside the module tree: it is neither trained nor checkpointed.
             object.__setattr__(self, "ref_policy", reference_policy(self.policy))
 
@@ -232,7 +225,7 @@ class DAPOModule(LightningModule):
 
         data = self.trainer.datamodule
         if isinstance(data, DAPODataModule):
-            check_data_settings(self.hparams, data, self.policy)
+            check_data_settings(self.loss, self.batching, data, self.policy)
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -277,7 +270,7 @@ class DAPOModule(LightningModule):
         world = self.adapter.world_size
         config = getattr(getattr(self._trainer, "datamodule", None), "dynamic_sampling", None)
         full = config.train_batch_size // world if config is not None else num_local_groups
-        return mini_batch_ranges(num_local_groups, self.hparams.mini_batch_size, world, full)
+        return mini_batch_ranges(num_local_groups, self.batching.mini_batch_size, world, full)
 
     def updates_left(self) -> float:
         """Optimizer updates before ``trainer.max_steps`` (inf when it is unset).
@@ -301,7 +294,7 @@ class DAPOModule(LightningModule):
         t_start, version = time.perf_counter(), self.policy_version  # the version it was drawn for
         batch = batch.trim()
         step = self._step_tensors(batch)
-        for _ in range(self.hparams.ppo_epochs):
+        for _ in range(self.batching.ppo_epochs):
             for groups in self.mini_batches(batch.num_groups):
                 if self.updates_left() <= 0:  # trainer.max_steps reached inside this step
                     break
@@ -314,11 +307,10 @@ class DAPOModule(LightningModule):
     def _step_tensors(self, batch: RolloutBatch) -> StepTensors:
         """Advantages, old log-probs (skipped when the only update's forward gives them) and
         the stale-sample correction of this rollout step."""
-        hp = self.hparams
         stale = batch.sample_version < self.policy_version
         exact_old = (
             len(self.mini_batches(batch.num_groups)) > 1
-            or hp.ppo_epochs > 1
+            or self.batching.ppo_epochs > 1
             or bool(stale.any())
             or has_dropout(self.policy)
         )
@@ -326,14 +318,15 @@ class DAPOModule(LightningModule):
         return StepTensors(
             advantages=self._advantages(batch),
             old_log_probs=old,
-            behaviour=behaviour_log_probs(batch, old, stale, hp.tis_cap, hp.stale_tis_cap),
+            behaviour=behaviour_log_probs(batch, old, stale, self.loss.rollout_correction),
             parity_logp=torch.zeros_like(batch.rollout_log_probs, dtype=self._logp_dtype()),
         )
 
     def _advantages(self, batch: RolloutBatch) -> Tensor:
-        estimator = self.hparams.advantage_estimator
+        estimator = self.loss.advantage_estimator
         batch_std = None
-        if estimator == "reinforce_baseline" and self.adapter.world_size > 1:
+        needs_std = advantage_estimator(estimator).traits["needs_batch_std"]
+        if needs_std and self.adapter.world_size > 1:
             moments = centered_moments(batch.reward, batch.group_index)
             batch_std = std_from_moments(self.adapter.reduce(moments, "sum"))
         return compute_advantages(
@@ -361,9 +354,9 @@ class DAPOModule(LightningModule):
     def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
         """Micro-batches of ``rows`` (by length, under the limits), padded with empty ones to
         the most any rank has: FSDP syncs in every backward, so the counts must match."""
-        hp = self.hparams
+        cut = self.batching
         lengths = batch.attention_mask[rows].sum(-1)
-        local = micro_batch_rows(lengths, hp.micro_batch_size, hp.max_tokens_per_micro_batch)
+        local = micro_batch_rows(lengths, cut.micro_batch_size, cut.max_tokens_per_micro_batch)
         local = [[rows[j] for j in chunk] for chunk in local]
         most = int(self.adapter.reduce(torch.tensor([float(len(local))]), "max").item())
         return local + [[]] * (most - len(local))
@@ -408,7 +401,6 @@ class DAPOModule(LightningModule):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """This micro-batch's share of the mini-batch loss (global normalisers ``tokens``,
         ``seqs``: the loss shares of all micro-batches of all ranks sum to the loss)."""
-        hp = self.hparams
         micro = micro_batch(batch, idx)
         width = micro.response_width
         logp, entropy = self.forward_log_probs(
@@ -425,29 +417,25 @@ class DAPOModule(LightningModule):
         else:
             old = rows_of(step.old_log_probs)
         ref_logp = None
-        if hp.kl_coef > 0 and self.ref_policy is not None:
+        if self.loss.kl_coef > 0 and self.ref_policy is not None:
             with torch.no_grad():
                 ref_logp, _ = self.forward_log_probs(micro, model=self.ref_policy)
-        behaviour = step.behaviour
-        return compute_policy_loss(
+        config = replace(self.loss, entropy_coef=self.entropy_coef)
+        if step.behaviour is not None:
+            config = replace(config, rollout_correction=step.behaviour[1])
+        inputs = LossInputs.build(
             logp,
             old,
             step.advantages[idx] if idx else torch.zeros(1, device=logp.device),
             micro.response_mask,
-            clip_ratio_low=hp.clip_ratio_low,
-            clip_ratio_high=hp.clip_ratio_high,
-            clip_ratio_c=hp.clip_ratio_c,
-            loss_agg_mode=hp.loss_agg_mode,
+            rollout_log_probs=rows_of(step.behaviour[0]) if step.behaviour is not None else None,
+            entropy=entropy,
+            ref_log_probs=ref_logp,
             global_token_count=max(tokens, 1.0),
             global_seq_count=max(seqs, 1.0),
             max_response_length=batch.sampling.max_tokens,
-            rollout_log_probs=rows_of(behaviour[0]) if behaviour is not None else None,
-            tis_cap=behaviour[1] if behaviour is not None else None,
-            entropy=entropy,
-            entropy_coef=self.entropy_coef,
-            ref_log_probs=ref_logp,
-            kl_coef=hp.kl_coef,
         )
+        return policy_loss(inputs, config)
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Gradient norm and clipping (gradients are unscaled here under ``16-mixed``); a
@@ -514,7 +502,8 @@ class DAPOModule(LightningModule):
         if self.trainer.is_global_zero:
             for logger in self.loggers:
                 logger.log_metrics(
-                    {f"update/{k}": v for k, v in metrics.items()}, step=self.global_step
+                    {k if "/" in k else f"update/{k}": v for k, v in metrics.items()},
+                    step=self.global_step,
                 )
 
     def _log_rollout_step(

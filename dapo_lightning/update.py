@@ -12,22 +12,57 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dapo_lightning.advantages import ADVANTAGE_ESTIMATORS
+from dapo_lightning.advantages import advantage_estimator
 from dapo_lightning.checks import ConfigError, check_finite
 from dapo_lightning.data.batch import RolloutBatch
-from dapo_lightning.loss import check_loss_settings
+from dapo_lightning.loss import PolicyLossConfig
 from dapo_lightning.metrics import ReduceOp
+from dapo_lightning.objectives import objective_params, policy_objective
+from dapo_lightning.rollout_correction import TRL_METRICS, RolloutCorrection, token_truncation
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-#: How each metric of :func:`~dapo_lightning.loss.compute_policy_loss` is reduced (default:
+#: How each metric of :func:`~dapo_lightning.policy_loss.policy_loss` is reduced (default:
 #: token-weighted mean).
 LOSS_METRIC_OPS: dict[str, ReduceOp] = {
     "ratio_max": "max",
     "tis_weight_min": "min",
     "token_count": "sum",
+    TRL_METRICS[1]: "max",
+    TRL_METRICS[2]: "min",
+    TRL_METRICS[4]: "max",
 }
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """How each rollout step is cut into optimizer updates and forward/backward passes
+    (YAML ``model.init_args.batching.*``).
+
+    Args:
+        mini_batch_size: Prompts (groups) per optimizer update, over all ranks; None: the whole
+            rollout batch in one update. Must divide ``train_batch_size`` and be divisible by
+            the world size.
+        micro_batch_size: Sequences per forward/backward on one rank (>= 1).
+        max_tokens_per_micro_batch: Optional cap (>= 1) on padded tokens per micro-batch (rows
+            sorted by length and packed greedily under it).
+        ppo_epochs: Passes over each rollout batch (>= 1).
+    """
+
+    mini_batch_size: int | None = None
+    micro_batch_size: int = 8
+    max_tokens_per_micro_batch: int | None = None
+    ppo_epochs: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "ppo_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"batching.{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("mini_batch_size", "max_tokens_per_micro_batch"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"batching.{name} must be >= 1 (or null), got {value}.")
 
 
 def split_groups(num_groups: int, parts: int) -> list[range]:
@@ -86,13 +121,13 @@ def mini_batch_ranges(
         return [range(num_local_groups)]
     if mini_batch_size % world_size:
         raise ValueError(
-            f"model.mini_batch_size={mini_batch_size} prompts must be divisible by the world "
+            f"model.batching.mini_batch_size={mini_batch_size} prompts must be divisible by the world "
             f"size ({world_size}): each rank takes mini_batch_size / world_size per update."
         )
     local = mini_batch_size // world_size
     if full_groups % local:
         raise ValueError(
-            f"model.mini_batch_size={mini_batch_size} does not divide the rollout batch "
+            f"model.batching.mini_batch_size={mini_batch_size} does not divide the rollout batch "
             f"({full_groups * world_size} prompts): choose a divisor of train_batch_size."
         )
     return split_groups(num_local_groups, full_groups // local)
@@ -116,23 +151,22 @@ def micro_batch(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
 
 
 def behaviour_log_probs(
-    batch: RolloutBatch,
-    old: Tensor | None,
-    stale: Tensor,
-    tis_cap: float | None,
-    stale_tis_cap: float | None,
-) -> tuple[Tensor, float] | None:
-    """``(log-probs the TIS weight divides by, cap)`` for ``w = min(exp(old - b), cap)``.
+    batch: RolloutBatch, old: Tensor | None, stale: Tensor, correction: RolloutCorrection
+) -> tuple[Tensor, RolloutCorrection] | None:
+    """``(log-probs the correction weight divides by, the correction)``
+    (:mod:`~dapo_lightning.rollout_correction`).
 
-    With ``tis_cap``: the engine's log-probs on every row. Else with ``stale_tis_cap``: the
-    engine's on stale rows (sampled by an older policy version) and ``old`` on fresh ones,
-    whose weight is then exactly 1. None when nothing is corrected.
+    With a correction mode: the engine's log-probs on every row. Else with ``stale_tis_cap``:
+    token truncation against the engine's on stale rows (sampled by an older policy version)
+    and ``old`` on fresh ones, whose weight is then exactly 1. None when nothing is corrected.
     """
-    if tis_cap is not None:
-        return batch.rollout_log_probs, tis_cap
-    if stale_tis_cap is None or not bool(stale.any()) or old is None:
+    if correction.enabled:
+        return batch.rollout_log_probs, correction
+    cap = correction.stale_tis_cap
+    if cap is None or not bool(stale.any()) or old is None:
         return None
-    return torch.where(stale[:, None], batch.rollout_log_probs.to(old.dtype), old), stale_tis_cap
+    rows = torch.where(stale[:, None], batch.rollout_log_probs.to(old.dtype), old)
+    return rows, token_truncation(cap)
 
 
 @dataclass
@@ -143,14 +177,14 @@ class StepTensors:
         advantages: ``[B]`` per response.
         old_log_probs: ``[B, T]`` of the policy before the step (None: one update per step,
             where the old policy is the current one and the update's own forward gives them).
-        behaviour: TIS correction (:func:`behaviour_log_probs`), or None.
+        behaviour: Rollout correction (:func:`behaviour_log_probs`), or None.
         parity_logp: ``[B, T]`` filled with the trainer's log-probs when ``old_log_probs`` is
             None (compared with the engine's).
     """
 
     advantages: Tensor
     old_log_probs: Tensor | None
-    behaviour: tuple[Tensor, float] | None
+    behaviour: tuple[Tensor, RolloutCorrection] | None
     parity_logp: Tensor
 
     @property
@@ -213,47 +247,21 @@ def has_dropout(model: nn.Module) -> bool:
 _CLIP_FIX = "Give the max gradient norm (paper 1.0), or 0 / null for no clipping."
 
 
-def check_module_settings(hp: Any, *, has_policy: bool) -> None:
-    """Raise a ValueError naming the field and the fix for an invalid module setting."""
+def check_module_settings(hp: Any, loss: PolicyLossConfig, *, has_policy: bool) -> None:
+    """Raise a ValueError naming the field and the fix for an invalid module setting (the
+    config groups validate their own fields; here: the names they refer to, and the rest)."""
     if hp.model_name_or_path is None and not has_policy:
         raise ValueError(
             "DAPOModule needs a policy: set `model_name_or_path` (a Hugging Face id or folder) "
             "or pass `policy=` a causal LM."
         )
-    check_loss_settings(hp.clip_ratio_low, hp.clip_ratio_high, hp.clip_ratio_c, hp.loss_agg_mode)
-    if hp.clip_ratio_high < hp.clip_ratio_low:
-        raise ValueError(
-            f"clip_ratio_high ({hp.clip_ratio_high}) < clip_ratio_low ({hp.clip_ratio_low}): "
-            "clip-higher needs eps_high >= eps_low (paper: 0.28 and 0.2)."
-        )
-    if hp.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, "
-            f"got {hp.advantage_estimator!r}."
-        )
-    for name in ("micro_batch_size", "ppo_epochs"):
-        if getattr(hp, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(hp, name)}.")
-    if hp.mini_batch_size is not None and hp.mini_batch_size < 1:
-        raise ValueError(f"mini_batch_size must be >= 1 (or null), got {hp.mini_batch_size}.")
-    if hp.max_tokens_per_micro_batch is not None and hp.max_tokens_per_micro_batch < 1:
-        raise ValueError(
-            f"max_tokens_per_micro_batch must be >= 1 (or null), got {hp.max_tokens_per_micro_batch}."
-        )
-    for name in ("tis_cap", "stale_tis_cap"):
-        value = getattr(hp, name)
-        check_finite(name, value, "Give a cap > 0, or null to disable it.", none_ok=True)
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be > 0 (or null to disable it), got {value}.")
+    objective_params(policy_objective(loss.objective), loss.objective_kwargs)
+    advantage_estimator(loss.advantage_estimator)
     check_finite("gradient_clip_val", hp.gradient_clip_val, _CLIP_FIX, none_ok=True)
     if hp.gradient_clip_val is not None and not hp.gradient_clip_val >= 0:
         raise ValueError(
             f"gradient_clip_val must be >= 0 (0 or null: no clipping), got {hp.gradient_clip_val}; "
             "a negative norm bound would flip the gradient."
-        )
-    if hp.kl_coef < 0:
-        raise ValueError(
-            f"kl_coef must be >= 0 (0: no KL penalty, no reference model), got {hp.kl_coef}."
         )
     if hp.warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0 optimizer updates, got {hp.warmup_steps}.")
@@ -261,7 +269,9 @@ def check_module_settings(hp: Any, *, has_policy: bool) -> None:
         raise ValueError(f"parity_check_every must be >= 0 (0: off), got {hp.parity_check_every}.")
 
 
-def check_data_settings(hp: Any, data: Any, policy: nn.Module | None) -> None:
+def check_data_settings(
+    loss: PolicyLossConfig, batching: BatchingConfig, data: Any, policy: nn.Module | None
+) -> None:
     """Raise a clear error for data settings this module cannot train on (before any generation
     is wasted). ``data`` is the run's :class:`~dapo_lightning.data.datamodule.DAPODataModule`."""
     config = data.dynamic_sampling
@@ -274,17 +284,18 @@ def check_data_settings(hp: Any, data: Any, policy: nn.Module | None) -> None:
             f"(max_position_embeddings={context}). Fix: lower max_prompt_length or "
             "sampling.max_tokens so that their sum fits the context."
         )
-    if config.n < 2 and hp.advantage_estimator in ("grpo", "rloo"):
+    least = advantage_estimator(loss.advantage_estimator).traits["min_group_size"]
+    if config.n < least:
         raise ConfigError(
-            f"data.dynamic_sampling.n={config.n} with model.advantage_estimator="
-            f"{hp.advantage_estimator!r}: a group of one response has no std / no other "
-            "responses to compare with. Fix: n >= 2 (paper 16), or advantage_estimator "
-            "'dr_grpo' / 'reinforce_baseline'."
+            f"data.dynamic_sampling.n={config.n} with model.loss.advantage_estimator="
+            f"{loss.advantage_estimator!r}, which needs {least} responses per prompt (a group of "
+            "one has no std / no other responses to compare with). Fix: n >= 2 (paper 16), or "
+            "advantage_estimator 'dr_grpo' / 'reinforce_baseline'."
         )
-    mini = hp.mini_batch_size
+    mini = batching.mini_batch_size
     if mini is not None and config.train_batch_size % mini:
         raise ConfigError(
-            f"model.mini_batch_size={mini} does not divide data.dynamic_sampling."
+            f"model.batching.mini_batch_size={mini} does not divide data.dynamic_sampling."
             f"train_batch_size={config.train_batch_size} (prompts per rollout step). Fix: choose "
             "a divisor of train_batch_size, or null for one update per rollout step."
         )

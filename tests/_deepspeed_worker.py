@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from dapo_lightning.advantages import compute_advantages
 from dapo_lightning.logprobs import response_log_probs
-from dapo_lightning.loss import compute_policy_loss
+from dapo_lightning.policy_loss import compute_policy_loss
 from dapo_lightning.strategy import deepspeed_backward
 from dapo_lightning.update import micro_batch_rows
 from tests._module_harness import fixed_batch

@@ -25,6 +25,7 @@ def main(root: str, model: str) -> None:
 
     from dapo_lightning.interrupt import exit_on_stop, stop_requested
     from dapo_lightning.module import DAPOModule
+    from dapo_lightning.update import BatchingConfig
 
     class SignalRankZero(Callback):
         """SIGINT to rank 0's own process at the start of the batch after update 2."""
@@ -37,7 +38,9 @@ def main(root: str, model: str) -> None:
             record = {"global_step": trainer.global_step, "stop": stop_requested()}
             Path(root, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
-    module = DAPOModule(model, optimizer=sgd, micro_batch_size=16, parity_check_every=0)
+    module = DAPOModule(
+        model, optimizer=sgd, batching=BatchingConfig(micro_batch_size=16), parity_check_every=0
+    )
     trainer = Trainer(
         accelerator="cpu",
         devices=2,

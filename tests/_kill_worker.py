@@ -110,6 +110,7 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
     from dapo_lightning.interrupt import exit_on_stop
     from dapo_lightning.rollout.base import SamplingConfig
     from dapo_lightning.schedules import WarmupConstantLR
+    from dapo_lightning.update import BatchingConfig
 
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -150,8 +151,7 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
         model_dir,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01),
         lr_scheduler=lambda opt: WarmupConstantLR(opt, warmup_steps=3),
-        mini_batch_size=2,
-        micro_batch_size=4,
+        batching=BatchingConfig(mini_batch_size=2, micro_batch_size=4),
         parity_check_every=0,
     )
     dm = DAPODataModule(

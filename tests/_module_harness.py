@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from dapo_lightning.data.batch import RolloutBatch
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.testing import make_random_rollout_batch
+from dapo_lightning.update import BatchingConfig
 
 # Lengths that differ a lot within and across micro-batches and ranks.
 RESPONSE_LENGTHS = [1, 40, 3, 2, 35, 1, 5, 30, 2, 1, 28, 4, 6, 1, 33, 2]
@@ -74,14 +75,16 @@ def fit_update(
     steps: int = 1,
     strategy: str | None = None,
     batch_seed: int = 0,
+    batching: dict[str, Any] | None = None,
     **module_kwargs: Any,
 ) -> tuple[dict[str, torch.Tensor], DAPOModule]:
-    """Fit ``steps`` rollout steps on the fixed batch; returns (parameter delta, module)."""
+    """Fit ``steps`` rollout steps on the fixed batch; returns (parameter delta, module).
+    ``batching`` holds BatchingConfig fields besides ``micro_batch_size``."""
     torch.manual_seed(0)
     kwargs = dict(
         optimizer=sgd,
         gradient_clip_val=None,
-        micro_batch_size=micro_batch_size,
+        batching=BatchingConfig(micro_batch_size=micro_batch_size, **(batching or {})),
         parity_check_every=0,
     )
     kwargs.update(module_kwargs)

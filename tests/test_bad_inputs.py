@@ -59,8 +59,8 @@ BASE = [
 
 
 def test_cli_unknown_model_key(capsys):
-    err = _cli([*BASE, "--model.clip_ratio_hi=0.3"], capsys)
-    assert "clip_ratio_hi" in err
+    err = _cli([*BASE, "--model.loss.clip_ratio_hihg=0.3"], capsys)
+    assert "clip_ratio_hihg" in err
 
 
 def test_cli_unknown_top_level_key(capsys):
@@ -76,7 +76,7 @@ def test_cli_unknown_key_in_config_file(capsys, tmp_path):
 
 
 def test_cli_wrong_type_float(capsys):
-    err = _cli([*BASE, "--model.clip_ratio_low=abc"], capsys)
+    err = _cli([*BASE, "--model.loss.clip_ratio_low=abc"], capsys)
     assert "clip_ratio_low" in err and "abc" in err
 
 
@@ -86,7 +86,7 @@ def test_cli_wrong_type_int(capsys):
 
 
 def test_cli_bad_choice_loss_agg_mode(capsys):
-    err = _cli([*BASE, "--model.loss_agg_mode=token-sum"], capsys)
+    err = _cli([*BASE, "--model.loss.loss_agg_mode=token-sum"], capsys)
     assert "loss_agg_mode" in err and "token-mean" in err  # names the allowed values
 
 
@@ -96,8 +96,11 @@ def test_cli_bad_choice_torch_dtype(capsys):
 
 
 def test_cli_eps_high_below_eps_low(capsys):
-    with pytest.raises(ValueError, match="clip_ratio_high .* < clip_ratio_low"):
-        build_cli([*BASE, "--model.clip_ratio_low=0.3", "--model.clip_ratio_high=0.2"], run=False)
+    with pytest.raises(ValueError, match="clip_ratio_high .* < loss.clip_ratio_low"):
+        build_cli(
+            [*BASE, "--model.loss.clip_ratio_low=0.3", "--model.loss.clip_ratio_high=0.2"],
+            run=False,
+        )
 
 
 # ----------------------------------------------------------------------------- DAPOModule args
@@ -106,22 +109,44 @@ def test_cli_eps_high_below_eps_low(capsys):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"clip_ratio_low": 0.3, "clip_ratio_high": 0.2}, "clip_ratio_high .*0.28 and 0.2"),
-        ({"clip_ratio_low": 1.5}, r"clip_ratio_low \(eps_low\) must be in"),
-        ({"clip_ratio_c": 0.5}, r"clip_ratio_c \(dual clip\) must be > 1"),
-        ({"loss_agg_mode": "token-sum"}, "loss_agg_mode='token-sum' is not known; valid modes"),
-        ({"advantage_estimator": "ppo"}, "advantage_estimator must be one of"),
-        ({"micro_batch_size": 0}, "micro_batch_size must be >= 1"),
-        ({"mini_batch_size": 0}, "mini_batch_size must be >= 1"),
-        ({"tis_cap": 0.0}, "tis_cap must be > 0"),
-        ({"stale_tis_cap": -1.0}, "stale_tis_cap must be > 0"),
+        (
+            {"loss": {"clip_ratio_low": 0.3, "clip_ratio_high": 0.2}},
+            "clip_ratio_high .*0.28 and 0.2",
+        ),
+        ({"loss": {"clip_ratio_low": 1.5}}, r"clip_ratio_low \(eps_low\) must be in"),
+        ({"loss": {"clip_ratio_c": 0.5}}, r"clip_ratio_c \(dual clip\) must be > 1"),
+        (
+            {"loss": {"loss_agg_mode": "token-sum"}},
+            "loss_agg_mode='token-sum' is not known; valid modes",
+        ),
+        (
+            {"loss": {"advantage_estimator": "ppo"}},
+            "advantage_estimator='ppo' is not a registered advantage estimator; valid: grpo",
+        ),
+        ({"loss": {"objective": "ppo"}}, "objective='ppo' is not a registered policy objective"),
+        ({"loss": {"objective_kwargs": {"cap": 2.0}}}, "'dapo' does not take; its parameters"),
+        ({"loss": {"clip_ratio_high": nan}}, "loss.clip_ratio_high=nan is not finite"),
+        ({"loss": {"entropy_coef": inf}}, "loss.entropy_coef=inf is not finite"),
+        ({"batching": {"micro_batch_size": 0}}, "micro_batch_size must be >= 1"),
+        ({"batching": {"mini_batch_size": 0}}, "mini_batch_size must be >= 1"),
+        (
+            {"loss": {"rollout_correction": {"mode": "token_truncate", "clip_max": 0.0}}},
+            "clip_max must be > 0",
+        ),
+        ({"loss": {"rollout_correction": {"stale_tis_cap": -1.0}}}, "stale_tis_cap must be > 0"),
+        (
+            {"loss": {"rollout_correction": {"stale_tis_cap": nan}}},
+            "loss.rollout_correction.stale_tis_cap=nan is not finite",
+        ),
         ({"gradient_clip_val": -1.0}, "gradient_clip_val must be >= 0.*flip the gradient"),
         ({"gradient_clip_val": nan}, "gradient_clip_val=nan is not finite"),
         ({"gradient_clip_val": inf}, "gradient_clip_val=inf is not finite"),
-        ({"stale_tis_cap": nan}, "stale_tis_cap=nan is not finite"),
-        ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
+        ({"loss": {"kl_coef": -0.1}}, "kl_coef must be >= 0"),
         ({"warmup_steps": -1}, "warmup_steps must be >= 0"),
-        ({"max_tokens_per_micro_batch": 0}, "max_tokens_per_micro_batch must be >= 1"),
+        (
+            {"batching": {"max_tokens_per_micro_batch": 0}},
+            "max_tokens_per_micro_batch must be >= 1",
+        ),
     ],
 )
 def test_module_bad_arguments(kwargs, match):
@@ -160,7 +185,11 @@ def test_module_missing_model_path(tmp_path):
         ({"task": "arithmetic", "steps_per_epoch": 0}, ValueError, "steps_per_epoch must be"),
         ({"task": "arithmetic", "max_prompt_length": 0}, ValueError, "max_prompt_length must be"),
         ({"task": "arithmetic", "reward_timeout_s": 0.0}, ValueError, "timeout_s must be > 0"),
-        ({"task": "arithmetic", "reward_timeout_s": nan}, ValueError, "reward_timeout_s=nan is not"),
+        (
+            {"task": "arithmetic", "reward_timeout_s": nan},
+            ValueError,
+            "reward_timeout_s=nan is not",
+        ),
         ({"task": "arithmetic", "reward_workers": 0}, ValueError, "reward_workers must be >= 1"),
         (
             {"task": "arithmetic", "max_reward_failure_frac": 2.0},
@@ -310,10 +339,18 @@ def _fit(module: DAPOModule, dm: DAPODataModule, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("module_kw", "data_kw", "match"),
     [
-        ({"advantage_estimator": "grpo"}, {"dynamic": {"n": 1, "filter_metric": None}}, "n=1 with"),
-        ({"advantage_estimator": "rloo"}, {"dynamic": {"n": 1, "filter_metric": None}}, "n=1 with"),
         (
-            {"mini_batch_size": 3},
+            {"loss": {"advantage_estimator": "grpo"}},
+            {"dynamic": {"n": 1, "filter_metric": None}},
+            "n=1 with",
+        ),
+        (
+            {"loss": {"advantage_estimator": "rloo"}},
+            {"dynamic": {"n": 1, "filter_metric": None}},
+            "n=1 with",
+        ),
+        (
+            {"batching": {"mini_batch_size": 3}},
             {"dynamic": {"train_batch_size": 4}},
             "mini_batch_size=3 does not",
         ),
@@ -638,9 +675,14 @@ def test_cli_init_error_is_the_class_own_message(capsys):
     from dapo_lightning.cli import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        build_cli([*BASE, "--model.clip_ratio_low=0.3", "--model.clip_ratio_high=0.2"], run=False)
+        build_cli(
+            [*BASE, "--model.loss.clip_ratio_low=0.3", "--model.loss.clip_ratio_high=0.2"],
+            run=False,
+        )
     message = str(info.value)
-    assert message.startswith("DAPOModule: clip_ratio_high (0.2) < clip_ratio_low (0.3)")
+    assert message.startswith(
+        "PolicyLossConfig: loss.clip_ratio_high (0.2) < loss.clip_ratio_low (0.3)"
+    ), message
     assert "Union" not in message and "Given value" not in message
 
 
@@ -710,7 +752,7 @@ model:
   class_path: dapo_lightning.DAPOModule
   init_args:
     model_name_or_path: {model_path}
-    micro_batch_size: 8
+    batching: {{micro_batch_size: 8}}
     parity_check_every: 0
 data:
   class_path: dapo_lightning.DAPODataModule
@@ -783,8 +825,8 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
         ),
         (["--data.dynamic_sampling.n=1"], ["data.dynamic_sampling.n=1", "Fix: n >= 2"]),
         (
-            ["--data.dynamic_sampling.train_batch_size=4", "--model.mini_batch_size=3"],
-            ["model.mini_batch_size=3 does not divide", "Fix:"],
+            ["--data.dynamic_sampling.train_batch_size=4", "--model.batching.mini_batch_size=3"],
+            ["model.batching.mini_batch_size=3 does not divide", "Fix:"],
         ),
         (
             ["--data.max_prompt_length=500", "--data.sampling.max_tokens=100"],

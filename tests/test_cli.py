@@ -215,7 +215,7 @@ def run_in_process(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]
 @pytest.mark.parametrize(
     ("args", "key"),
     [
-        (["--model.init_args.clip_ratio_hihg", "0.3"], "clip_ratio_hihg"),
+        (["--model.init_args.loss.clip_ratio_hihg", "0.3"], "clip_ratio_hihg"),
         (["--data.init_args.n", "many"], "many"),
         (["--trainer.max_stepz", "3"], "trainer.max_stepz"),
     ],
@@ -236,7 +236,7 @@ def test_bad_key_in_yaml_names_it(tmp_path, capsys):
 
 def test_bad_key_console_script_exit_code():
     """The real console script exits non-zero and names the key (no traceback)."""
-    proc = run_cli("fit", "--config", QUICKSTART, "--model.init_args.clip_ratio_hihg", "0.3")
+    proc = run_cli("fit", "--config", QUICKSTART, "--model.init_args.loss.clip_ratio_hihg", "0.3")
     assert proc.returncode != 0
     assert "clip_ratio_hihg" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -336,12 +336,15 @@ def test_init_error_reaches_the_user_unwrapped(tmp_path):
     no jsonargparse union dump."""
     proc = run_cli(
         "fit", "--config", QUICKSTART, "--trainer.default_root_dir", str(tmp_path),
-        "--model.init_args.clip_ratio_low", "0.3", "--model.init_args.clip_ratio_high", "0.2",
+        "--model.init_args.loss.clip_ratio_low", "0.3",
+        "--model.init_args.loss.clip_ratio_high", "0.2",
     )  # fmt: skip
     assert proc.returncode == 2
     assert not (tmp_path / "model").exists()  # checked before the first-use model is written
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("dapo-lightning: error: DAPOModule: clip_ratio_high (0.2) < ")
+    assert last.startswith(
+        "dapo-lightning: error: PolicyLossConfig: loss.clip_ratio_high (0.2) < "
+    ), last
     assert "Union" not in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -403,4 +406,4 @@ def test_unset_data_seed_is_the_run_seed(tiny_checkpoint):
         assert build_cli([*base, "--data.init_args.seed", "3"], run=False).datamodule.seed == 3
     with pytest.raises(ConfigError):  # a ValueError subclass: tests can match the message
         with mock.patch.object(sys, "argv", ["dapo-lightning"]):
-            build_cli([*base, "--model.init_args.clip_ratio_c", "0.5"], run=False)
+            build_cli([*base, "--model.init_args.loss.clip_ratio_c", "0.5"], run=False)

@@ -78,9 +78,10 @@ def test_config_parses_and_builds_module_and_data(path, capsys):
     ds = cfg["data"]["init_args"]["dynamic_sampling"]
     world = cfg["trainer"]["devices"] * cfg["trainer"]["num_nodes"]
     assert ds["train_batch_size"] % world == 0, "train_batch_size must divide by the world size"
-    if m["mini_batch_size"] is not None:
-        assert ds["train_batch_size"] % m["mini_batch_size"] == 0
-        assert m["mini_batch_size"] % world == 0
+    mini = m["batching"]["mini_batch_size"]
+    if mini is not None:
+        assert ds["train_batch_size"] % mini == 0
+        assert mini % world == 0
     # Paths of a run live together, so `--ckpt_path auto` finds last.ckpt after a restart.
     root = cfg["trainer"]["default_root_dir"]
     checkpoints = [
@@ -138,13 +139,14 @@ def test_gpu_configs(name, capsys):
     assert m["gradient_checkpointing"] is True
     assert d["engine"] == "vllm" and d["engine_kwargs"]["dtype"] == "bfloat16"
     # paper settings
-    assert (m["clip_ratio_low"], m["clip_ratio_high"]) == (0.2, 0.28)
-    assert m["loss_agg_mode"] == "token-mean" and m["kl_coef"] == 0.0
+    loss = m["loss"]
+    assert (loss["clip_ratio_low"], loss["clip_ratio_high"]) == (0.2, 0.28)
+    assert loss["loss_agg_mode"] == "token-mean" and loss["kl_coef"] == 0.0
     assert m["optimizer"]["init_args"]["lr"] == 1e-6
     ds = d["dynamic_sampling"]
     assert ds["n"] == 16 and d["sampling"]["temperature"] == 1.0 and ds["filter_metric"] == "acc"
     assert d["reward"] == "dapo" and d["train_files"] and d["val_files"]
-    updates = ds["train_batch_size"] // m["mini_batch_size"]
+    updates = ds["train_batch_size"] // m["batching"]["mini_batch_size"]
     assert t["max_steps"] % updates == 0, "max_steps should be a whole number of rollout steps"
     if name == "single_gpu_1.5b.yaml":
         assert t["devices"] == 1 and t["num_nodes"] == 1
@@ -156,8 +158,9 @@ def test_paper_config_numbers(capsys):
     cfg = print_config(capsys, str(REPO / "configs" / "dapo_qwen2.5_32b.yaml"))
     t, m, d = cfg["trainer"], cfg["model"]["init_args"], cfg["data"]["init_args"]
     ds = d["dynamic_sampling"]
-    assert (ds["train_batch_size"], ds["n"], m["mini_batch_size"]) == (512, 16, 32)
-    assert ds["train_batch_size"] // m["mini_batch_size"] == 16  # updates per rollout step
+    mini = m["batching"]["mini_batch_size"]
+    assert (ds["train_batch_size"], ds["n"], mini) == (512, 16, 32)
+    assert ds["train_batch_size"] // mini == 16  # updates per rollout step
     assert m["warmup_steps"] == 20 * 16  # 20 rollout steps of warm-up
     assert d["sampling"]["max_tokens"] == 20480
     overlong = [c for c in t["callbacks"] if c["class_path"].endswith("OverlongRewardShaping")]
@@ -196,8 +199,8 @@ def test_grpo_baseline_differs_from_quickstart_only_in_the_dapo_techniques(capsy
     dapo = print_config(capsys, str(QUICKSTART))
     grpo = print_config(capsys, str(QUICKSTART), str(REPO / "configs" / "grpo_baseline.yaml"))
     gm, gd = grpo["model"]["init_args"], grpo["data"]["init_args"]
-    assert (gm["clip_ratio_low"], gm["clip_ratio_high"]) == (0.2, 0.2)
-    assert gm["loss_agg_mode"] == "seq-mean-token-mean"
+    assert (gm["loss"]["clip_ratio_low"], gm["loss"]["clip_ratio_high"]) == (0.2, 0.2)
+    assert gm["loss"]["loss_agg_mode"] == "seq-mean-token-mean"
     gds = gd["dynamic_sampling"]
     assert gds["filter_metric"] is None and gds["retire_after"] == 0
     assert gds["gen_batch_size"] == gds["train_batch_size"]
@@ -207,8 +210,8 @@ def test_grpo_baseline_differs_from_quickstart_only_in_the_dapo_techniques(capsy
         if not cb["class_path"].endswith("OverlongRewardShaping")
     ]
     differ = (
-        "model.init_args.clip_ratio_high",
-        "model.init_args.loss_agg_mode",
+        "model.init_args.loss.clip_ratio_high",
+        "model.init_args.loss.loss_agg_mode",
         "data.init_args.dynamic_sampling.filter_metric",
         "data.init_args.dynamic_sampling.gen_batch_size",
         "data.init_args.dynamic_sampling.retire_after",

@@ -51,6 +51,7 @@ from benchmarks.roofline import matmul_params, mfu, update_model_flops
 from dapo_lightning.data.batch import RolloutBatch
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.testing import make_random_rollout_batch
+from dapo_lightning.update import BatchingConfig
 from tests._module_harness import FixedBatches, UpdateRecorder, fixed_batch, sgd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -257,8 +258,9 @@ def gpu_fit(
     from dapo_lightning.rollout.session import full_named_tensors
 
     torch.manual_seed(0)
-    kwargs = dict(optimizer=sgd, gradient_clip_val=None, micro_batch_size=4, parity_check_every=0)
-    kwargs.update(module_kwargs)
+    kwargs = dict(optimizer=sgd, gradient_clip_val=None, parity_check_every=0)
+    micro = module_kwargs.pop("micro_batch_size", 4)
+    kwargs.update(module_kwargs, batching=BatchingConfig(micro_batch_size=micro))
     module = DAPOModule(str(checkpoint), **kwargs)
     module.configure_model()
     before = {k: v.detach().clone() for k, v in module.policy.named_parameters()}
@@ -316,7 +318,7 @@ def test_bf16_mixed_update_of_a_smollm2_shaped_model(gpu_report, cuda_clean):
     lr = 1e-5
     module = DAPOModule(
         policy=policy, optimizer=lambda p: torch.optim.AdamW(p, lr=lr),
-        micro_batch_size=MICRO, parity_check_every=0,
+        batching=BatchingConfig(micro_batch_size=MICRO), parity_check_every=0,
     )  # fmt: skip
     # each step's batch is sampled by the current policy version: fresh, like a real run
     batches = [smollm2_batch(policy_version=i) for i in range(STEPS)]
@@ -517,7 +519,7 @@ def test_qlora_4bit_update_on_cuda(tiny_checkpoint, gpu_report, cuda_clean):
     module = DAPOModule(
         str(tiny_checkpoint), lora=LoraSettings(r=8, alpha=16.0, quantize_4bit=True),
         torch_dtype="bfloat16", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
-        micro_batch_size=4, parity_check_every=0,
+        batching=BatchingConfig(micro_batch_size=4), parity_check_every=0,
     )  # fmt: skip
     module.configure_model()
     packed = {

@@ -9,6 +9,7 @@ objective is written out per token (tests/test_module_absolute.py) and stepped w
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -31,6 +32,7 @@ from dapo_lightning.module import DAPOModule
 from dapo_lightning.rollout import HFRolloutEngine, SamplingConfig, create_engine
 from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.testing import completions_to_batch, make_tiny_tokenizer
+from dapo_lightning.update import BatchingConfig
 from tests._module_harness import FixedBatches, fixed_batch
 from tests.test_module_absolute import EPS_HIGH, EPS_LOW, _grpo, _sequences
 
@@ -72,8 +74,7 @@ def lora_module(checkpoint, *, mini_batch_size, micro_batch_size=3, dtype=torch.
         policy=policy,
         lora=SETTINGS,
         optimizer=lambda p: torch.optim.SGD(p, lr=LR),
-        mini_batch_size=mini_batch_size,
-        micro_batch_size=micro_batch_size,
+        batching=BatchingConfig(mini_batch_size, micro_batch_size),
         gradient_clip_val=None,
         parity_check_every=0,
     )
@@ -183,7 +184,7 @@ def test_lora_update_is_partition_invariant(tiny_checkpoint):
 def test_only_adapters_change_and_the_optimizer_holds_only_them(tiny_checkpoint):
     torch.manual_seed(0)
     module = DAPOModule(
-        str(tiny_checkpoint), lora=LoraSettings(), mini_batch_size=2, parity_check_every=0,
+        str(tiny_checkpoint), lora=LoraSettings(), batching=BatchingConfig(2), parity_check_every=0,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
     )  # fmt: skip
     module.configure_model()
@@ -220,7 +221,7 @@ def test_lora_settings_from_a_dict_and_their_errors(tiny_checkpoint):
 
 def test_kl_reference_is_the_base_without_a_copy(tiny_checkpoint):
     module = lora_module(str(tiny_checkpoint), mini_batch_size=None, dtype=torch.float32)
-    module.hparams.kl_coef = 0.1
+    module.loss = dataclasses.replace(module.loss, kl_coef=0.1)
     module.configure_model()
     base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     batch = fixed_batch()
@@ -345,7 +346,7 @@ def test_adapter_only_sync_refuses_trained_biases(tiny_checkpoint):
 def _lora_run(checkpoint) -> DAPOModule:
     torch.manual_seed(0)
     return DAPOModule(
-        str(checkpoint), lora=LoraSettings(), mini_batch_size=2, parity_check_every=0,
+        str(checkpoint), lora=LoraSettings(), batching=BatchingConfig(2), parity_check_every=0,
         optimizer=lambda p: torch.optim.Adam(p, lr=3e-2),
     )  # fmt: skip
 
@@ -500,7 +501,7 @@ def test_qlora_on_cuda_trains_adapters_over_a_4bit_base(tiny_checkpoint):
 
     module = DAPOModule(
         str(tiny_checkpoint), lora=LoraSettings(quantize_4bit=True), torch_dtype="bfloat16",
-        mini_batch_size=2, parity_check_every=0,
+        batching=BatchingConfig(2), parity_check_every=0,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
     )  # fmt: skip
     module.configure_model()

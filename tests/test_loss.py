@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from dapo_lightning.loss import LOSS_AGG_MODES, aggregate_loss, compute_policy_loss
+from dapo_lightning.loss import LOSS_AGG_MODES, aggregate_loss
+from dapo_lightning.policy_loss import compute_policy_loss
 
 # ---------------------------------------------------------------------------------------------
 # Independent reference: plain Python floats, one token at a time.
@@ -158,7 +159,7 @@ def test_metrics_match_loop_reference():
     lp = lp.detach()
     tokens = [(b, t) for b in range(6) for t in range(9) if mask[b, t]]
     n = len(tokens)
-    ratios, k1, k3, hi, lo, dual, w, ents, kls, pgs = ([] for _ in range(10))
+    ratios, k1, k3, hi, lo, dual, w, ents, kls, pgs, gaps = ([] for _ in range(11))
     for b, t in tokens:
         d = float(lp[b, t]) - float(old[b, t])
         r = math.exp(d)
@@ -170,6 +171,7 @@ def test_metrics_match_loop_reference():
         lo.append(a < 0 and r < 0.8)
         dual.append(a < 0 and r > 1.3)
         w.append(min(math.exp(float(old[b, t]) - float(extra["rollout"][b, t])), 1.1))
+        gaps.append(abs(float(old[b, t]) - float(extra["rollout"][b, t])))
         ents.append(float(extra["ent"][b, t]))
         dr = float(extra["ref"][b, t]) - float(lp[b, t])
         kls.append(math.exp(dr) - dr - 1)
@@ -204,6 +206,13 @@ def test_metrics_match_loop_reference():
         "tis_weight_mean": sum(w) / n,
         "tis_weight_min": min(w),
         "kl_ref": sum(kls) / n,
+        # the rollout correction's, under TRL's names too (token level: over the tokens)
+        "tis_masked_frac": 0.0,
+        "sampling/sampling_logp_difference/mean": sum(gaps) / n,
+        "sampling/sampling_logp_difference/max": max(gaps),
+        "sampling/importance_sampling_ratio/min": min(w),
+        "sampling/importance_sampling_ratio/mean": sum(w) / n,
+        "sampling/importance_sampling_ratio/max": max(w),
     }
     assert set(met) == set(expected)
     for key, value in expected.items():

@@ -14,7 +14,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dapo_lightning.module import DAPOModule
-from dapo_lightning.update import micro_batch_rows
+from dapo_lightning.update import BatchingConfig, micro_batch_rows
 from tests._module_harness import FixedBatches, fit_update, fixed_batch
 
 HARNESS = Path(__file__).with_name("_module_harness.py")
@@ -39,7 +39,9 @@ def test_micro_batches_give_the_same_update(tiny_checkpoint, one_micro_batch):
 
 
 def test_token_budget_micro_batches_give_the_same_update(tiny_checkpoint, one_micro_batch):
-    delta, _ = fit_update(str(tiny_checkpoint), micro_batch_size=16, max_tokens_per_micro_batch=60)
+    delta, _ = fit_update(
+        str(tiny_checkpoint), micro_batch_size=16, batching={"max_tokens_per_micro_batch": 60}
+    )
     assert max_rel_diff(one_micro_batch, delta) <= 1e-5
 
 
@@ -49,7 +51,7 @@ def test_negative_control_per_micro_batch_mean_differs(tiny_checkpoint, one_micr
 
     from dapo_lightning.advantages import compute_advantages
     from dapo_lightning.logprobs import response_log_probs
-    from dapo_lightning.loss import compute_policy_loss
+    from dapo_lightning.policy_loss import compute_policy_loss
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -116,7 +118,12 @@ def test_fsdp2_ranks_run_equal_micro_batch_counts_under_a_token_budget(
     per_rank = [len(micro_batch_rows(lengths[r * 8 : (r + 1) * 8], 16, 60)) for r in (0, 1)]
     assert per_rank[0] != per_rank[1]
     delta = two_rank_update(
-        tiny_checkpoint, tmp_path, 16, strategy="fsdp2", port=29539, max_tokens_per_micro_batch=60
+        tiny_checkpoint,
+        tmp_path,
+        16,
+        strategy="fsdp2",
+        port=29539,
+        batching={"max_tokens_per_micro_batch": 60},
     )
     assert max_rel_diff(one_micro_batch, delta) <= 1e-5
     (update,) = torch.load(str(tmp_path / "delta.pt") + ".updates")
@@ -136,10 +143,10 @@ def test_reinforce_baseline_std_is_global_over_ranks(tiny_checkpoint, tmp_path):
     half = compute_advantages(batch.reward[:8], batch.group_index[:8], "reinforce_baseline")
     assert (full[:8] - half).abs().max() > 1e-3  # a rank-local std would change the update
     one, _ = fit_update(
-        str(tiny_checkpoint), micro_batch_size=3, advantage_estimator="reinforce_baseline"
+        str(tiny_checkpoint), micro_batch_size=3, loss={"advantage_estimator": "reinforce_baseline"}
     )
     two = two_rank_update(
-        tiny_checkpoint, tmp_path, 3, port=29535, advantage_estimator="reinforce_baseline"
+        tiny_checkpoint, tmp_path, 3, port=29535, loss={"advantage_estimator": "reinforce_baseline"}
     )
     assert max_rel_diff(one, two) <= 1e-5
 
@@ -197,7 +204,10 @@ def adam(params):
 def test_later_mini_batches_see_ratio_not_one_and_clipping(tiny_checkpoint):
     rec = Record()
     module = DAPOModule(
-        str(tiny_checkpoint), optimizer=adam, mini_batch_size=1, ppo_epochs=2, parity_check_every=0
+        str(tiny_checkpoint),
+        optimizer=adam,
+        batching=BatchingConfig(mini_batch_size=1, ppo_epochs=2),
+        parity_check_every=0,
     )
     _fit(module, FixedBatches(fixed_batch()), [rec])
     assert len(rec.updates) == 8  # 4 prompts / 1 per update x 2 epochs
@@ -213,7 +223,7 @@ def test_max_steps_counts_updates_exactly_inside_a_rollout_step(tiny_checkpoint)
     # 4 groups, one per mini-batch: 4 updates per rollout step. max_steps=6 ends in the middle
     # of the second step; Lightning alone checks it only between steps and would run 8.
     rec = Record()
-    module = DAPOModule(str(tiny_checkpoint), optimizer=adam, mini_batch_size=1)
+    module = DAPOModule(str(tiny_checkpoint), optimizer=adam, batching=BatchingConfig(1))
     trainer = _fit(module, FixedBatches(fixed_batch(), steps=3), [rec], max_steps=6)
     assert trainer.global_step == 6 and len(rec.updates) == 6
     assert module.policy_version == 6 and module.rollout_step == 2
@@ -225,7 +235,7 @@ def test_warmup_steps_once_per_update_and_clipping_applies(tiny_checkpoint):
         str(tiny_checkpoint),
         optimizer=lambda p: torch.optim.SGD(p, lr=0.4),
         warmup_steps=4,
-        mini_batch_size=1,
+        batching=BatchingConfig(mini_batch_size=1),
         gradient_clip_val=1e-3,
         parity_check_every=0,
     )
@@ -244,7 +254,7 @@ def test_resume_continues_identically(tiny_checkpoint, tmp_path):
     def make():
         torch.manual_seed(0)
         return DAPOModule(
-            str(tiny_checkpoint), optimizer=adam, mini_batch_size=2, parity_check_every=0
+            str(tiny_checkpoint), optimizer=adam, batching=BatchingConfig(2), parity_check_every=0
         )
 
     straight = make()
@@ -289,12 +299,12 @@ def test_micro_batch_rows_respect_limits():
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        (dict(clip_ratio_low=0.3, clip_ratio_high=0.2), "clip_ratio_high"),
-        (dict(clip_ratio_c=0.5), "clip_ratio_c"),
-        (dict(loss_agg_mode="mean"), "loss_agg_mode"),
-        (dict(micro_batch_size=0), "micro_batch_size"),
+        (dict(loss=dict(clip_ratio_low=0.3, clip_ratio_high=0.2)), "clip_ratio_high"),
+        (dict(loss=dict(clip_ratio_c=0.5)), "clip_ratio_c"),
+        (dict(loss=dict(loss_agg_mode="mean")), "loss_agg_mode"),
+        (dict(batching=dict(micro_batch_size=0)), "micro_batch_size"),
         (dict(gradient_clip_val=-1.0), "gradient_clip_val"),
-        (dict(kl_coef=-0.1), "kl_coef"),
+        (dict(loss=dict(kl_coef=-0.1)), "kl_coef"),
     ],
 )
 def test_bad_arguments_name_the_field(kwargs, field):
@@ -303,7 +313,7 @@ def test_bad_arguments_name_the_field(kwargs, field):
 
 
 def test_mini_batch_must_divide_the_batch(tiny_checkpoint):
-    module = DAPOModule(str(tiny_checkpoint), mini_batch_size=3)
+    module = DAPOModule(str(tiny_checkpoint), batching=BatchingConfig(mini_batch_size=3))
     with pytest.raises(ValueError, match="mini_batch_size"):
         _fit(module, FixedBatches(fixed_batch()))
 
@@ -338,7 +348,7 @@ def test_step_metrics_measure_staleness_and_parity_before_the_updates(tiny_check
     from dapo_lightning.logprobs import response_log_probs
 
     batch = fixed_batch()
-    module = DAPOModule(str(tiny_checkpoint), optimizer=adam, mini_batch_size=1,
+    module = DAPOModule(str(tiny_checkpoint), optimizer=adam, batching=BatchingConfig(1),
                         parity_check_every=1)  # fmt: skip
     trainer = _fit(module, FixedBatches(batch))
     assert module.policy_version == 4

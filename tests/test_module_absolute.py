@@ -9,6 +9,7 @@ normalisers (the sequence count, 7x the token count, GRPO's per-sequence mean) f
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -18,7 +19,9 @@ from transformers import AutoModelForCausalLM
 
 import dapo_lightning.module as module_lib
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.loss import PolicyLossConfig
 from dapo_lightning.module import DAPOModule
+from dapo_lightning.update import BatchingConfig
 from tests._module_harness import FixedBatches, fixed_batch
 
 LR = 0.5
@@ -100,8 +103,7 @@ def module_updates(checkpoint, batch, mini_batch_size, micro_batch_size=3, **mod
     module = DAPOModule(
         policy=policy,
         optimizer=lambda p: torch.optim.SGD(p, lr=LR),
-        mini_batch_size=mini_batch_size,
-        micro_batch_size=micro_batch_size,
+        batching=BatchingConfig(mini_batch_size, micro_batch_size),
         gradient_clip_val=None,
         parity_check_every=0,
         **module_kw,
@@ -146,27 +148,29 @@ def test_seq_mean_counts_fully_masked_rows_as_verl_does(tiny_checkpoint, start):
     batch = fixed_batch()
     batch.response_mask = batch.response_mask.clone()
     batch.response_mask[[1, 9]] = 0.0
-    ours = module_updates(str(tiny_checkpoint), batch, 2, loss_agg_mode="seq-mean-token-mean")
+    seq_mean = PolicyLossConfig(loss_agg_mode="seq-mean-token-mean")
+    ours = module_updates(str(tiny_checkpoint), batch, 2, loss=seq_mean)
     ref = reference_updates(str(tiny_checkpoint), batch, 2, seq_mean=True)
     assert rel_diff(ours, ref, start) < 1e-5
 
 
+replace = dataclasses.replace
 WRONG_NORMALISERS = {
-    "sequence count": lambda kw: {**kw, "global_token_count": kw["global_seq_count"]},
-    "7x the token count": lambda kw: {**kw, "global_token_count": 7 * kw["global_token_count"]},
-    "GRPO's sequence mean": lambda kw: {**kw, "loss_agg_mode": "seq-mean-token-mean"},
+    "sequence count": lambda i, c: (replace(i, global_token_count=i.global_seq_count), c),
+    "7x the token count": lambda i, c: (replace(i, global_token_count=7 * i.global_token_count), c),
+    "GRPO's sequence mean": lambda i, c: (i, replace(c, loss_agg_mode="seq-mean-token-mean")),
 }
 
 
 @pytest.mark.parametrize("wrong", list(WRONG_NORMALISERS))
 def test_a_wrong_normaliser_fails_the_reference(tiny_checkpoint, start, monkeypatch, wrong):
     """Negative control: the same comparison catches each normaliser bug of the loss call."""
-    real = module_lib.compute_policy_loss
+    real = module_lib.policy_loss
 
-    def broken(*args, **kwargs):
-        return real(*args, **WRONG_NORMALISERS[wrong](kwargs))
+    def broken(inputs, config):
+        return real(*WRONG_NORMALISERS[wrong](inputs, config))
 
-    monkeypatch.setattr(module_lib, "compute_policy_loss", broken)
+    monkeypatch.setattr(module_lib, "policy_loss", broken)
     batch = fixed_batch()
     ours = module_updates(str(tiny_checkpoint), batch, None)
     ref = reference_updates(str(tiny_checkpoint), batch, 4)

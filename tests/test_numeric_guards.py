@@ -25,6 +25,11 @@ from lightning.pytorch.loggers import CSVLogger
 
 from dapo_lightning import DAPODataModule, DAPOModule, DynamicSamplingConfig, SamplingConfig
 from dapo_lightning.data.batch import RolloutBatch
+from dapo_lightning.loss import PolicyLossConfig
+from dapo_lightning.rollout_correction import RolloutCorrection
+from dapo_lightning.update import BatchingConfig
+
+TIS_2 = PolicyLossConfig(rollout_correction=RolloutCorrection("token_truncate", clip_max=2.0))
 
 
 class UpdateRecorder:
@@ -48,7 +53,9 @@ def _fit(
     **module_kw: Any,
 ) -> tuple[DAPOModule, dict[str, torch.Tensor], Trainer]:
     torch.manual_seed(0)
-    kw: dict[str, Any] = dict(optimizer=sgd, micro_batch_size=8, parity_check_every=0)
+    kw: dict[str, Any] = dict(
+        optimizer=sgd, batching=BatchingConfig(micro_batch_size=8), parity_check_every=0
+    )
     kw.update(module_kw)
     module = DAPOModule(str(checkpoint), **kw)
     module.configure_model()
@@ -92,7 +99,7 @@ def _unchanged(module: DAPOModule, before: dict[str, torch.Tensor]) -> bool:
 
 def _poisoned_batch() -> RolloutBatch:
     """A NaN sampled-token log-prob from the engine: it enters the loss through the TIS weight
-    ``min(pi_old / pi_rollout, cap)`` (run with ``tis_cap`` set)."""
+    ``min(pi_old / pi_rollout, cap)`` (run with token truncation at 2.0)."""
     batch = fixed_batch()
     batch.rollout_log_probs = batch.rollout_log_probs.clone()
     batch.rollout_log_probs[3, 0] = float("nan")
@@ -113,7 +120,7 @@ def test_nan_reward_is_refused_with_a_clear_error(tiny_checkpoint, tmp_path):
 def test_nonfinite_loss_skips_update(tiny_checkpoint, tmp_path):
     rec = UpdateRecorder()
     module, before, trainer = _fit(
-        tiny_checkpoint, _poisoned_batch(), tmp_path, steps=2, callbacks=[rec], tis_cap=2.0
+        tiny_checkpoint, _poisoned_batch(), tmp_path, steps=2, callbacks=[rec], loss=TIS_2
     )
     assert _unchanged(module, before)  # the weights were not corrupted
     # skipped updates change no weight: the policy version (weights applied) stays 0
@@ -153,7 +160,7 @@ def test_healthy_batch_is_not_skipped(tiny_checkpoint, tmp_path):
 def test_repeated_skips_reach_collapse_detector_and_stop(tiny_checkpoint, tmp_path):
     detector = CollapseDetector()  # default detectors: nonfinite, patience 3, action stop
     module, before, trainer = _fit(
-        tiny_checkpoint, _poisoned_batch(), tmp_path, steps=10, callbacks=[detector], tis_cap=2.0
+        tiny_checkpoint, _poisoned_batch(), tmp_path, steps=10, callbacks=[detector], loss=TIS_2
     )
     assert detector.fired["nonfinite"] == 1
     assert "nonfinite" in detector.stop_reason
@@ -165,7 +172,7 @@ def test_repeated_skips_reach_collapse_detector_and_stop(tiny_checkpoint, tmp_pa
 def test_skip_nonfinite_off_lets_nan_through(tiny_checkpoint, tmp_path):
     """Negative control: with the guard off, the NaN reaches the weights."""
     module, _, _ = _fit(
-        tiny_checkpoint, _poisoned_batch(), tmp_path, steps=1, skip_nonfinite=False, tis_cap=2.0
+        tiny_checkpoint, _poisoned_batch(), tmp_path, steps=1, skip_nonfinite=False, loss=TIS_2
     )
     assert module.skipped_updates == 0
     assert any(not torch.isfinite(p).all() for p in module.policy.parameters())
@@ -187,7 +194,7 @@ def test_trust_remote_code_is_never_enabled(tiny_checkpoint, monkeypatch):
             return _original(klass, *args, **kwargs)
 
         monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
-    DAPOModule(str(tiny_checkpoint), kl_coef=0.0).configure_model()
+    DAPOModule(str(tiny_checkpoint), loss=PolicyLossConfig(kl_coef=0.0)).configure_model()
     dm = DAPODataModule(
         str(tiny_checkpoint),
         task="arithmetic",

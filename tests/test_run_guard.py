@@ -38,6 +38,7 @@ from dapo_lightning.checkpoint import previous_path
 from dapo_lightning.interrupt import exit_on_stop, stop_requested
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.run_lock import LOCK_NAME, RunLock
+from dapo_lightning.update import BatchingConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _module_harness import FixedBatches, fixed_batch, sgd  # noqa: E402
@@ -165,7 +166,7 @@ def test_resume_falls_back_past_a_truncated_checkpoint_and_applies_the_config(
             "--trainer.default_root_dir", "run", "--create_model_if_missing.kind", "tiny",
             "--ckpt_path", "auto", "--trainer.max_steps", "3",
             "--model.init_args.optimizer.init_args.lr", "0.0001",
-            "--model.init_args.clip_ratio_high", "0.3",
+            "--model.init_args.loss.clip_ratio_high", "0.3",
             cwd=tmp_path,
         )
     )  # fmt: skip
@@ -174,7 +175,7 @@ def test_resume_falls_back_past_a_truncated_checkpoint_and_applies_the_config(
     assert re.search(r"auto: resuming from \S*/run/checkpoints/last-previous\.ckpt", err)
     assert re.search(r"Resuming from \S*/run/checkpoints/last-previous\.ckpt at update 2", err)
     assert "lr: 0.0005 (checkpoint) -> 0.0001 (config)" in err
-    assert "model.clip_ratio_high: 0.28 (checkpoint) -> 0.3 (config)" in err
+    assert "model.loss.clip_ratio_high: 0.28 (checkpoint) -> 0.3 (config)" in err
     rows = metrics(tmp_path / "run", version=1)
     assert [v for _, v in series(rows, "rollout/step")] == [3.0]  # update 3 again, from 2
     assert [step for step, _ in series(rows, "val/acc")] == [2]  # no initial validation
@@ -184,7 +185,7 @@ def test_resume_falls_back_past_a_truncated_checkpoint_and_applies_the_config(
     final = torch.load(newest, weights_only=True)
     assert final["global_step"] == 3
     assert final["optimizer_states"][0]["param_groups"][0]["initial_lr"] == 1e-4
-    assert final["hyper_parameters"]["clip_ratio_high"] == 0.3
+    assert final["hyper_parameters"]["loss"]["clip_ratio_high"] == 0.3
 
 
 def test_sigterm_saves_and_exits_143(early_stopped, tmp_path):
@@ -331,7 +332,12 @@ class _Signal(Callback):
 
 
 def _fit(root: Path, model: Path, *callbacks: Callback, steps: int = 6, **trainer_kw: Any):
-    module = DAPOModule(str(model), optimizer=sgd, micro_batch_size=16, parity_check_every=0)
+    module = DAPOModule(
+        str(model),
+        optimizer=sgd,
+        batching=BatchingConfig(micro_batch_size=16),
+        parity_check_every=0,
+    )
     trainer = Trainer(
         accelerator="cpu",
         max_steps=steps,
@@ -383,7 +389,9 @@ def test_stop_overruled_by_min_steps_still_stops(tmp_path, tiny_checkpoint, capf
 
 
 def test_checkpointing_off_saves_nothing(tmp_path, tiny_checkpoint):
-    module = DAPOModule(str(tiny_checkpoint), optimizer=sgd, micro_batch_size=16)
+    module = DAPOModule(
+        str(tiny_checkpoint), optimizer=sgd, batching=BatchingConfig(micro_batch_size=16)
+    )
     trainer = Trainer(
         accelerator="cpu",
         max_steps=2,

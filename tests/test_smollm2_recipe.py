@@ -171,11 +171,14 @@ def test_grpo_override_changes_only_the_dapo_techniques():
         Path(dapo["trainer"]["default_root_dir"]) / dapo["model"]["init_args"]["model_name_or_path"]
     )
     m, g = dapo["model"]["init_args"], grpo["model"]["init_args"]
-    assert (g["clip_ratio_low"], g["clip_ratio_high"]) == (0.2, 0.2)
-    assert g["loss_agg_mode"] == "seq-mean-token-mean"
+    ml, gl = m["loss"], g["loss"]
+    assert (gl["clip_ratio_low"], gl["clip_ratio_high"]) == (0.2, 0.2)
+    assert gl["loss_agg_mode"] == "seq-mean-token-mean"
     changed = {k for k in m if m[k] != g[k]}
-    assert changed == {"clip_ratio_high", "loss_agg_mode", "model_name_or_path"} - (
-        {"clip_ratio_high"} if m["clip_ratio_high"] == 0.2 else set()
+    assert changed == {"loss", "model_name_or_path"}
+    changed_loss = {k for k in ml if ml[k] != gl[k]}
+    assert changed_loss == {"clip_ratio_high", "loss_agg_mode"} - (
+        {"clip_ratio_high"} if ml["clip_ratio_high"] == 0.2 else set()
     )
     d, e = dapo["data"]["init_args"], grpo["data"]["init_args"]
     assert e["dynamic_sampling"]["filter_metric"] is None

@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import (
 )
 
 from dapo_lightning.module import DAPOModule
+from dapo_lightning.update import BatchingConfig
 from dapo_lightning.strategy import grad_norm, strategy_kind
 from tests._module_harness import FixedBatches, fixed_batch
 
@@ -50,7 +51,9 @@ def _fit(checkpoint, *, plugins=(), batch=None, **module_kw):
     torch.manual_seed(0)
     rec = Record()
     kw = dict(
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), micro_batch_size=4, parity_check_every=0
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        batching=BatchingConfig(micro_batch_size=4),
+        parity_check_every=0,
     )
     kw.update(module_kw)
     module = DAPOModule(str(checkpoint), **kw)
@@ -104,7 +107,7 @@ def test_a_mini_batch_without_tokens_does_not_step(tiny_checkpoint):
     sgd_decay = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1)  # noqa: E731
     module, rec, delta, trainer = _fit(
         tiny_checkpoint, batch=_with_empty_first_group(fixed_batch()), optimizer=sgd_decay,
-        mini_batch_size=1,
+        batching=BatchingConfig(1, 4),
     )  # fmt: skip
     assert [u["skipped_empty"] for u in rec.updates] == [1.0, 0.0, 0.0, 0.0]
     assert rec.updates[0]["tokens"] == 0.0
@@ -112,6 +115,8 @@ def test_a_mini_batch_without_tokens_does_not_step(tiny_checkpoint):
     # the same weights as a run that never saw the empty group
     rest = fixed_batch().select(list(range(4, 16)))
     rest.group_index = rest.group_index - 1
-    _, _, delta_rest, _ = _fit(tiny_checkpoint, batch=rest, optimizer=sgd_decay, mini_batch_size=1)
+    _, _, delta_rest, _ = _fit(
+        tiny_checkpoint, batch=rest, optimizer=sgd_decay, batching=BatchingConfig(1, 4)
+    )
     for k in delta:
         assert torch.allclose(delta[k], delta_rest[k], atol=1e-6, rtol=1e-4), k

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dapo_lightning.rollout_correction import RolloutCorrection
 from dapo_lightning.testing import make_random_rollout_batch
 from dapo_lightning.update import (
     behaviour_log_probs,
@@ -46,8 +47,9 @@ def test_stale_rows_are_corrected_against_the_engine_fresh_rows_not_at_all():
     batch = make_random_rollout_batch(num_groups=2, group_size=2)
     old = batch.rollout_log_probs + 0.3  # the policy moved since sampling
     stale = torch.tensor([True, True, False, False])
-    logp, cap = behaviour_log_probs(batch, old, stale, tis_cap=None, stale_tis_cap=2.0)
-    assert cap == 2.0
+    logp, correction = behaviour_log_probs(batch, old, stale, RolloutCorrection(stale_tis_cap=2.0))
+    assert correction.resolved() == ("token_truncate", 2.0, None)
+    cap = correction.clip_max
     assert torch.equal(logp[:2], batch.rollout_log_probs[:2])  # engine's: w = min(e^0.3, 2)
     assert torch.equal(logp[2:], old[2:])  # w = exp(old - old) = 1
     weight = torch.clamp(torch.exp(old - logp), max=cap)
@@ -56,6 +58,8 @@ def test_stale_rows_are_corrected_against_the_engine_fresh_rows_not_at_all():
     )
     assert torch.allclose(weight[2:], torch.ones_like(weight[2:]))
     # tis_cap corrects every row against the engine; nothing stale and no cap: no correction
-    assert behaviour_log_probs(batch, old, stale, 1.5, 2.0)[0] is batch.rollout_log_probs
-    assert behaviour_log_probs(batch, old, torch.zeros(4, dtype=torch.bool), None, 2.0) is None
-    assert behaviour_log_probs(batch, old, stale, None, None) is None
+    tis = RolloutCorrection("token_truncate", clip_max=1.5)
+    assert behaviour_log_probs(batch, old, stale, tis) == (batch.rollout_log_probs, tis)
+    fresh = torch.zeros(4, dtype=torch.bool)
+    assert behaviour_log_probs(batch, old, fresh, RolloutCorrection(stale_tis_cap=2.0)) is None
+    assert behaviour_log_probs(batch, old, stale, RolloutCorrection(stale_tis_cap=None)) is None
