@@ -9,6 +9,7 @@ data, rewards, tokenizer / model / engine availability, and dtypes.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from math import inf, nan

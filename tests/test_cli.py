@@ -321,7 +321,8 @@ def test_model_help_lists_the_dapo_options_not_torchs_module_zoo(capsys):
         for i, line in enumerate(lines)
         if line.startswith("  --model.") and "clip_ratio_low" in line
     )
-    assert first < 120, f"clip_ratio_low at line {first}: {options}"
+    # (after the flat options and their help text come the config groups: loss first)
+    assert first < 200, f"clip_ratio_low at line {first}: {options}"
     assert len(lines) < 300
 
 

@@ -272,6 +272,7 @@ def test_user_objective_runs_through_the_cli(tmp_path):
             "--create_model_if_missing", "tiny",
             "--model.init_args.loss.objective", "_user_objective.scaled_reinforce",
             "--model.init_args.loss.objective_kwargs", "{scale: 3.0}",
+            timeout=600,
         )
     )  # fmt: skip
     rows = read_csv(run_dir)

@@ -17,8 +17,8 @@ from lightning.pytorch.strategies import (
 )
 
 from dapo_lightning.module import DAPOModule
-from dapo_lightning.update import BatchingConfig
 from dapo_lightning.strategy import grad_norm, strategy_kind
+from dapo_lightning.update import BatchingConfig
 from tests._module_harness import FixedBatches, fixed_batch
 
 
