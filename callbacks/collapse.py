@@ -199,6 +199,8 @@ class Detector:
             ("signal", self.signal in SIGNALS, f"one of {tuple(SIGNALS)}"),
             ("action", self.action in ("warn", "stop", "rollback"), "'warn', 'stop' or 'rollback'"),
             ("threshold", math.isfinite(self.threshold), "finite"),
+            ("min_value", math.isfinite(self.min_value), "finite"),
+            ("max_repeat", math.isfinite(self.max_repeat), "finite"),
             ("patience", self.patience >= 1, ">= 1"),
             ("ema_decay", 0 <= self.ema_decay < 1, "in [0, 1)"),
             ("warmup", self.warmup >= 0, ">= 0"),

@@ -193,6 +193,14 @@ class EntropyScheduler(DAPOCallback):
         super().__init__()
         _check_schedule(schedule, start, end, total_updates, warmup_updates)
         if schedule == "adaptive":
+            for name, value in (
+                ("target_low", target_low),
+                ("target_high", target_high),
+                ("coef_min", coef_min),
+                ("coef_max", coef_max),
+            ):
+                if not math.isfinite(value):
+                    raise ValueError(f"{name} must be a finite number, got {value}.")
             if not 0 < target_low <= target_high:
                 raise ValueError(
                     f"adaptive schedule needs 0 < target_low <= target_high, got "

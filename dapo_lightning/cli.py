@@ -43,10 +43,15 @@ null, is the run's ``seed_everything``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -354,8 +359,10 @@ def write_model(config: Namespace, kind: str, target: Path) -> None:
     seed = 0 if seed is None or isinstance(seed, bool) else int(seed)
     say = lambda line: print(f"create_model_if_missing: {line}", file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.monotonic()
+    for stale in remove_stale_temp_folders(target):
+        say(f"removed {stale}, left by an interrupted write")
     say(f"{target} does not exist: writing the {kind!r} model (seed {seed}; nothing is downloaded)")
-    with atomic_folder(target) as tmp:
+    with _sigterm_raises(), atomic_folder(target) as tmp:  # SIGTERM: the temp folder is removed
         if kind == "tiny":
             make_tiny_checkpoint(tmp, seed=seed)
         else:
@@ -364,6 +371,49 @@ def write_model(config: Namespace, kind: str, target: Path) -> None:
             say(f"warming it up on the task's problems in {tmp} (about 25 s on 2 idle cores)")
             make_quickstart_checkpoint(tmp, seed=seed, **_warmup_task_kwargs(config))
     say(f"done in {time.monotonic() - t0:.1f} s: {target}")
+
+
+def remove_stale_temp_folders(target: Path) -> list[Path]:
+    """Delete the temporary folders an interrupted (killed) write of ``target`` left beside it
+    (``.NAME.tmp-PID-*`` of :func:`~dapo_lightning.export.atomic_folder` whose process is gone);
+    returns them."""
+    removed = []
+    for tmp in sorted(target.parent.glob(f".{target.name}.tmp-*")):
+        pid = tmp.name.removeprefix(f".{target.name}.tmp-").split("-")[0]
+        if tmp.is_dir() and pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # ours from before (this process writes a new one)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises ``SystemExit(143)`` inside (its default would kill the process at once,
+    leaving a half-written folder behind); the previous handler is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _warmup_task_kwargs(config: Namespace) -> dict[str, Any]:

@@ -2,8 +2,14 @@
 
 A signal handler must not save a checkpoint itself (it may fire in the middle of an update);
 it only records the request. The places where the state is consistent poll it: between
-generation rounds (the rollout producer calls :func:`raise_if_stop_requested`) and between
-rollout steps (:class:`~dapo_lightning.callbacks.RunGuard` checks :func:`stop_requested`).
+decode steps of the engines (:func:`should_stop`: the HF engine raises :class:`StopRequested`,
+the vLLM engine aborts its requests first), in the reward runner's wait for its workers (it
+kills them), between the micro-batches of an update (the partial update is dropped), between
+generation rounds (the rollout producer) and between rollout steps
+(:class:`~dapo_lightning.callbacks.RunGuard` checks :func:`stop_requested`). A
+:class:`StopRequested` raised inside a rollout step discards the step's partial round (the
+producer returns to the step's start state, as on any exception); the state of the last
+completed update is saved.
 The run guard then saves and the command exits with ``128 + signal number`` (143 for SIGTERM,
 130 for SIGINT), as a shell reports a process killed by that signal (see docs/design.md,
 "Stopping and resuming").
@@ -57,6 +63,17 @@ def request_stop(reason: str) -> None:
 def stop_requested() -> str | None:
     """The reason given to :func:`request_stop`, or None when no stop was requested."""
     return _reason
+
+
+def should_stop() -> bool:
+    """True once a stop was requested: what an engine polls between its decode / engine steps
+    (then it raises :class:`StopRequested`, or aborts its requests and raises)."""
+    return _reason is not None
+
+
+def raise_stop() -> None:
+    """Raise :class:`StopRequested` for the recorded stop (an engine that saw :func:`should_stop`)."""
+    raise StopRequested(_reason or "stop requested")
 
 
 def clear_stop_request() -> None:

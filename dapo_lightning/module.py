@@ -46,6 +46,7 @@ from dapo_lightning.callbacks.base import call_dapo_hook
 from dapo_lightning.checks import check_optimizer_settings, optimizer_error
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.metrics import rollout_step_metrics, validation_metrics
+from dapo_lightning.interrupt import raise_stop, request_stop, should_stop, stop_requested
 from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.lora import (
     LORA_CHECKPOINT_KEY,
@@ -292,6 +293,7 @@ class DAPOModule(LightningModule):
             self.trainer.should_stop = True
             return
         t_start, version = time.perf_counter(), self.policy_version  # the version it was drawn for
+        self._step_updates = 0  # updates of this rollout step completed (a stop drops none)
         batch = batch.trim()
         step = self._step_tensors(batch)
         for _ in range(self.batching.ppo_epochs):
@@ -375,13 +377,15 @@ class DAPOModule(LightningModule):
         micro_batches = self._micro_batches(batch, rows)
         acc.add("micro_batches", float(len(micro_batches)), op="max")
         acc.add("empty_micro_batches", float(sum(not m for m in micro_batches)), op="sum")
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         for i, idx in enumerate(micro_batches):
             loss, m = self._micro_loss(batch, idx, step, tokens, seqs)
             last = i == len(micro_batches) - 1
             self.adapter.backward(loss * self.adapter.grad_average_factor, last=last)
             acc.add_all(m, LOSS_METRIC_OPS, weight=float(m["token_count"]))
             acc.add("loss", float(loss.detach()), op="sum")
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+            if not last:
+                self._stop_between_micro_batches(optimizer)
         acc.add("lr", float(optimizer.param_groups[0]["lr"]), op="max")  # the rate it uses
         optimizer.step()  # -> on_before_optimizer_step: norm, clip, skip decision
         grad_norm, skipped = self._step_outcome
@@ -394,7 +398,24 @@ class DAPOModule(LightningModule):
         else:
             scheduler.step()
             self.policy_version += 1
+        self._step_updates = getattr(self, "_step_updates", 0) + 1
         return self._finish_update(acc, tokens, stepped=not skipped, grad_norm=grad_norm)
+
+    def _stop_between_micro_batches(self, optimizer: Any) -> None:
+        """A stop request (on any rank) before the rollout step's first update completed: drop
+        the partial update's gradients, put the data module back to the step's start (its
+        rollouts are regenerated on resume) and raise
+        :class:`~dapo_lightning.interrupt.StopRequested`; after an update of the step
+        completed, the step finishes (its state could not be put back)."""
+        if getattr(self, "_step_updates", 0) or not self.adapter.any_rank(should_stop()):
+            return
+        optimizer.zero_grad(set_to_none=True)
+        rewind = getattr(self._trainer.datamodule, "rewind_rollout_batch", None)
+        if callable(rewind):
+            rewind()
+        if stop_requested() is None:
+            request_stop("stop requested on another rank")
+        raise_stop()
 
     def _micro_loss(
         self, batch: RolloutBatch, idx: list[int], step: StepTensors, tokens: float, seqs: float

@@ -59,7 +59,8 @@ class FirstTokenParity:
 
 def pause_callback(run: Path) -> Any:
     """``DAPO_WORKER_PAUSE=update:K`` holds the optimizer step of update K + 1 for 3 s;
-    ``generation:K`` holds the first scored generation round of rollout step K + 1 for 3 s.
+    ``generation:K`` holds the first scored generation round of rollout step K + 1 for 3 s;
+    ``decode:K`` makes every decode step of rollout step K + 1's generation 1 s slower.
     ``RUN/paused`` exists during the pause, so a test can send a real signal exactly then (only
     the timing is arranged; the signal and its handling are real)."""
     import time
@@ -84,6 +85,21 @@ def pause_callback(run: Path) -> Any:
         def on_rollouts_scored(self, trainer: Any, pl_module: Any, rollouts: Any) -> None:
             if where == "generation" and not self.done and pl_module.rollout_step == int(at):
                 self._hold()
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            if where == "decode":
+                pl_module.policy.register_forward_pre_hook(
+                    lambda m, args, kw: self._slow_decode(pl_module, kw), with_kwargs=True
+                )
+
+        def _slow_decode(self, pl_module: Any, kw: dict[str, Any]) -> None:
+            """Each decode step of the HF engine (a cached forward) of rollout step K + 1 takes
+            1 s more and is logged in RUN/decode.log; RUN/paused appears at the first."""
+            if kw.get("use_cache") and pl_module.rollout_step == int(at):
+                with open(run / "decode.log", "a") as f:
+                    f.write("forward\n")
+                (run / "paused").write_text(where)
+                time.sleep(1.0)
 
     return Pause()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from math import inf, nan
@@ -21,6 +22,8 @@ import pytest
 import torch
 
 from dapo_lightning import DAPODataModule, DAPOModule
+from dapo_lightning.callbacks import CollapseDetector, EntropyScheduler, OverlongRewardShaping
+from dapo_lightning.callbacks.collapse import Detector
 from dapo_lightning.cli import build_cli
 from dapo_lightning.data.producer import DynamicSamplingConfig, DynamicSamplingError  # noqa: F401
 from dapo_lightning.data.sources import PromptDataError
@@ -531,6 +534,30 @@ def test_reward_that_hangs_on_every_sample_fails_the_round_within_its_budget():
     assert scored < runner.last_round_budget_s + 3.0, (scored, start)
 
 
+def test_stop_request_while_a_reward_hangs_kills_the_workers_at_once():
+    """A SIGTERM's stop request reaches the wait for a hanging worker within STOP_POLL_S: the
+    workers are killed and StopRequested raised (the hang used to hold SIGTERM for minutes)."""
+    import threading
+
+    from dapo_lightning.interrupt import StopRequested, clear_stop_request, request_stop
+
+    runner = RewardRunner(HangsUnlessOk(), timeout_s=300.0, num_workers=1, mp_context="fork")
+    try:
+        assert runner.score(["ok"], ["1"])[0].acc
+        worker = runner._workers[0].proc
+        timer = threading.Timer(1.0, request_stop, args=("SIGTERM",))
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(StopRequested, match="SIGTERM"):
+            runner.score(["x", "y"], ["1", "1"])
+        assert time.monotonic() - t0 < 1.0 + 5.0
+        worker.join(5)
+        assert not worker.is_alive() and runner._workers == []
+    finally:
+        clear_stop_request()
+        runner.close()
+
+
 def test_reward_that_returns_nan():
     with pytest.raises(RewardOutputError, match="score=nan .* must be finite"):
         RewardRunner(NaNReward(), in_process=True).score(["a"], ["1"])
@@ -783,9 +810,12 @@ def fit_main(args: list[str], capfd: pytest.CaptureFixture) -> tuple[int, str]:
     (exit status, stderr)."""
     from dapo_lightning.cli import main
 
-    with pytest.raises(SystemExit) as exc:
+    try:
         main(["fit", *args])
-    return int(exc.value.code or 0), capfd.readouterr().err
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, capfd.readouterr().err
 
 
 def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
@@ -834,6 +864,17 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
             ["exceeds the model's context", "Fix:"],
         ),
         (["--data.max_prompt_length=2"], ["more than max_prompt_length=2", "raise max_prompt"]),
+        (
+            [
+                '--data.reward={"class_path": "_hanging_reward.LockedReward"}',
+                "--data.reward_in_process=false",
+            ],
+            ["reward LockedReward cannot be sent", "_thread.lock", "reward_in_process: true"],
+        ),
+        (
+            ["--data.task=null", "--data.train_files=."],
+            ["train_files / val_files:", "is a folder but not one written by datasets"],
+        ),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0].startswith("--") else "",
 )
@@ -842,3 +883,63 @@ def test_cli_config_error_is_one_line_exit_2(tiny_checkpoint, tmp_path, capfd, a
     code, err = fit_main([f"--config={config}", *args], capfd)
     assert_one_error_line(code, err, *fragments)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_interrupted_model_write_leaves_no_temp_folder(tiny_checkpoint, tmp_path, capfd):
+    """A killed first-use model write leaves ``.model.tmp-PID-*``: the next fit removes it
+    (its process is gone) and writes the model; a live process's folder is left alone."""
+    import subprocess
+
+    run = tmp_path / "run"
+    run.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = run / f".model.tmp-{dead.pid}-0123abcd"
+    (stale / "sub").mkdir(parents=True)
+    live = run / f".model.tmp-{dead.pid + 10**7}-live"  # no such pid either: removed too
+    live.mkdir()
+    mine_alive = run / f".model.tmp-{os.getppid()}-alive"  # a live process (pytest's parent)
+    mine_alive.mkdir()
+    config = fit_config(tmp_path, run / "model")
+    code, err = fit_main(
+        [f"--config={config}", "--create_model_if_missing=tiny", "--trainer.max_steps=0"], capfd
+    )
+    assert code == 0, err[-3000:]
+    assert f"removed {stale}" in err
+    assert not stale.exists() and not live.exists() and mine_alive.is_dir()
+    assert (run / "model" / "config.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: Detector(signal="entropy", threshold=nan), "threshold must be finite"),
+        (
+            lambda: Detector(signal="entropy", threshold=0.1, min_value=nan),
+            "min_value must be finite",
+        ),
+        (
+            lambda: Detector(signal="repetition", threshold=0.5, max_repeat=inf),
+            "max_repeat must be finite",
+        ),
+        (
+            lambda: Detector(signal="entropy", threshold=0.1, ema_decay=nan),
+            "ema_decay must be in",
+        ),
+        (lambda: CollapseDetector(rollback_lr_scale=nan), "rollback_lr_scale must"),
+        (lambda: EntropyScheduler(start=nan), "start must be a finite"),
+        (
+            lambda: EntropyScheduler(schedule="adaptive", start=1e-3, target_high=nan),
+            "target_high must be a finite number",
+        ),
+        (
+            lambda: EntropyScheduler(schedule="adaptive", start=1e-3, coef_max=inf),
+            "coef_max must be a finite number",
+        ),
+        (lambda: OverlongRewardShaping(penalty_factor=nan), "penalty_factor"),
+    ],
+)
+def test_callback_float_settings_must_be_finite(make, match):
+    """Every float a callback takes is checked finite (NaN fails ``x < 0``-style checks)."""
+    with pytest.raises(ValueError, match=match):
+        make()

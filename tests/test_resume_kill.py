@@ -357,3 +357,31 @@ def test_sigterm_during_generation_stops_between_rounds_and_resumes_exactly(
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 8 and saved["dapo"]["rollout_step"] == 4, err[-4000:]
     _resume_and_compare(model_dir, run, reference[0])
+
+
+@pytest.mark.slow  # two worker fits (~25 s on idle cores): pytest -m slow -k decode_step
+def test_sigterm_inside_a_decode_step_stops_the_round_and_resumes_exactly(
+    model_dir, reference, tmp_path
+):
+    """A real SIGTERM while the HF engine is decoding rollout step 5 (each decode step made 1 s
+    slow; a round has 4): the engine stops before its next decode step (issue 29: a stop used
+    to wait for the round, minutes on a slow CPU), the partial round is discarded, the guard
+    saves update 8 within seconds, and the resumed run ends bit-identical."""
+    run = tmp_path / "run"
+    proc = _start(model_dir, run, DAPO_WORKER_PAUSE="decode:4", DAPO_WORKER_EVERY="3")
+    deadline = time.monotonic() + 240
+    while not (run / "paused").exists():
+        assert proc.poll() is None, proc.communicate()[1].decode()[-4000:]
+        assert time.monotonic() < deadline, "the worker never reached the decode steps"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=240)
+    stopped_s = time.monotonic() - t0
+    assert proc.returncode == 143, err.decode()[-4000:]
+    assert stopped_s < 20, stopped_s  # 10 s promised; the cores are shared
+    decodes = (run / "decode.log").read_text().splitlines()
+    assert len(decodes) <= 2, decodes  # the one under way (maybe one more), not the round's 4
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 8 and saved["dapo"]["rollout_step"] == 4
+    _resume_and_compare(model_dir, run, reference[0])

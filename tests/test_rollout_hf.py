@@ -216,3 +216,39 @@ def test_parity_monitor_schedule_and_on_real_rollouts(model, tokenizer):
             model, batch.input_ids, batch.attention_mask, batch.response_width, temperature=2.0
         )
     assert ParityMonitor()(hot, batch)["parity/max_abs_diff"] > 1e-2
+
+
+def test_a_stop_request_ends_generation_between_decode_steps(model, tokenizer):
+    """Issue 29: the engine polls ``should_stop`` before every decode step; once it is True the
+    round ends with StopRequested after exactly the decode steps already under way (a long
+    round no longer holds a SIGTERM), and the model's train mode is restored."""
+    from dapo_lightning.interrupt import StopRequested, clear_stop_request, request_stop
+
+    forwards: list[int] = []
+    handle = model.register_forward_pre_hook(lambda m, a: forwards.append(1))
+    polls = {"n": 0}
+
+    def should_stop() -> bool:
+        polls["n"] += 1
+        if polls["n"] == 4:  # before the 4th decode step of 1000
+            request_stop("SIGTERM")
+        return polls["n"] >= 4
+
+    engine = HFRolloutEngine(model, tokenizer, seed=0, eos_token_id=10**6, should_stop=should_stop)
+    model.train()
+    try:
+        with pytest.raises(StopRequested, match="SIGTERM") as info:
+            engine.generate(_prompts(tokenizer, ["abc"]), n=2, sampling=SamplingConfig(1000))
+        assert info.value.exit_code == 143
+        assert len(forwards) == 3 and model.training
+    finally:
+        handle.remove()
+        clear_stop_request()
+    # the default polls the process-wide request (a SIGTERM handler sets it)
+    default = HFRolloutEngine(model, tokenizer, seed=0)
+    request_stop("SIGINT")
+    try:
+        with pytest.raises(StopRequested, match="SIGINT"):
+            default.generate(_prompts(tokenizer, ["abc"]), n=1, sampling=SamplingConfig(5))
+    finally:
+        clear_stop_request()

@@ -35,7 +35,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dapo_lightning.checkpoint import previous_path
-from dapo_lightning.interrupt import exit_on_stop, stop_requested
+from dapo_lightning.interrupt import exit_on_stop, request_stop, stop_requested
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.run_lock import LOCK_NAME, RunLock
 from dapo_lightning.update import BatchingConfig
@@ -331,11 +331,18 @@ class _Signal(Callback):
             os.kill(os.getpid(), self.sig)
 
 
-def _fit(root: Path, model: Path, *callbacks: Callback, steps: int = 6, **trainer_kw: Any):
+def _fit(
+    root: Path,
+    model: Path,
+    *callbacks: Callback,
+    steps: int = 6,
+    micro_batch_size: int = 16,
+    **trainer_kw: Any,
+):
     module = DAPOModule(
         str(model),
         optimizer=sgd,
-        batching=BatchingConfig(micro_batch_size=16),
+        batching=BatchingConfig(micro_batch_size=micro_batch_size),
         parity_check_every=0,
     )
     trainer = Trainer(
@@ -373,6 +380,39 @@ def test_exception_inside_an_optimizer_step_is_not_saved(tmp_path, tiny_checkpoi
     assert not (tmp_path / "ckpts" / "last.ckpt").exists()
     err = capsys.readouterr().err
     assert "not saved: it came in the middle of an optimizer step" in err
+
+
+class _StopInBackward(Callback):
+    """Records a stop request (what the SIGTERM handler does) in the first backward of the
+    update after update ``at``; counts that update's backwards."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.backwards = at, 0
+
+    def on_before_backward(self, trainer: Trainer, pl_module: Any, loss: Any) -> None:
+        if trainer.global_step == self.at:
+            self.backwards += 1
+            request_stop("SIGTERM")
+
+
+def test_stop_between_micro_batches_drops_the_partial_update(tmp_path, tiny_checkpoint, capsys):
+    """Issue 29: a stop during an update (2 micro-batches) whose rollout step has applied no
+    update yet is honoured after the micro-batch under way: the partial update is dropped and
+    update 2 is saved, equal to an uninterrupted 2-update run."""
+    from dapo_lightning.interrupt import StopRequested, clear_stop_request
+
+    stopper = _StopInBackward(at=2)
+    try:
+        with pytest.raises(StopRequested, match="SIGTERM"):
+            _fit(tmp_path / "a", tiny_checkpoint, stopper, micro_batch_size=8)
+    finally:
+        clear_stop_request()
+    assert stopper.backwards == 1  # the second micro-batch never ran
+    saved = torch.load(tmp_path / "a" / "ckpts" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 2 and "saved on SIGTERM, update 2" in capsys.readouterr().err
+    reference = _fit(tmp_path / "b", tiny_checkpoint, steps=2, micro_batch_size=8)
+    expected = reference.lightning_module.state_dict()
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in expected.items())
 
 
 def test_stop_overruled_by_min_steps_still_stops(tmp_path, tiny_checkpoint, capfd):
@@ -427,3 +467,68 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_update(tmp_path, tiny
     assert step_of(tmp_path / "ckpts" / "last.ckpt") == 3
     assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["last.ckpt"]
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+@pytest.mark.slow  # a console-script fit with a reward worker (~20 s idle): -m slow -k reward_hangs
+def test_sigterm_while_a_reward_hangs_exits_at_once_with_the_last_update_saved(
+    tiny_checkpoint, tmp_path
+):
+    """Issue 29: a reward that hangs in its worker held SIGTERM for minutes. Update 1 scores,
+    update 2's reward hangs (timeout 300 s): SIGTERM kills the workers, the partial round is
+    discarded, update 1 is saved and the command exits 143 within seconds."""
+
+    marker = tmp_path / "calls.txt"
+    run = tmp_path / "run"
+    config = tmp_path / "fit.yaml"
+    config.write_text(
+        f"""
+model:
+  class_path: dapo_lightning.DAPOModule
+  init_args: {{model_name_or_path: {tiny_checkpoint}, micro_batch_size: 8, parity_check_every: 0}}
+data:
+  class_path: dapo_lightning.DAPODataModule
+  init_args:
+    task: arithmetic
+    task_kwargs: {{level: 1, num_prompts: 16}}
+    reward: {{class_path: _hanging_reward.HangsAfterCalls, init_args: {{marker: {marker}}}}}
+    reward_timeout_s: 300
+    apply_chat_template: false
+    max_prompt_length: 16
+    sampling: {{max_tokens: 4}}
+    dynamic_sampling: {{n: 2, train_batch_size: 2, filter_metric: null}}
+trainer:
+  max_steps: 5
+  logger: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  accelerator: cpu
+  default_root_dir: {run}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{dirpath: checkpoints, save_last: true, save_top_k: 0, every_n_train_steps: 100}}
+"""
+    )
+    tests_dir = Path(__file__).parent
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")]),
+    }
+    cli = [sys.executable, "-m", "dapo_lightning", "fit", f"--config={config}"]
+    proc = subprocess.Popen(cli, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 400
+    while not (marker.exists() and len(marker.read_text().splitlines()) >= 2):
+        assert proc.poll() is None, proc.communicate()[1].decode()[-4000:]
+        assert time.monotonic() < deadline, "the reward was never called twice"
+        time.sleep(0.05)
+    time.sleep(0.5)  # well inside the hang
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    stopped_s = time.monotonic() - t0
+    text = err.decode()
+    assert proc.returncode == 143, text[-4000:]
+    assert stopped_s < 20, stopped_s  # 10 s promised; the cores are shared
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 1, text[-4000:]
+    assert "Saved" in text and "update 1" in text

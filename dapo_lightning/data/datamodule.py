@@ -442,6 +442,7 @@ class DAPODataModule(pl.LightningDataModule):
         episodes = isinstance(self.session, EpisodeSession)
         if episodes:
             self.session.take_stats()  # validation's episodes are not this step's
+        self._batch_start = (self.producer.state_dict(), self.session.state_dict())
         try:
             batch = self.producer.next_batch(self._policy_version())
         except TrainingComplete as done:
@@ -451,6 +452,19 @@ class DAPODataModule(pl.LightningDataModule):
             batch.stats.update(self.session.take_stats())
         self.drawn_log.append(list(self.producer.drawn_uids))
         return batch
+
+    def rewind_rollout_batch(self) -> None:
+        """Put the producer and the engine's RNG back to before the last
+        :meth:`next_rollout_batch` (a stop dropped its update before any weight changed: on
+        resume the same rollouts are generated again)."""
+        start = getattr(self, "_batch_start", None)
+        if start is None or self.producer is None:
+            return
+        self.producer.load_state_dict(start[0])
+        self.session.load_state_dict(start[1])
+        if self.drawn_log:
+            self.drawn_log.pop()
+        self._batch_start = None
 
     def validation_rollouts(self, index: int) -> ScoredRollouts:
         """``val_n`` scored responses for each prompt of validation chunk ``index``."""

@@ -173,9 +173,20 @@ def _read_file(path: Path) -> list[Any]:
     )
 
 
+#: Files ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` write at a folder's top.
+_SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
 def _read_dataset_dir(path: Path) -> list[Any]:
     import datasets
 
+    if not any((path / name).is_file() for name in _SAVED_DATASET_FILES):
+        raise PromptDataError(
+            f"train_files / val_files: {path} is a folder but not one written by "
+            f"datasets' save_to_disk (it has no {' / '.join(_SAVED_DATASET_FILES)}). Fix: "
+            "list the prompt files inside it (.jsonl, .json or .parquet), e.g. "
+            f"train_files: [{path}/train.jsonl]."
+        )
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:

@@ -13,12 +13,13 @@ draw different samples).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from dapo_lightning import interrupt
 from dapo_lightning.logprobs import position_ids_from_mask
 from dapo_lightning.rollout.base import Completion, SamplingConfig
 
@@ -71,6 +72,9 @@ class HFRolloutEngine:
             ``None`` draws a seed from torch's global RNG.
         owns_model: ``model`` is the engine's own copy (not the policy being trained):
             ``load_weights`` copies pushed weights into it.
+        should_stop: Polled between decode steps; when it returns True the round is abandoned
+            with :class:`~dapo_lightning.interrupt.StopRequested` (default: a SIGTERM / SIGINT
+            stop request, :func:`dapo_lightning.interrupt.should_stop`).
     """
 
     def __init__(
@@ -83,8 +87,10 @@ class HFRolloutEngine:
         max_batch_size: int | None = None,
         seed: int | None = None,
         owns_model: bool = False,
+        should_stop: Callable[[], bool] = interrupt.should_stop,
     ) -> None:
         self.model = model
+        self.should_stop = should_stop
         self.owns_model = owns_model
         if eos_token_id is None and tokenizer is not None:
             eos_token_id = tokenizer.eos_token_id
@@ -194,6 +200,8 @@ class HFRolloutEngine:
         past = None
         step_ids = input_ids
         for t in range(sampling.max_tokens):
+            if self.should_stop():  # a stop within one decode step, not after the round
+                interrupt.raise_stop()
             out = self.model(
                 input_ids=step_ids,
                 attention_mask=attention_mask,
