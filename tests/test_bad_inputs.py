@@ -936,7 +936,7 @@ def test_interrupted_model_write_leaves_no_temp_folder(tiny_checkpoint, tmp_path
             lambda: EntropyScheduler(schedule="adaptive", start=1e-3, coef_max=inf),
             "coef_max must be a finite number",
         ),
-        (lambda: OverlongRewardShaping(penalty_factor=nan), "penalty_factor"),
+        (lambda: OverlongRewardShaping(buffer_length=2, penalty_factor=nan), "penalty_factor"),
     ],
 )
 def test_callback_float_settings_must_be_finite(make, match):
