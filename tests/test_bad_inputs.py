@@ -832,6 +832,8 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
     [
         (["--model.gradient_clip_val=.nan"], ["DAPOModule: gradient_clip_val=nan is not finite"]),
         (["--model.gradient_clip_val=.inf"], ["gradient_clip_val=inf is not finite"]),
+        (["--model.loss.clip_ratio_high=.nan"], ["loss.clip_ratio_high=nan is not finite"]),
+        (["--model.loss.clip_ratio_low=.nan"], ["loss.clip_ratio_low=nan is not finite"]),
         (["--data.sampling.temperature=.nan"], ["temperature=nan is not finite"]),
         (["--data.sampling.temperature=.inf"], ["temperature=inf is not finite"]),
         (["--data.sampling.top_p=.nan"], ["top_p must be in (0, 1], got nan"]),

@@ -484,7 +484,10 @@ def test_sigterm_while_a_reward_hangs_exits_at_once_with_the_last_update_saved(
         f"""
 model:
   class_path: dapo_lightning.DAPOModule
-  init_args: {{model_name_or_path: {tiny_checkpoint}, micro_batch_size: 8, parity_check_every: 0}}
+  init_args:
+    model_name_or_path: {tiny_checkpoint}
+    batching: {{micro_batch_size: 8}}
+    parity_check_every: 0
 data:
   class_path: dapo_lightning.DAPODataModule
   init_args:

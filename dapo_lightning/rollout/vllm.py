@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dapo_lightning.interrupt import StopRequested
+from dapo_lightning.interrupt import StopRequested, stop_requested
+from dapo_lightning.interrupt import should_stop as should_stop_requested
 from dapo_lightning.logging_setup import quiet_partial_reload
 from dapo_lightning.precision import resolve_dtype
 from dapo_lightning.rollout.base import Completion, SamplingConfig
@@ -261,7 +262,8 @@ class VLLMRolloutEngine:
         should_stop: Checked between engine steps (also the attribute ``should_stop``, which
             a run guard may set later): when it returns True, the requests in flight are
             aborted and ``generate`` / ``stream_groups`` raise
-            :class:`~dapo_lightning.interrupt.StopRequested`. None: never.
+            :class:`~dapo_lightning.interrupt.StopRequested`. Default: a SIGTERM / SIGINT stop
+            request (:func:`dapo_lightning.interrupt.should_stop`); None: never.
         **engine_kwargs: Passed to ``vllm.LLM`` (override the defaults set here).
             ``enable_lora=True`` (with ``max_lora_rank`` >= the adapters' ``r``) makes the
             engine session push a LoRA policy's adapters only (:meth:`load_adapter`).
@@ -280,7 +282,7 @@ class VLLMRolloutEngine:
         seed: int = 0,
         distributed: bool | None = None,
         weight_bucket_bytes: int = 512 * 2**20,
-        should_stop: Callable[[], bool] | None = None,
+        should_stop: Callable[[], bool] | None = should_stop_requested,
         **engine_kwargs: Any,
     ) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -379,7 +381,7 @@ class VLLMRolloutEngine:
                 )  # fmt: skip
             while where:
                 if self.should_stop is not None and self.should_stop():
-                    raise StopRequested("should_stop")
+                    raise StopRequested(stop_requested() or "should_stop")
                 done = [o for o in engine.step() if o.finished and o.request_id in where]
                 if done:
                     yield [(where.pop(o.request_id), _completions(o)) for o in done]
