@@ -243,7 +243,12 @@ def test_sampling_bad_settings(kwargs, match):
         ({"max_staleness": -1}, "max_staleness must be >= 0"),
         ({"retire_after": -1}, "retire_after must be >= 0"),
         ({"revisit_every": 0}, "revisit_every must be >= 1"),
-        ({"adaptive_n": True, "max_n": 2}, "max_n=2 must be >= n=16"),
+        ({"selection": "greedy"}, "selection must be 'uniform' or 'predictive'"),
+        ({"max_skip": 1.0}, "max_skip must be in"),
+        ({"max_skip": nan}, "max_skip must be in"),
+        ({"revisit_within": 0}, "revisit_within must be >= 1"),
+        ({"round_sizing": "auto"}, "round_sizing must be 'fixed' or 'kept_frac'"),
+        ({"max_gen_batch_size": 0}, "max_gen_batch_size must be >= 1"),
     ],
 )
 def test_dynamic_sampling_bad_settings(kwargs, match):

@@ -88,3 +88,14 @@ def test_rollout_throughput_quick() -> None:
 def test_learning_efficiency_quick() -> None:
     out = _run("benchmarks.learning_efficiency", "learning_efficiency_quick.png", timeout=890)
     assert "DAPO" in out and "GRPO baseline" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sampling_efficiency_simulated_quick() -> None:
+    out = _run("benchmarks.sampling_efficiency", "sampling_efficiency_quick.png", timeout=290)
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("samples per kept group: uniform ") and last.endswith(" n")
+    uniform = float(last.split("uniform ")[1].split(" n")[0])
+    default = float(last.split("default ")[1].split(" n")[0])
+    assert default < uniform  # predictive selection already helps within 20 steps

@@ -12,7 +12,6 @@ import zlib
 import pytest
 import torch
 
-from dapo_lightning.data.difficulty import subsample_keep_variance
 from dapo_lightning.data.producer import (
     STAT_OPS,
     DynamicSamplingConfig,
@@ -335,37 +334,6 @@ def test_retire_and_park():
         assert all(b - a >= 2 for a, b in zip(epochs, epochs[1:])), epochs
     assert producer.next_batch().stats["data/retired"] == tracker.num_retired > 0
     assert tracker.num_parked > 0
-
-
-def test_adaptive_group_size_budget_and_subsampling():
-    engine = ScriptedEngine()
-    producer = make_producer(engine, adaptive_n=True, max_n=12, gen_batch_size=8)
-    tracker = producer.tracker
-    for _ in range(4):
-        batch = producer.next_batch()
-        assert batch.batch_size == 32 and batch.group_size == 4
-        acc = group_accs(batch)
-        assert (acc.max(1).values > acc.min(1).values).all()
-    # every round stays within its budget of gen_batch_size * n samples
-    assert max(n for _, n in engine.calls) > 4
-    assert all(p * n <= 32 for p, n in engine.calls)
-    # harder prompts get more samples
-    hard = [r.uid for r in producer.records if pass_rate_of(r.prompt) == 0.25]
-    easy = [r.uid for r in producer.records if pass_rate_of(r.prompt) == 1.0]
-    seen_hard = [u for u in hard if u in tracker.stats]
-    seen_easy = [u for u in easy if u in tracker.stats]
-    assert tracker.group_size(seen_hard[0], 4, 12) > tracker.group_size(seen_easy[0], 4, 12) == 4
-
-
-def test_subsample_keep_variance():
-    import random
-
-    rng = random.Random(0)
-    acc = [1.0] + [0.0] * 11
-    for _ in range(20):
-        idx = subsample_keep_variance(acc, 4, rng)
-        assert len(idx) == 4 and 0 in idx and idx == sorted(idx)
-    assert subsample_keep_variance([1.0] * 5, 4, rng).__len__() == 4
 
 
 def test_resume_draws_the_same_prompts(tmp_path):

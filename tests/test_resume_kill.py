@@ -216,7 +216,8 @@ def test_reference_checkpoint_holds_everything(reference):
     data = ckpt["DAPODataModule"]["ranks"][0]  # one entry per rank
     producer = data["producer"]
     assert producer["sampler"]["epoch"] >= 1 and "cursor" in producer["sampler"]  # prompt cursor
-    assert producer["rng"]  # subsampling RNG
+    assert producer["selector"]["rng"]  # predictive selection's RNG (the default selection)
+    assert producer["kept_estimate"][1] > 0  # the kept fraction that sizes the rounds
     assert producer["tracker"]["stats"]  # per-prompt statistics
     assert isinstance(producer["carried"], list)  # carried groups
     assert any(isinstance(v, torch.Tensor) for v in _leaves(data["engine"]))  # HF engine RNG

@@ -2,7 +2,12 @@
 
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.datamodule import DAPODataModule, RolloutTicket, ValidationTicket
-from dapo_lightning.data.difficulty import DifficultyTracker, PromptStats, subsample_keep_variance
+from dapo_lightning.data.difficulty import (
+    DifficultyTracker,
+    PredictiveSelector,
+    PromptStats,
+    zero_variance_prob,
+)
 from dapo_lightning.data.metrics import validation_metrics
 from dapo_lightning.data.producer import (
     STAT_OPS,
@@ -35,6 +40,7 @@ __all__ = [
     "EndOfTraining",
     "FieldMap",
     "PromptDataError",
+    "PredictiveSelector",
     "PromptRecord",
     "PromptSampler",
     "PromptStats",
@@ -52,7 +58,7 @@ __all__ = [
     "read_rows",
     "records_from_rows",
     "split_train_val",
-    "subsample_keep_variance",
+    "zero_variance_prob",
     "tokenize_records",
     "validation_metrics",
 ]

@@ -1,5 +1,5 @@
 """Per-prompt pass-rate statistics, retiring solved prompts, parking hopeless ones, and
-difficulty-adaptive group sizes (beyond the paper).
+predictive selection (beyond the paper).
 
 A *visit* is one generation of a group for a prompt. After each visit the prompt's statistics
 (visits, samples, correct samples, streak of all-correct visits, ever solved) are updated with the
@@ -10,14 +10,6 @@ A *visit* is one generation of a group for a prompt. After each visit the prompt
 - Park: a prompt never solved after ``park_after`` visits is parked; it is skipped until
   ``revisit_every`` epochs have passed since it was parked, then visited once more (and parked
   again if still unsolved; solving it unparks it).
-- Adaptive group size (:meth:`DifficultyTracker.group_size`): a prompt with pass rate ``p``
-  (``0.5`` before its first visit) is sampled ``n_i = n + round((max_n - n) * (1 - p))`` times, so
-  hard prompts get up to ``max_n`` samples and solved ones ``n``. The buffer keeps a fixed budget
-  of ``gen_batch_size * n`` samples per round (so a round holds fewer prompts when they are
-  hard) and subsamples each group back to exactly ``n`` responses, keeping both correct and wrong
-  ones when the group has both (:func:`subsample_keep_variance`). The batch handed to the module
-  therefore always has groups of ``n``; the subsample's pass rate is not the prompt's (it is
-  nudged towards a mix), which biases advantages slightly in exchange for fewer wasted groups.
 - Predictive selection (:class:`PredictiveSelector`, beyond the paper; the idea of GRESO, 2025):
   a prompt whose history predicts a zero-variance group is skipped with that probability. The
   history is a Beta posterior on the prompt's pass rate ``p``: prior ``Beta(a0, b0)``
@@ -133,12 +125,6 @@ class DifficultyTracker:
     def num_parked(self) -> int:
         return sum(s.parked_epoch is not None and not s.retired for s in self.stats.values())
 
-    def group_size(self, uid: str, n: int, max_n: int) -> int:
-        """Adaptive samples for ``uid``: ``n + round((max_n - n) * (1 - pass_rate))``."""
-        p = self.get(uid).pass_rate if uid in self.stats else None
-        p = 0.5 if p is None else p
-        return n + round((max_n - n) * (1.0 - p))
-
     def state_dict(self) -> dict[str, Any]:
         # vars() copies, not asdict(): this runs before every batch (PromptStats is flat)
         return {"stats": {uid: dict(vars(s)) for uid, s in self.stats.items()}}
@@ -215,26 +201,3 @@ class PredictiveSelector:
         rng = state["rng"]
         self.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
         self.skipped = int(state["skipped"])
-
-
-def subsample_keep_variance(acc: Sequence[float], n: int, rng: random.Random) -> list[int]:
-    """Indices of ``n`` of the ``m = len(acc)`` samples, in their original order.
-
-    When the group has both correct and wrong samples, the subsample keeps
-    ``c = clamp(round(n * correct / m), 1, n - 1)`` correct ones and ``n - c`` wrong ones (so the
-    group keeps its variance); otherwise it is a uniform random choice.
-    """
-    m = len(acc)
-    if m < n:
-        raise ValueError(f"cannot subsample {n} of {m} samples.")
-    if m == n:
-        return list(range(m))
-    good = [i for i, a in enumerate(acc) if a > 0.5]
-    bad = [i for i, a in enumerate(acc) if a <= 0.5]
-    if good and bad and n >= 2:
-        c = min(max(round(n * len(good) / m), 1), n - 1, len(good))
-        c = max(c, n - len(bad))
-        chosen = rng.sample(good, c) + rng.sample(bad, n - c)
-    else:
-        chosen = rng.sample(range(m), n)
-    return sorted(chosen)

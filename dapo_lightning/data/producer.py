@@ -24,7 +24,6 @@ collective can hang. An exception on one rank is raised on every rank after the 
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,11 +33,7 @@ import torch
 from torch import Tensor
 
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
-from dapo_lightning.data.difficulty import (
-    DifficultyTracker,
-    PredictiveSelector,
-    subsample_keep_variance,
-)
+from dapo_lightning.data.difficulty import DifficultyTracker, PredictiveSelector
 from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted
 from dapo_lightning.data.sources import PromptRecord
 from dapo_lightning.envs.runner import episode_results, token_masks
@@ -110,9 +105,6 @@ class DynamicSamplingConfig:
         retire_after: Retire prompts all-correct in this many visits in a row (0: never).
         park_after: Park prompts never solved after this many visits (0: never).
         revisit_every: Epochs a parked prompt waits before it is visited again.
-        adaptive_n: Difficulty-adaptive group sizes within a fixed sample budget
-            (:mod:`dapo_lightning.data.difficulty`).
-        max_n: Largest adaptive group size (None: 2n).
         selection: How prompts are drawn: ``"uniform"`` (every eligible prompt in turn) or
             ``"predictive"`` (default: skip a prompt with the probability, capped at
             ``max_skip``, that its next group has zero variance, from its history;
@@ -149,8 +141,6 @@ class DynamicSamplingConfig:
     retire_after: int = 3
     park_after: int = 0
     revisit_every: int = 1
-    adaptive_n: bool = False
-    max_n: int | None = None
     selection: Selection = "predictive"
     max_skip: float = 0.99
     revisit_within: int = 16
@@ -183,8 +173,6 @@ class DynamicSamplingConfig:
         _at_least(self.retire_after, 0, "retire_after", "0 = never")
         _at_least(self.park_after, 0, "park_after", "0 = never")
         _at_least(self.revisit_every, 1, "revisit_every", "epochs")
-        if self.adaptive_n and self.group_max < self.n:
-            raise ValueError(f"max_n={self.max_n} must be >= n={self.n}.")
         if self.selection not in ("uniform", "predictive"):
             raise ValueError(
                 f"selection must be 'uniform' or 'predictive', got {self.selection!r}."
@@ -214,11 +202,6 @@ class DynamicSamplingConfig:
             return self.max_gen_batch_size
         return max(4 * self.train_batch_size, self.prompts_per_round)
 
-    @property
-    def group_max(self) -> int:
-        """The largest adaptive group size (``max_n`` or ``2 n``)."""
-        return self.max_n if self.max_n is not None else 2 * self.n
-
     def check_split(self, world_size: int, num_prompts: int) -> None:
         """Raise unless the batch sizes split over ``world_size`` ranks and fit the prompts."""
         for name, value in (
@@ -245,8 +228,8 @@ class DynamicSamplingConfig:
         return self.selection == "predictive" and self.filter_metric is not None
 
     def make_tracker(self) -> DifficultyTracker | None:
-        """Per-prompt statistics when retiring, parking, adaptive sizes or prediction need them."""
-        if self.retire_after or self.park_after or self.adaptive_n or self.predictive:
+        """Per-prompt statistics when retiring, parking or predictive selection need them."""
+        if self.retire_after or self.park_after or self.predictive:
             return DifficultyTracker(self.retire_after, self.park_after, self.revisit_every)
         return None
 
@@ -332,7 +315,7 @@ class RolloutProducer:
         decode: Token ids -> response text for the reward; used when the engine gives no text.
         pad_token_id: Padding id of the batch tensors.
         sampling: Sampling settings of training rollouts.
-        seed: Seeds the prompt order and the adaptive subsampling.
+        seed: Seeds the prompt order and the predictive selection.
         rank: This rank.
         world_size: Number of ranks.
         tp_size: Ranks per tensor-parallel engine group (vLLM ``tensor_parallel_size`` under
@@ -389,7 +372,6 @@ class RolloutProducer:
         self.on_scored = on_scored
         self.tracker = config.make_tracker()
         self.sampler = PromptSampler(len(self.records), seed=seed, rank=group, world_size=groups)
-        self.rng = random.Random(f"{seed}-{group}-subsample")
         self.selector = (
             PredictiveSelector(
                 config.n, config.max_skip, config.revisit_within, seed=f"{seed}-{group}-select"
@@ -478,9 +460,8 @@ class RolloutProducer:
         return rollouts
 
     # ------------------------------------------------------------------ rounds
-    def _draw(self, count: int) -> tuple[list[int], list[int], list[int]]:
-        """``count`` prompt indices (or adaptive sizes within ``count * n`` samples), their
-        sizes and the epochs they were drawn in."""
+    def _draw(self, count: int) -> tuple[list[int], list[int]]:
+        """``count`` prompt indices and the epochs they were drawn in."""
         tracker, selector = self.tracker, self.selector
         eligible = skip = None
         if tracker is not None:
@@ -493,46 +474,24 @@ class RolloutProducer:
             def skip(i: int, epoch: int) -> bool:
                 return not selector.take(tracker.stats.get(self.records[i].uid), epoch)
 
-        n = self.config.n
-        if not self.config.adaptive_n:
-            idx = self.sampler.take(count, eligible, skip=skip)
-            return idx, [n] * len(idx), list(self.sampler.last_epochs)
-        budget = count * n
-        idx, sizes, epochs = [], [], []
-        while budget >= n:
-            i = self.sampler.take(1, eligible, skip=skip)[0]
-            size = min(tracker.group_size(self.records[i].uid, n, self.config.group_max), budget)
-            idx.append(i)
-            sizes.append(size)
-            epochs.append(self.sampler.last_epochs[0])
-            budget -= size
-        return idx, sizes, epochs
+        idx = self.sampler.take(count, eligible, skip=skip)
+        return idx, list(self.sampler.last_epochs)
 
     def _filter(
         self,
         records: list[PromptRecord],
-        sizes: list[int],
         epochs: list[int],
         rollouts: ScoredRollouts,
         stats: dict[str, float],
     ) -> ScoredRollouts | None:
-        """Record the visits (in the epochs they were drawn in), subsample adaptive groups,
-        shape, keep groups with variance."""
+        """Record the visits (in the epochs they were drawn in), shape, keep groups with
+        variance."""
         if self.tracker is not None:
             per_group: list[list[float]] = [[] for _ in records]
             for g, a in zip(rollouts.group_index.tolist(), rollouts.acc.tolist()):
                 per_group[g].append(a)
             for rec, accs, epoch in zip(records, per_group, epochs):
                 self.tracker.update(rec.uid, accs, epoch)
-        if any(s != self.config.n for s in sizes):
-            keep: list[int] = []
-            for g in range(len(records)):
-                members = (rollouts.group_index == g).nonzero().flatten().tolist()
-                sub = subsample_keep_variance(
-                    rollouts.acc[members].tolist(), self.config.n, self.rng
-                )
-                keep.extend(members[j] for j in sub)
-            rollouts = rollouts.select(keep)
         if self.on_scored is not None:
             self.on_scored(rollouts)
         _add(stats, "data/generated_groups", float(len(records)))
@@ -553,18 +512,14 @@ class RolloutProducer:
         With a streaming engine (``in_flight``) the round stops once ``need`` groups are kept.
         None if nothing was kept.
         """
-        idx, sizes, epochs = self._draw(count)
+        idx, epochs = self._draw(count)
         records = [self.records[i] for i in idx]
-        engine = self.session.engine
-        if (
-            self.config.in_flight
-            and not self.config.adaptive_n
-            and hasattr(engine, "stream_groups")
-        ):
+        if self.config.in_flight and hasattr(self.session.engine, "stream_groups"):
             return self._stream_round(idx, epochs, need, policy_version, stats)
         self.drawn_uids.extend(r.uid for r in records)
+        sizes = [self.config.n] * len(records)
         rollouts = self.score(records, sizes, self.sampling, policy_version, stats)
-        return self._filter(records, sizes, epochs, rollouts, stats)
+        return self._filter(records, epochs, rollouts, stats)
 
     def _stream_round(
         self,
@@ -599,9 +554,7 @@ class RolloutProducer:
                 rollouts = self.score_completions(
                     records, [c for _, c in finished], self.sampling, policy_version, stats
                 )
-                got = self._filter(
-                    records, [n] * len(keys), [epochs[k] for k in keys], rollouts, stats
-                )
+                got = self._filter(records, [epochs[k] for k in keys], rollouts, stats)
                 t0 = time.perf_counter()
                 if got is not None:
                     parts.append(got)
@@ -789,11 +742,10 @@ class RolloutProducer:
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Prompt cursor, epoch and given-back prompts, subsampling RNG, per-prompt statistics,
-        the selection RNG, the round-sizing estimate, carried groups."""
+        """Prompt cursor, epoch and given-back prompts, per-prompt statistics, the selection
+        RNG, the round-sizing estimate, carried groups."""
         return {
             "sampler": self.sampler.state_dict(),
-            "rng": self.rng.getstate(),
             "tracker": self.tracker.state_dict() if self.tracker is not None else None,
             "selector": self.selector.state_dict() if self.selector is not None else None,
             "kept_estimate": list(self.kept_estimate),
@@ -803,8 +755,6 @@ class RolloutProducer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self.sampler.load_state_dict(state["sampler"])
-        rng = state["rng"]
-        self.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
         if self.tracker is not None and state.get("tracker") is not None:
             self.tracker.load_state_dict(state["tracker"])
         if self.selector is not None and state.get("selector") is not None:
