@@ -9,6 +9,12 @@ Public API::
     from dapo_lightning.callbacks import OverlongRewardShaping, EntropyScheduler, CollapseDetector
 """
 
+# isort: split
+# First, before torch loads its OpenMP runtime: it sets OMP_WAIT_POLICY=PASSIVE (idle OpenMP
+# threads sleep instead of spinning; dapo_lightning/threads.py says when it cannot).
+import dapo_lightning.threads  # noqa: F401
+
+# isort: split
 from dapo_lightning.advantages import (
     ADVANTAGE_ESTIMATORS,
     GroupStats,

@@ -56,10 +56,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
+from dapo_lightning import plot
 from dapo_lightning.checkpoint import (
     CheckpointDiskFullError,
     NonFiniteCheckpointError,
@@ -68,10 +70,14 @@ from dapo_lightning.checkpoint import (
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.datamodule import DAPODataModule
 from dapo_lightning.interrupt import exit_on_stop
+from dapo_lightning.logging_setup import quiet_known_warnings
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.precision import resolve_trainer_precision
 from dapo_lightning.run_lock import RunDirLockedError
 from dapo_lightning.step_guard import NonFiniteUpdatesError
+from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
+from dapo_lightning.testing import make_tiny_checkpoint, tiny_num_parameters
+from dapo_lightning.threads import apply_threads, choose_threads, count_parameters
 
 #: ``--ckpt_path`` value that picks the newest loadable checkpoint (see :func:`resolve_auto_checkpoint`).
 AUTO_CKPT = "auto"
@@ -164,6 +170,15 @@ class DAPOLightningCLI(LightningCLI):
             "FOLDER} (relative: under trainer.default_root_dir), or just the kind to write it at "
             "model.model_name_or_path.",
         )
+        parser.add_argument(
+            "--threads",
+            type=int | Literal["auto"],
+            default="auto",
+            help="Intra-op threads of torch: auto (1 for a model of at most 2M parameters, "
+            "else the usable cores shared by the CPU processes of the run) or a count. "
+            "OMP_NUM_THREADS / MKL_NUM_THREADS, when set, win over auto "
+            "(dapo_lightning/threads.py).",
+        )
         parser.link_arguments(
             "model.init_args.model_name_or_path", "data.init_args.model_name_or_path"
         )
@@ -181,8 +196,11 @@ class DAPOLightningCLI(LightningCLI):
             trainer.precision = resolve_trainer_precision(
                 trainer.get("precision"), trainer.get("accelerator", "auto")
             )
+        if self.subcommand == "validate":
+            separate_validate_logs(config)
         fill_data_seed(config)
         self._model_to_create = model_to_create(config)
+        choose_run_threads(config, self._model_to_create)
 
     def instantiate_classes(self) -> None:
         """Instantiate as LightningCLI does, then write the first-use model (the classes check
@@ -239,10 +257,12 @@ class DAPOLightningCLI(LightningCLI):
         ckpt_path: str | None = None,
         **kwargs: Any,
     ) -> Any:
-        """``trainer.validate`` with ``ckpt_path="auto"`` resolved first."""
-        return self.trainer.validate(
-            model, datamodule=datamodule, ckpt_path=self._resolve_ckpt_path(ckpt_path), **kwargs
-        )
+        """``trainer.validate`` with ``ckpt_path="auto"`` resolved first, at the checkpoint's
+        update (:func:`continue_update_count`)."""
+        resolved = self._resolve_ckpt_path(ckpt_path)
+        if resolved is not None:
+            continue_update_count(self.trainer, resolved)
+        return self.trainer.validate(model, datamodule=datamodule, ckpt_path=resolved, **kwargs)
 
 
 # ----------------------------------------------------------------------------- config rewriting
@@ -286,6 +306,37 @@ def resolve_run_paths(config: Namespace) -> None:
             value = section.init_args.get(key)
             if isinstance(value, str | os.PathLike):
                 section.init_args[key] = run_path(root, os.fspath(value))
+
+
+#: What ``validate`` appends to each logger's ``name``: its metrics go to a folder of their own
+#: (``runs/quickstart/logs-validate/version_*``), never a new version of the fit's logs.
+VALIDATE_LOG_SUFFIX = plot.VALIDATE_LOG_SUFFIX
+
+
+def separate_validate_logs(config: Namespace) -> None:
+    """``validate``: every logger's ``name`` gets :data:`VALIDATE_LOG_SUFFIX` (a logger without
+    one: Lightning's default ``lightning_logs``), so a validation never adds a ``version_*`` to
+    the fit's log folder, where ``plot`` would take it for a resume from step 0."""
+    trainer = config.get("trainer") or Namespace()
+    for section in _sections(trainer.get("logger")):
+        name = section.init_args.get("name")
+        name = "lightning_logs" if name is None else str(name)
+        if name and not name.endswith(VALIDATE_LOG_SUFFIX):
+            section.init_args["name"] = name + VALIDATE_LOG_SUFFIX
+
+
+def continue_update_count(trainer: Trainer, ckpt_path: str | os.PathLike[str]) -> int:
+    """Restore the fit loop's counters from ``ckpt_path`` (Lightning restores them for ``fit``
+    only), so that a validation of an update-170 checkpoint says "validation at update 170" and
+    logs at step 169, where the fit logged its validation after update 170 (ValidateAtStart's
+    "updates done = step + 1"). Returns the update."""
+    state = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+    loops = state.get("loops", {}).get("fit_loop")
+    if loops is not None:
+        trainer.fit_loop.load_state_dict(loops)
+    update = int(state.get("global_step", 0))
+    trainer.fit_loop.epoch_loop._batches_that_stepped = update - 1  # the logging step
+    return update
 
 
 def fill_data_seed(config: Namespace) -> None:
@@ -352,7 +403,6 @@ def write_model(config: Namespace, kind: str, target: Path) -> None:
     """Write the tiny ``kind`` model at ``target`` atomically (a temporary folder beside it,
     renamed when complete), one progress line per stage."""
     from dapo_lightning.export import atomic_folder
-    from dapo_lightning.testing import make_tiny_checkpoint
 
     seed = config.get("seed_everything")
     # not `seed in (None, True, False)`: 1 == True would map seed 1 to 0
@@ -366,10 +416,8 @@ def write_model(config: Namespace, kind: str, target: Path) -> None:
         if kind == "tiny":
             make_tiny_checkpoint(tmp, seed=seed)
         else:
-            from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
-
-            say(f"warming it up on the task's problems in {tmp} (about 25 s on 2 idle cores)")
-            make_quickstart_checkpoint(tmp, seed=seed, **_warmup_task_kwargs(config))
+            say(f"warming it up on the task's problems in {tmp}")
+            make_quickstart_checkpoint(tmp, seed=seed, report=say, **_warmup_task_kwargs(config))
     say(f"done in {time.monotonic() - t0:.1f} s: {target}")
 
 
@@ -414,6 +462,38 @@ def _sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _local_processes(config: Namespace) -> int:
+    """Training processes of the run on this machine: ``trainer.devices`` on CPU, else 1."""
+    trainer = config.get("trainer") or Namespace()
+    devices = trainer.get("devices")
+    if trainer.get("accelerator") != "cpu" or isinstance(devices, bool):
+        return 1
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    return devices if isinstance(devices, int) and devices > 1 else 1
+
+
+def choose_run_threads(config: Namespace, to_create: tuple[str, Path] | None) -> None:
+    """Set the intra-op thread count for the run (:func:`~dapo_lightning.threads.choose_threads`
+    on the size of the model it trains: the tiny one it writes, or the local folder's) and say
+    it in one line (rank 0)."""
+    if to_create is not None:
+        num_params: int | None = tiny_num_parameters()
+    else:
+        path = (config.get("model") or Namespace()).get("init_args", Namespace())
+        path = path.get("model_name_or_path") if isinstance(path, Namespace) else None
+        num_params = count_parameters(path) if path else None
+    try:
+        choice = choose_threads(
+            num_params, setting=config.get("threads", "auto"), processes=_local_processes(config)
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    apply_threads(choice)
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0":
+        print(choice.line(), file=sys.stderr, flush=True)
 
 
 def _warmup_task_kwargs(config: Namespace) -> dict[str, Any]:
@@ -514,6 +594,9 @@ def main(args: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(top_level_help())
         return
+    # Before Lightning and vLLM print them, and before export / make-model load a model
+    # (transformers imports deepspeed, which logs its CPU-accelerator line): logging_setup.py.
+    quiet_known_warnings()
     if argv and argv[0] == "plot":
         from dapo_lightning.plot import plot_main
 
@@ -529,9 +612,6 @@ def main(args: list[str] | None = None) -> None:
 
         make_model_main(argv[1:])
         return
-    from dapo_lightning.logging_setup import quiet_known_warnings
-
-    quiet_known_warnings()  # before Lightning and vLLM print them (dapo_lightning/logging_setup.py)
     _run_lightning(args)
 
 

@@ -17,7 +17,8 @@ A LoRA run (``model.lora``; its checkpoint holds the adapters only) exports the 
 and vLLM's ``LoRARequest`` load.
 
 Every folder is written beside its destination and renamed into place when complete
-(:func:`atomic_folder`), so a crash never leaves a half-written model at ``OUT``.
+(:func:`atomic_folder`), so a crash never leaves a half-written model at ``OUT``; its files get
+the modes the user's umask gives new files (safetensors writes its files 0600).
 
 Example::
 
@@ -81,12 +82,37 @@ def atomic_folder(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
     tmp.mkdir()  # (not tempfile.mkdtemp: its 0700 mode would stay on the renamed folder)
     try:
         yield tmp
+        apply_umask(tmp)
         if out.is_dir():
             out.rmdir()  # empty (checked above); os.replace cannot replace a folder otherwise
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(folder: str | os.PathLike[str]) -> None:
+    """Give ``folder`` and everything under it the modes a new file or folder gets under the
+    user's umask: ``0o666 & ~umask`` for files (``0o777`` for executables), ``0o777 & ~umask``
+    for folders. Writers that create files 0600 (safetensors, temp-file-and-rename) otherwise
+    leave a model folder that only its owner can read."""
+    mask = current_umask()
+    root = Path(folder)
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            mode = 0o777
+        else:
+            mode = 0o777 if path.stat().st_mode & 0o100 else 0o666
+        path.chmod(mode & ~mask)
 
 
 def _token_id(tokenizer: Any, name: str) -> int | None:

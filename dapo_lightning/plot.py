@@ -3,6 +3,11 @@
 A run directory is what a CSVLogger writes (``save_dir/name``); every resume adds a
 ``version_*`` folder to it, and the plot merges them all in step order (where a resumed version
 starts over at an earlier step, its points replace the older version's from that step on).
+
+``dapo-lightning validate`` logs into a folder of its own (the logger's name plus
+``-validate``, e.g. ``runs/quickstart/logs-validate/``): given a folder above both, ``plot``
+draws the fit's logs and never merges a validation into them; point it at the ``-validate``
+folder (or a ``metrics.csv`` in it) to draw that.
 """
 
 from __future__ import annotations
@@ -45,12 +50,20 @@ def _version_key(path: Path) -> tuple[int, float]:
     return (0, int(suffix)) if suffix.isdigit() else (1, path.stat().st_mtime)
 
 
+#: The suffix ``dapo-lightning validate`` gives its logger's folder (see the module docstring).
+VALIDATE_LOG_SUFFIX = "-validate"
+
+
+def _is_validate_log(relative: Path) -> bool:
+    return any(part.endswith(VALIDATE_LOG_SUFFIX) for part in relative.parts[:-1])
+
+
 def find_metrics_csvs(run_dir: str | Path) -> list[Path]:
     """Every ``metrics.csv`` of one run, oldest ``version_*`` first.
 
     ``run_dir`` may be a ``metrics.csv`` itself (just that file), a CSVLogger run folder
     (``save_dir/name``, holding ``version_*/``), or a folder above one: then the run of the
-    newest ``metrics.csv`` is taken.
+    newest ``metrics.csv`` is taken, a fit's before any ``validate`` log (module docstring).
 
     Raises:
         FileNotFoundError: No ``metrics.csv`` under ``run_dir``.
@@ -64,7 +77,8 @@ def find_metrics_csvs(run_dir: str | Path) -> list[Path]:
             f"No metrics.csv under {run_dir}: point `dapo-lightning plot` at the run directory "
             "of a fit that used a CSVLogger (trainer.logger)."
         )
-    newest = max(found, key=lambda p: p.stat().st_mtime)
+    fits = [p for p in found if not _is_validate_log(p.relative_to(run_dir))]
+    newest = max(fits or found, key=lambda p: p.stat().st_mtime)
     if not newest.parent.name.startswith("version_"):
         return [newest]
     root = newest.parent.parent

@@ -29,6 +29,41 @@ class RunDirLockedError(RuntimeError):
     """Another live fit holds the run directory."""
 
 
+class MissingMainGuardError(RuntimeError):
+    """A fit started in a process that ``multiprocessing`` spawned, while it re-ran the main
+    script's top level (see :func:`check_not_a_spawned_rerun`)."""
+
+
+#: ``multiprocessing.spawn`` functions that run the parent's main script in a new process.
+_SPAWN_RERUNS = ("_fixup_main_from_path", "_fixup_main_from_name")
+
+
+def check_not_a_spawned_rerun() -> None:
+    """Raise :class:`MissingMainGuardError` when called from a script's top level that a spawned
+    process (a reward worker) is re-running to import the parent's ``__main__``.
+
+    A spawned process imports the parent's main script before it runs its target; a script that
+    starts training at its top level, without ``if __name__ == "__main__":``, would start a
+    second fit there (and meet this run directory's lock, or start workers of its own).
+
+    Raises:
+        MissingMainGuardError: Naming the guard.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _SPAWN_RERUNS and code.co_filename.endswith(
+            os.path.join("multiprocessing", "spawn.py")
+        ):
+            raise MissingMainGuardError(
+                "this process was started by multiprocessing (e.g. a reward worker) and is "
+                "re-running your script's top level, which starts a fit: put the training "
+                'code under `if __name__ == "__main__":` (worker processes import the main '
+                "script; see the README's Python example)."
+            )
+        frame = frame.f_back
+
+
 def _process_start(pid: int) -> str | None:
     """The start time of process ``pid`` (Linux ``/proc``, field 22), None where unknown."""
     try:
@@ -95,7 +130,9 @@ class RunLock:
         return {}
 
     def acquire(self) -> None:
-        """Take the lock, taking over a stale one (see the module docstring)."""
+        """Take the lock, taking over a stale one (see the module docstring); in a spawned
+        process re-running the main script, raise :class:`MissingMainGuardError` instead."""
+        check_not_a_spawned_rerun()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(5):
             try:

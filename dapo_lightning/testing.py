@@ -79,6 +79,33 @@ def make_tiny_tokenizer() -> PreTrainedTokenizerBase:
     return tok
 
 
+def _tiny_config(tokenizer: PreTrainedTokenizerBase, overrides: dict[str, Any]) -> Qwen2Config:
+    """:data:`TINY_CONFIG` with ``overrides``, the vocabulary and special ids of ``tokenizer``."""
+    cfg = dict(TINY_CONFIG)
+    cfg["vocab_size"] = len(tokenizer)
+    cfg.update(overrides)
+    if cfg["vocab_size"] < len(tokenizer):
+        raise ValueError(
+            f"vocab_size={cfg['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} "
+            "tokens: pass a vocab_size of at least that, or leave it unset."
+        )
+    return Qwen2Config(
+        **cfg,
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+
+
+def tiny_num_parameters(**config_overrides: Any) -> int:
+    """Parameters of the model :func:`make_tiny_checkpoint` writes with ``config_overrides``
+    (counted on the meta device: nothing is allocated; tied weights once)."""
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(_tiny_config(make_tiny_tokenizer(), config_overrides))
+    return sum(p.numel() for p in model.parameters())
+
+
 def make_tiny_checkpoint(path: str | Path, *, seed: int = 0, **config_overrides: Any) -> Path:
     """Write a tokenizer and a randomly initialised tiny Qwen2 causal LM to ``path``.
 
@@ -104,21 +131,7 @@ def make_tiny_checkpoint(path: str | Path, *, seed: int = 0, **config_overrides:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tiny_tokenizer()
-    cfg = dict(TINY_CONFIG)
-    cfg["vocab_size"] = len(tokenizer)
-    cfg.update(config_overrides)
-    if cfg["vocab_size"] < len(tokenizer):
-        raise ValueError(
-            f"vocab_size={cfg['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} "
-            "tokens: pass a vocab_size of at least that, or leave it unset."
-        )
-    config = Qwen2Config(
-        **cfg,
-        bos_token_id=tokenizer.convert_tokens_to_ids(BOS_TOKEN),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-    )
+    config = _tiny_config(tokenizer, config_overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)

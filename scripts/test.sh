@@ -5,7 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
+# Threads: the library's default (dapo_lightning/threads.py; tests/conftest.py applies it in
+# process); set OMP_NUM_THREADS to override it.
+export TOKENIZERS_PARALLELISM=false
 if [ $# -eq 0 ]; then set -- -m "not slow"; fi
 set +e
 .venv/bin/python -m pytest "$@"

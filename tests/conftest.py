@@ -6,7 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from dapo_lightning.testing import make_tiny_checkpoint
+from dapo_lightning.testing import make_tiny_checkpoint, tiny_num_parameters
+from dapo_lightning.threads import apply_threads, choose_threads
+
+# The library's default for what the tests train in process (tiny models: dapo_lightning/
+# threads.py), as the CLI chooses it; OMP_NUM_THREADS / MKL_NUM_THREADS win when set.
+apply_threads(choose_threads(tiny_num_parameters()), export=False)
 
 
 @pytest.fixture(scope="session")

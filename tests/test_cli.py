@@ -21,6 +21,7 @@ from unittest import mock
 import pytest
 
 from dapo_lightning.cli import ConfigError, build_cli, main
+from dapo_lightning.plot import find_metrics_csvs, read_run_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "dapo-lightning")
@@ -127,6 +128,16 @@ def test_fit_end_to_end_hf(base_run):
     assert saved and "max_steps: 2" in saved[0].read_text()
 
 
+def test_fit_says_its_thread_choice_in_one_line(base_run):
+    # The tiny model (written on first use) runs on one thread, idle OpenMP threads sleep
+    # (dapo_lightning/threads.py); PYTHONPATH-only env, so no OMP_NUM_THREADS from the test.
+    lines = [x for x in base_run["proc"].stderr.splitlines() if x.startswith("threads: ")]
+    expected = ("threads: 1 (auto: 0.3M parameters" if "OMP_NUM_THREADS" not in os.environ
+                else f"threads: {os.environ['OMP_NUM_THREADS']} (OMP_NUM_THREADS=")  # fmt: skip
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
+    assert lines[0].endswith("OMP_WAIT_POLICY=PASSIVE)") or "OMP_WAIT_POLICY" in os.environ
+
+
 def test_print_config_round_trip(base_run, tmp_path):
     """Print the config, save it, print it again from the file (identical), then train from the
     file alone: the same metrics as the run it was printed from."""
@@ -178,11 +189,35 @@ def test_validate_only(base_run, tmp_path):
             "--ckpt_path", str(ckpt),
         )
     )  # fmt: skip
-    assert "val/acc" in proc.stdout
+    assert "validation at update 2: val/acc" in proc.stdout  # the checkpoint's update
     rows = read_csv(run_dir)
+    assert [r["step"] for r in rows] == ["1"]  # where the fit logs the validation after update 2
+    assert (run_dir / "logs-validate").is_dir() and not (run_dir / "logs").exists()
     assert len(series(rows, "val/acc")) == 1  # ValidateAtStart acts on fit only
     assert not any(k.startswith(("update/", "rollout/")) and r[k] for r in rows for k in r)
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_validate_then_plot_keeps_the_training_curves(base_run, tmp_path):
+    """``validate --ckpt_path auto`` in the fit's own run directory logs into logs-validate/,
+    so ``plot RUN_DIR`` still draws the fit's curves (it took the step-0 validation for a
+    resume and dropped them)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(base_run["run_dir"], run_dir)
+    override = write_override(tmp_path / "override.yaml", run_dir, base_run["model_dir"])
+    args = ["--config", QUICKSTART, "--config", str(override), *TINY]
+    check(run_cli("validate", *args, "--ckpt_path", "auto"))
+    fit_csv = next((run_dir / "logs").rglob("metrics.csv"))
+    val_csv = next((run_dir / "logs-validate").rglob("metrics.csv"))
+    assert len(list((run_dir / "logs").rglob("metrics.csv"))) == 1  # no version_1
+    proc = check(run_cli("plot", str(run_dir)))
+    assert (run_dir / "metrics.png").stat().st_size > 10_000
+    assert "validation accuracy" not in proc.stderr and "'entropy'" not in proc.stderr
+    assert find_metrics_csvs(run_dir) == [fit_csv]
+    assert find_metrics_csvs(run_dir / "logs-validate") == [val_csv]
+    fit = read_run_metrics(run_dir)
+    assert [s for s, _ in fit["update/loss"]] == [1.0, 2.0]  # both updates' curves are drawn
+    assert [s for s, _ in fit["val/acc"]] == [-1.0, 0.0, 1.0]  # the fit's own validations
 
 
 def test_subclass_by_class_path(base_run, tmp_path):

@@ -135,8 +135,16 @@ def test_export_of_a_console_script_run(tmp_path):
     reward = ["--data.reward", '{"class_path": "_length_reward.EvenLengthReward"}']
     check(run_cli("fit", *args, *reward, "--create_model_if_missing", "tiny"))
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    proc = check(run_cli("export", str(ckpt), str(tmp_path / "exported")))
+    umask = os.umask(0o027)  # the export's files get the modes this umask gives new files
+    try:
+        proc = check(run_cli("export", str(ckpt), str(tmp_path / "exported")))
+    finally:
+        os.umask(umask)
     assert f"wrote {tmp_path / 'exported'}" in proc.stdout
+    assert proc.stderr == ""  # no warnings (DeepSpeed's CPU-accelerator line among them)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "exported").iterdir()}
+    assert modes["model.safetensors"] == 0o640 and set(modes.values()) == {0o640}, modes
+    assert (tmp_path / "exported").stat().st_mode & 0o777 == 0o750
     state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
     trained = {k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")}
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")

@@ -5,6 +5,7 @@ issue 8 for one seed.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dapo_lightning.tasks import arithmetic_warmup
 from dapo_lightning.tasks.arithmetic import make_arithmetic_rows
 from dapo_lightning.tasks.arithmetic_warmup import (
     make_quickstart_checkpoint,
@@ -60,6 +62,33 @@ def test_quickstart_checkpoint_knows_the_sums_but_hedges(tmp_path):
     assert sum(hedged) / 100 > 0.5
     assert 0.03 < sum(bare) / 100 < 0.2
     assert sum(far) / 100 < 0.01
+
+
+def test_warmup_progress_estimates_from_the_measured_rate(monkeypatch):
+    clock = iter(float(t) for t in [0, *range(2, 202, 2)])  # start, then 2 s per step
+    monkeypatch.setattr(arithmetic_warmup.time, "monotonic", lambda: next(clock))
+    lines: list[str] = []
+    progress = arithmetic_warmup.WarmupProgress(100, lines.append, every_s=60.0)
+    for _ in range(100):
+        progress.step()
+    # step 10 at 20 s: 0.5 steps/s, 90 steps left = 180 s; then every 60 s; then done
+    assert lines == [
+        "warm-up step 10/100 (0.5 steps/s): about 3 min 0 s left",
+        "warm-up step 40/100 (0.5 steps/s): about 2 min 0 s left",
+        "warm-up step 70/100 (0.5 steps/s): about 1 min 0 s left",
+        "warm-up step 100/100 (0.5 steps/s): done",
+    ]
+
+
+def test_quickstart_checkpoint_reports_its_progress(tmp_path):
+    lines: list[str] = []
+    make_quickstart_checkpoint(tmp_path / "m", sums_steps=4, steps=8, report=lines.append)
+    # a line at step 10 at the latest (sooner on a slow machine: every 10 s), then at the end
+    pattern = r"warm-up step (\d+)/12 \(\d+\.\d steps/s\): (about (?:\d+ min )?\d+ s left|done)"
+    matches = [re.fullmatch(pattern, line) for line in lines]
+    assert all(matches) and len(lines) >= 2, lines
+    assert int(matches[0][1]) <= 10 and matches[0][2].endswith("left")
+    assert lines[-1].startswith("warm-up step 12/12 (") and lines[-1].endswith("): done")
 
 
 def test_quickstart_checkpoint_rejects_bad_fractions(tmp_path):

@@ -179,11 +179,17 @@ class _Worker:
     def check_started(self, now: float) -> None:
         """Raise when the worker died or has not imported the reward within WORKER_START_S."""
         if not self.ready and (now - self.started > WORKER_START_S or not self.proc.is_alive()):
+            died = not self.proc.is_alive()
             self.kill()
             raise RuntimeError(
-                f"reward worker for {self.reward_name} did not start within {WORKER_START_S:.0f} "
-                "s (or died starting): check that the reward is picklable and importable in a "
-                "fresh process, or set data.reward_in_process: true."
+                f"reward worker for {self.reward_name} exited before it started (its error is "
+                "above): when it says the script re-ran its top level, put the training code "
+                'under `if __name__ == "__main__":`; else check that the reward is picklable '
+                "and importable in a fresh process, or set data.reward_in_process: true."
+                if died
+                else f"reward worker for {self.reward_name} did not start within "
+                f"{WORKER_START_S:.0f} s: check that the reward is picklable and importable in "
+                "a fresh process, or set data.reward_in_process: true."
             )
 
     def kill(self) -> None:

@@ -1,19 +1,47 @@
 """The quickstart's starting point: a tiny checkpoint warmed up on the arithmetic task
 (:mod:`dapo_lightning.tasks.arithmetic`) so that it knows the sums but rarely answers in the form
-the strict reward accepts.
+the strict reward accepts, and is sometimes slightly off.
 
 Used by ``--create_model_if_missing tiny-arithmetic`` (see ``configs/quickstart.yaml``).
+
+A DAPO run needs a base model whose samples are sometimes right (a group with no correct sample
+carries no signal), and the quickstart measures ``val/acc`` on problems RL never trains on, so
+what RL teaches must carry over to them. A randomly initialised model writes random bytes, so
+:func:`~dapo_lightning.testing.make_tiny_checkpoint` is warmed up ("pre-trained") by
+:func:`make_quickstart_checkpoint` in two full-batch supervised stages on every problem:
+
+1. ``sums_steps`` AdamW steps of cross-entropy on the exact answers: the model learns the sums.
+2. ``steps`` AdamW steps of the expected cross-entropy ``-sum_s P(s) log pi(s | prompt)`` over
+   the answer strings ``s`` of :func:`quickstart_answer_distribution`: mostly the right number
+   behind a hedge mark (``"~7"``, which the strict reward scores wrong), sometimes the bare right
+   answer, sometimes a bare number near it.
+
+The target is right (bare answer, exact value) ``exact_frac + (1 - hedge_frac - exact_frac) /
+(2 * noise + 1)`` of the time (0.06 with the defaults); the fitted model's sampled held-out
+accuracy was measured at 0.04-0.06 for five seeds. RL then has to learn, from the reward alone,
+to drop the hedge (a decision at the first response token, the same for every problem, so it
+carries over to held-out problems) and to stop giving near misses, without losing the sums of
+the problems it never trains on. (A hedge mark *after* the digits, ``"7?"``, was measured to be
+worse: penalising it pushed a seed into repeating digits, ``"999999"``.) Both stages are
+deterministic full-batch fits (the exact expected loss, no sampled labels), so every seed
+starts from about the same accuracy. The stages report progress with an estimate from their
+measured rate (:class:`WarmupProgress`).
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
 
+from dapo_lightning.data.sources import encode_prompt
 from dapo_lightning.tasks.arithmetic import make_arithmetic_rows
+from dapo_lightning.testing import make_tiny_checkpoint, make_tiny_tokenizer
 
 
 def quickstart_answer_distribution(
@@ -72,19 +100,53 @@ def _answer_batch(
     return ids, mask, lab, torch.tensor(weights)
 
 
+class WarmupProgress:
+    """Progress lines of the warm-up with an estimate from its measured rate: one after
+    ``first`` steps, then one every ``every_s`` seconds, and one at the end.
+
+    Example line: ``warm-up step 120/450 (2.4 steps/s): about 2 min 18 s left``.
+    """
+
+    def __init__(
+        self, total: int, report: Callable[[str], None] | None, every_s: float = 10.0
+    ) -> None:
+        self.total, self.report, self.every_s, self.first = total, report, every_s, 10
+        self.done, self.start = 0, time.monotonic()
+        self.last = self.start
+
+    def step(self) -> None:
+        """Count one full-batch step; report when it is time."""
+        self.done += 1
+        now = time.monotonic()
+        due = self.done == self.first or now - self.last >= self.every_s
+        if self.report is None or not (due or self.done == self.total):
+            return
+        self.last = now
+        rate = self.done / max(now - self.start, 1e-9)
+        left = (self.total - self.done) / rate
+        when = f"about {_duration(left)} left" if self.done < self.total else "done"
+        self.report(f"warm-up step {self.done}/{self.total} ({rate:.1f} steps/s): {when}")
+
+
+def _duration(seconds: float) -> str:
+    """``"42 s"``, ``"2 min 18 s"``."""
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
 def _fit_expected_nll(
     model: torch.nn.Module,
-    tokenizer: Any,
-    prompts: list[list[int]],
-    targets: list[list[tuple[str, float]]],
+    batch: tuple[torch.Tensor, ...],
+    num_problems: int,
     num_steps: int,
     lr: float,
+    progress: WarmupProgress,
 ) -> None:
     """Minimise sum_s P(s) * NLL(s), averaged over problems, with full-batch AdamW (10-step
     warm-up, cosine decay)."""
     if num_steps <= 0:
         return
-    ids, mask, lab, weight = _answer_batch(tokenizer, prompts, targets)
+    ids, mask, lab, weight = batch
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -95,11 +157,25 @@ def _fit_expected_nll(
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, target.clamp(min=0)[..., None])
         nll = -(logp.squeeze(-1) * (target != -100)).sum(-1)
-        loss = (weight * nll).sum() / len(prompts)
+        loss = (weight * nll).sum() / num_problems
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         schedule.step()
+        progress.step()
+
+
+def _check_fractions(noise: int, exact_frac: float, hedge_frac: float) -> None:
+    if noise < 0:
+        raise ValueError(f"noise must be >= 0 (half-width of the near-miss window), got {noise}.")
+    for name, value in (("exact_frac", exact_frac), ("hedge_frac", hedge_frac)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}.")
+    if exact_frac + hedge_frac > 1.0:
+        raise ValueError(
+            f"exact_frac + hedge_frac must be <= 1 (the rest is near misses), got "
+            f"{exact_frac} + {hedge_frac}."
+        )
 
 
 def make_quickstart_checkpoint(
@@ -118,102 +194,56 @@ def make_quickstart_checkpoint(
     sums_steps: int = 150,
     steps: int = 300,
     lr: float = 3e-3,
+    report: Callable[[str], None] | None = None,
     **config_overrides: Any,
 ) -> Path:
-    """The quickstart's starting point: a tiny checkpoint that knows every answer of the task
-    but rarely gives it in the form the verifier accepts, and is sometimes slightly off.
-
-    A DAPO run needs a base model whose samples are sometimes right (a group with no correct
-    sample carries no signal), and the quickstart measures ``val/acc`` on problems RL never
-    trains on, so what RL teaches must carry over to them. A randomly initialised model writes
-    random bytes, so :func:`~dapo_lightning.testing.make_tiny_checkpoint` is warmed up
-    ("pre-trained") in two full-batch supervised stages on every problem of the task:
-
-    1. ``sums_steps`` AdamW steps of cross-entropy on the exact answers: the model learns the sums.
-    2. ``steps`` AdamW steps of the expected cross-entropy
-       ``-sum_s P(s) log pi(s | prompt)`` over the answer strings ``s`` of
-       :func:`quickstart_answer_distribution`: mostly the right number behind a hedge mark
-       (``"~7"``, which the strict reward scores wrong), sometimes the bare right answer,
-       sometimes a bare number near it.
-
-    The target is right (bare answer, exact value) ``exact_frac + (1 - hedge_frac - exact_frac)
-    / (2 * noise + 1)`` of the time (0.06 with the defaults); the fitted model's sampled
-    held-out accuracy was measured at 0.04-0.06 for five seeds. RL then has to learn, from the
-    reward alone, to drop the hedge (a decision at the first response token, the same for
-    every problem, so it carries over to held-out problems) and to stop giving near misses,
-    without losing the sums of the problems it never trains on. (A hedge mark *after* the
-    digits, ``"7?"``, was measured to be worse: penalising it pushed a seed into repeating
-    digits, ``"999999"``.) Both stages are deterministic full-batch fits (the exact expected
-    loss, no sampled labels), so every seed starts from about the same accuracy; about 25 s
-    on 2 idle cores.
+    """Write the quickstart's starting point at ``path``: a tiny checkpoint warmed up in two
+    full-batch AdamW stages (module docstring) on the task's problems.
 
     Args:
         path: Folder to write (same layout as ``make_tiny_checkpoint``).
         seed: Seeds the weights.
-        level: Arithmetic level of the task (see :mod:`dapo_lightning.tasks.arithmetic`).
-        num_prompts: Problems of the task in the warm-up (all of level 1 is 100).
-        operand_range: The task's operand range override (as in ``make_arithmetic_rows``).
-        ops: The task's operator override (as in ``make_arithmetic_rows``).
+        level, num_prompts, operand_range, ops: The task (``make_arithmetic_rows``).
         task_seed: Seed of the task's problem list (the data module's ``seed``); default ``seed``.
         apply_chat_template: Encode prompts with the chat template, as the data module will.
-        noise: Half-width of the near-miss window.
-        exact_frac: Probability of the bare right answer on top of its share of the window.
-        hedge_frac: Probability of the right number with the hedge mark.
-        sums_steps: Full-batch steps of stage 1 (exact answers); 0 skips it.
-        steps: Full-batch steps of stage 2 (the answer distribution).
+        noise, exact_frac, hedge_frac: Stage 2's answer distribution
+            (:func:`quickstart_answer_distribution`).
+        sums_steps: Steps of stage 1 (exact answers); 0 skips it.
+        steps: Steps of stage 2 (the answer distribution).
         lr: AdamW peak learning rate of both stages (10-step warm-up, cosine decay).
+        report: Called with each progress line (:class:`WarmupProgress`); None: silent.
         **config_overrides: Model shape overrides passed to ``make_tiny_checkpoint``.
-
-    Returns:
-        The folder as a :class:`~pathlib.Path`.
 
     Raises:
         ValueError: ``noise < 0``, a fraction outside [0, 1], or ``exact_frac + hedge_frac > 1``.
 
     Example::
 
-        path = make_quickstart_checkpoint("runs/quickstart/model", seed=0)
+        path = make_quickstart_checkpoint("runs/quickstart/model", seed=0, report=print)
     """
-    from transformers import AutoModelForCausalLM
-
-    # Imported here: dapo_lightning.testing imports the data package, which imports this one.
-    from dapo_lightning.data.sources import encode_prompt
-    from dapo_lightning.testing import make_tiny_checkpoint, make_tiny_tokenizer
-
-    if noise < 0:
-        raise ValueError(f"noise must be >= 0 (half-width of the near-miss window), got {noise}.")
-    for name, value in (("exact_frac", exact_frac), ("hedge_frac", hedge_frac)):
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {value}.")
-    if exact_frac + hedge_frac > 1.0:
-        raise ValueError(
-            f"exact_frac + hedge_frac must be <= 1 (the rest is near misses), got "
-            f"{exact_frac} + {hedge_frac}."
-        )
+    _check_fractions(noise, exact_frac, hedge_frac)
     path = make_tiny_checkpoint(path, seed=seed, **config_overrides)
     tokenizer = make_tiny_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(path)
     model.train()
+    task_seed = seed if task_seed is None else task_seed
     rows = make_arithmetic_rows(
-        num_prompts,
-        level=level,
-        seed=seed if task_seed is None else task_seed,
-        operand_range=operand_range,
-        ops=ops,
+        num_prompts, level=level, seed=task_seed, operand_range=operand_range, ops=ops
     )
     prompts = [encode_prompt(tokenizer, r["prompt"], apply_chat_template) for r in rows]
     truths = [int(r["answer"]) for r in rows]
     nonneg = all(t >= 0 for t in truths)
+    dists = [
+        quickstart_answer_distribution(
+            t, noise=noise, exact_frac=exact_frac, hedge_frac=hedge_frac, nonneg=nonneg
+        )
+        for t in truths
+    ]
+    progress = WarmupProgress(max(sums_steps, 0) + max(steps, 0), report)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        exact = [[(str(t), 1.0)] for t in truths]
-        _fit_expected_nll(model, tokenizer, prompts, exact, sums_steps, lr)
-        dists = [
-            quickstart_answer_distribution(
-                t, noise=noise, exact_frac=exact_frac, hedge_frac=hedge_frac, nonneg=nonneg
-            )
-            for t in truths
-        ]
-        _fit_expected_nll(model, tokenizer, prompts, dists, steps, lr)
+        for targets, num_steps in (([[(str(t), 1.0)] for t in truths], sums_steps), (dists, steps)):
+            batch = _answer_batch(tokenizer, prompts, targets)
+            _fit_expected_nll(model, batch, len(prompts), num_steps, lr, progress)
     model.save_pretrained(path)
     return path
