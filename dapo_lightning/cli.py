@@ -77,7 +77,7 @@ from dapo_lightning.run_lock import RunDirLockedError
 from dapo_lightning.step_guard import NonFiniteUpdatesError
 from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
 from dapo_lightning.testing import make_tiny_checkpoint, tiny_num_parameters
-from dapo_lightning.threads import apply_threads, choose_threads, count_parameters
+from dapo_lightning.threads import configure_threads
 
 #: ``--ckpt_path`` value that picks the newest loadable checkpoint (see :func:`resolve_auto_checkpoint`).
 AUTO_CKPT = "auto"
@@ -479,19 +479,16 @@ def choose_run_threads(config: Namespace, to_create: tuple[str, Path] | None) ->
     """Set the intra-op thread count for the run (:func:`~dapo_lightning.threads.choose_threads`
     on the size of the model it trains: the tiny one it writes, or the local folder's) and say
     it in one line (rank 0)."""
-    if to_create is not None:
-        num_params: int | None = tiny_num_parameters()
-    else:
-        path = (config.get("model") or Namespace()).get("init_args", Namespace())
-        path = path.get("model_name_or_path") if isinstance(path, Namespace) else None
-        num_params = count_parameters(path) if path else None
+    model: str | int | None = tiny_num_parameters() if to_create is not None else None
+    if to_create is None:
+        model_args = (config.get("model") or Namespace()).get("init_args", Namespace())
+        model = model_args.get("model_name_or_path") if isinstance(model_args, Namespace) else None
     try:
-        choice = choose_threads(
-            num_params, setting=config.get("threads", "auto"), processes=_local_processes(config)
+        choice = configure_threads(
+            model, setting=config.get("threads", "auto"), processes=_local_processes(config)
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    apply_threads(choice)
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0":
         print(choice.line(), file=sys.stderr, flush=True)
 

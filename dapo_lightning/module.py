@@ -305,6 +305,10 @@ class DAPOModule(LightningModule):
                 call_dapo_hook(self.trainer, "on_dapo_update", metrics)
         self.rollout_step += 1
         self._log_rollout_step(batch, step, version, time.perf_counter() - t_start)
+        # Lightning logs self.log() values (rollout/*, the validation after this step) at its
+        # batch counter, which counts rollout steps: with several updates per step, put it at
+        # updates done - 1, as with one (update/* are at global_step; plot's x axis is updates).
+        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.global_step - 1
 
     def _step_tensors(self, batch: RolloutBatch) -> StepTensors:
         """Advantages, old log-probs (skipped when the only update's forward gives them) and

@@ -35,10 +35,12 @@ from safetensors import safe_open
 #: Environment variables that set the thread count, in the order they are honoured.
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
-#: ``auto`` uses 1 thread for models of at most this many parameters. Measured with
-#: ``python -m benchmarks.threads --crossover`` (benchmarks/RESULTS.md, "Threads"): the
-#: quickstart's 0.3M model and a 1.3M one are no faster with a second thread; SmolLM2-135M's
-#: update is.
+#: ``auto`` uses 1 thread for models of at most this many parameters. The issue's measurement
+#: (2 cores, one other busy process): the quickstart's 0.3M model warmed up in 10.5 s on one
+#: thread and 135-147 s on two. The crossover by size (``python -m benchmarks.threads
+#: --crossover``) could not be measured this session (load 20-24 on 2 cores: noise larger
+#: than the effect, benchmarks/RESULTS.md "Threads"); 2M is a conservative bound between the
+#: tiny models (0.3M) and the smallest real one (SmolLM2-135M), which uses the cores.
 SINGLE_THREAD_MAX_PARAMS = 2_000_000
 
 #: The wait policy :func:`prefer_passive_wait` sets.
@@ -168,6 +170,22 @@ def apply_threads(
     torch.set_num_threads(choice.threads)
     if export:
         environ.setdefault("OMP_NUM_THREADS", str(choice.threads))
+
+
+def configure_threads(
+    model: str | os.PathLike[str] | int | None, *, setting: int | str = "auto", processes: int = 1
+) -> ThreadChoice:
+    """Choose (:func:`choose_threads`) and apply (:func:`apply_threads`) the thread count for
+    ``model`` (a local folder, a parameter count, or None when unknown), as the CLI does.
+
+    Example::
+
+        print(configure_threads("runs/quickstart/model").line())  # threads: 1 (auto: 0.3M ...)
+    """
+    num_params = model if isinstance(model, int) or model is None else count_parameters(model)
+    choice = choose_threads(num_params, setting=setting, processes=processes)
+    apply_threads(choice)
+    return choice
 
 
 # At import (dapo_lightning/__init__.py imports this module first, before torch): see the

@@ -10,7 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from _module_harness import NUM_GROUPS, FixedBatches, fixed_batch
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger
 
+from dapo_lightning import BatchingConfig, DAPOModule
 from dapo_lightning.plot import (
     PANELS,
     draw_run,
@@ -234,3 +238,19 @@ def test_newest_run_is_taken_from_a_folder_of_runs(tmp_path):
     os.utime(old, (1, 1))
     assert find_metrics_csvs(tmp_path) == [new]
     assert read_run_metrics(tmp_path)["val/acc"] == [(1.0, 0.9)]
+
+
+def test_rollout_metrics_follow_the_update_count_with_mini_batches(tiny_checkpoint, tmp_path):
+    """2 updates per rollout step: update/* land at global_step (1..6) and rollout/* at
+    updates done - 1 (1, 3, 5), the x axis of the plot, as with one update per step
+    (Lightning's own logging step counts rollout steps: 0, 1, 2)."""
+    batching = BatchingConfig(mini_batch_size=NUM_GROUPS // 2, micro_batch_size=8)
+    module = DAPOModule(str(tiny_checkpoint), batching=batching, parity_check_every=0)
+    trainer = Trainer(accelerator="cpu", max_epochs=1, logger=CSVLogger(tmp_path, name="logs"),
+                      log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
+    trainer.fit(module, datamodule=FixedBatches(fixed_batch(0), steps=3))
+    series = read_run_metrics(tmp_path / "logs")
+    assert [s for s, _ in series["update/loss"]] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert [s for s, _ in series["rollout/step"]] == [1.0, 3.0, 5.0]
+    assert [v for _, v in series["rollout/step"]] == [1.0, 2.0, 3.0]
