@@ -27,6 +27,13 @@ The same command line is therefore right for the first start and for every reque
 :class:`~dapo_lightning.callbacks.RunGuard` that every fit gets prints each value that differs
 (learning rate included).
 
+**validate** runs at the checkpoint's update (its fit-loop counters are restored: "validation
+at update 170", logged at step 169) and logs into ``<logger name>-validate`` (e.g.
+``runs/quickstart/logs-validate/``), so ``plot`` never mixes it into the fit's curves.
+
+**Threads**: ``--threads auto`` (the default) or a count; see :mod:`dapo_lightning.threads`.
+One line on stderr says the choice.
+
 **Exit status**: 0 when the fit finished; 143 / 130 when SIGTERM / SIGINT stopped it (after
 saving); 2 for a bad configuration (one ``error:`` line, no traceback); 1 otherwise.
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import logging as hf_logging
 
 #: The LightningModule attribute the policy lives under (state_dict keys ``policy.<name>``).
 POLICY_PREFIX = "policy."
@@ -400,6 +401,7 @@ def export_main(argv: Sequence[str] | None = None) -> Path:
         help="a LoRA run: write the peft adapter folder instead of the merged model",
     )
     args = parser.parse_args(argv)
+    hf_logging.disable_progress_bar()  # "Writing model shards: 100%" for a one-file model
     try:
         out = export_checkpoint(
             args.ckpt, args.out, model_name_or_path=args.model_name_or_path, adapter=args.adapter
