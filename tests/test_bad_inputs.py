@@ -9,7 +9,6 @@ data, rewards, tokenizer / model / engine availability, and dtypes.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -950,3 +949,27 @@ def test_callback_float_settings_must_be_finite(make, match):
     """Every float a callback takes is checked finite (NaN fails ``x < 0``-style checks)."""
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.slow  # two in-process fits (~20 s idle): pytest -m slow -k nonfinite_steps_through
+def test_nonfinite_steps_through_the_cli_keep_the_last_good_checkpoint(
+    tiny_checkpoint, tmp_path, capfd
+):
+    """Update 2 is saved; the resumed run's AdamW eps=0 makes every step's weights NaN (a 0/0
+    where a gradient is exactly 0): each is undone, the fifth in a row stops the run with one
+    error line, and last.ckpt is still update 2 with finite weights, named as the last good."""
+    config = fit_config(tmp_path, tiny_checkpoint)
+    keep = ["--trainer.enable_checkpointing=true", "--model.optimizer=torch.optim.AdamW"]
+    code, err = fit_main([f"--config={config}", *keep, "--trainer.max_steps=2"], capfd)
+    assert code == 0, err[-3000:]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    resumed = [f"--config={config}", *keep, "--model.optimizer.eps=0", "--ckpt_path=auto"]
+    code, err = fit_main([*resumed, "--trainer.max_steps=12"], capfd)
+    assert code == 1, err[-3000:]
+    assert "error: 5 updates in a row were not finite" in err, err[-3000:]
+    assert f"the last good checkpoint is {last}" in err, err[-3000:]
+    saved = torch.load(last, weights_only=True)
+    assert saved["global_step"] == 2
+    assert all(
+        torch.isfinite(v).all() for v in saved["state_dict"].values() if v.is_floating_point()
+    )

@@ -336,3 +336,23 @@ def test_producer_in_flight_round_with_vllm_is_exact(engine):
     )
     assert s["data/dropped_surplus_groups"] == s["data/generated_groups"] - 2
     assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.vllm
+def test_a_sigterm_stop_request_aborts_the_requests_by_default(engine):
+    """Issue 29: by default the engine polls the process-wide stop request (what the SIGTERM
+    handler records): generation stops after the engine step under way, nothing is left in
+    flight, the reason is the signal's (exit 143)."""
+    from dapo_lightning.interrupt import StopRequested, clear_stop_request, request_stop
+    from dapo_lightning.interrupt import should_stop as default_should_stop
+
+    engine.should_stop = default_should_stop  # the constructor's default (the fixture's too)
+    request_stop("SIGTERM")
+    try:
+        with pytest.raises(StopRequested, match="SIGTERM") as info:
+            engine.generate(PROMPTS * 4, 4, SamplingConfig(max_tokens=64))
+        assert info.value.exit_code == 143
+    finally:
+        clear_stop_request()
+        engine.should_stop = None
+    assert not engine.llm.llm_engine.has_unfinished_requests()
