@@ -580,7 +580,8 @@ class RolloutProducer:
         frac = (kept + 1.0) / (generated + 2.0)
         want = math.ceil(missing / short_ranks / frac)
         cap = max(1, self.config.round_cap // groups)
-        return max(1, min(want, cap, len(self.sampler.shard(0))))
+        per_rank = self.sampler.num_prompts // self.sampler.world_size  # one epoch at most
+        return max(1, min(want, cap, per_rank))
 
     def _carried_within_staleness(
         self, policy_version: int, stats: dict[str, float]
