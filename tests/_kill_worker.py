@@ -113,6 +113,21 @@ def _fsync_write(path: Path, lines: list[str]) -> None:
     os.replace(tmp, path)
 
 
+def _episode_settings() -> dict[str, Any]:
+    """DAPO_WORKER_EPISODES=1: multi-turn episodes with the calculator (a nudge makes every
+    episode two turns; stop ids make the random tiny model end its turns early)."""
+    if os.environ.get("DAPO_WORKER_EPISODES") != "1":
+        return {}
+    from dapo_lightning.envs import EnvironmentConfig
+
+    return {
+        "engine_kwargs": {"eos_token_id": [1, *range(100, 190)]},
+        "environment": EnvironmentConfig(
+            kwargs={"nudge": "Again."}, max_turns=2, max_episode_tokens=96, add_instructions=False
+        ),
+    }
+
+
 def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
     torch.set_num_threads(1)
     import lightning.pytorch as pl
@@ -178,6 +193,7 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
         reward=FirstTokenParity(tokenizer),
         reward_in_process=True,
         engine="hf",
+        **_episode_settings(),
         max_prompt_length=16,
         sampling=SamplingConfig(max_tokens=4),
         dynamic_sampling=DynamicSamplingConfig(

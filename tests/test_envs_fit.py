@@ -10,6 +10,7 @@ observation tokens are in the sequences but not in the loss mask or the token co
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -56,13 +57,14 @@ HF_STOPS = ["--data.init_args.engine_kwargs", f"{{eos_token_id: {STOP_IDS}}}"]
 
 
 @pytest.fixture(scope="module")
-def quickstart_model(tmp_path_factory):
-    """The quickstart's warmed-up tiny model (it ends its answers with EOS), written as the
-    quickstart's create_model_if_missing writes it (~25 s on 2 idle cores: slow tests only)."""
-    from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
-
-    path = tmp_path_factory.mktemp("mtmodel") / "model"
-    make_quickstart_checkpoint(path, seed=0, level=1, num_prompts=100, task_seed=0)
+def stopping_model(tiny_checkpoint, tmp_path_factory):
+    """The random tiny model whose generation config lists STOP_IDS as its EOS ids: vLLM stops
+    on them (its engine takes no stop ids of its own), so its turns end early too."""
+    path = tmp_path_factory.mktemp("stopping") / "model"
+    shutil.copytree(tiny_checkpoint, path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen["eos_token_id"] = STOP_IDS
+    (path / "generation_config.json").write_text(json.dumps(gen))
     return path
 
 
@@ -106,12 +108,13 @@ def test_calculator_fit_hf(tmp_path, tiny_checkpoint):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # the warm-up and vLLM's start are minutes on a loaded machine
-def test_calculator_fit_vllm(tmp_path, quickstart_model):
-    """vLLM (no stop ids to set there): the quickstart's warmed-up model, which stops."""
+@pytest.mark.timeout(1800)  # vLLM's start is minutes on a loaded machine
+def test_calculator_fit_vllm(tmp_path, stopping_model):
+    """vLLM, on the random tiny model with STOP_IDS in its generation config."""
     pytest.importorskip("vllm")
     vllm_cfg = str(REPO / "configs" / "quickstart_vllm.yaml")
-    run_dir, _ = fit(tmp_path, quickstart_model, CALCULATOR, "--config", vllm_cfg, timeout=500)
+    more = ["--config", vllm_cfg, "--data.init_args.engine_kwargs.max_model_len", "128"]
+    run_dir, _ = fit(tmp_path, stopping_model, CALCULATOR, *more, timeout=1500)
     check_episodes(run_dir)
     saved = next(run_dir.rglob("config.yaml")).read_text()
     assert "engine: vllm" in saved and "name: calculator" in saved
@@ -166,3 +169,40 @@ def test_calculator_recipe_differs_from_the_single_turn_one_only_where_it_must(c
         budget
         >= multi["data.init_args.max_prompt_length"] + multi["data.init_args.sampling.max_tokens"]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_kill_and_resume_mid_run_with_episodes_is_exact(tiny_checkpoint, tmp_path, monkeypatch):
+    """tests/test_resume_kill.py's worker on calculator episodes: SIGKILLed at a random moment
+    and during a checkpoint write, resumed from last.ckpt, it ends with the uninterrupted run's
+    weights and draws the same prompts at every step."""
+    import random
+    import time
+
+    from tests import test_resume_kill as kill
+
+    monkeypatch.setenv("DAPO_WORKER_EPISODES", "1")  # the worker's subprocesses inherit it
+    ref = tmp_path / "reference"
+    proc = kill._start(tiny_checkpoint, ref)
+    assert kill._wait_training(proc, ref, timeout=600), proc.communicate()[1].decode()[-4000:]
+    t0 = time.monotonic()
+    while proc.poll() is None and not (ref / "final.pt").exists():
+        time.sleep(0.005)
+    fit_s = time.monotonic() - t0
+    kill._finish(proc, timeout=900)
+    run, rng, events = tmp_path / "killed", random.Random(0), []
+    for mode in ("random", "write"):  # a random moment of the fit, then a checkpoint write
+        proc = kill._start(tiny_checkpoint, run)
+        assert kill._wait_training(proc, run, timeout=900), proc.communicate()[1].decode()[-4000:]
+        if mode == "random":
+            delay = rng.uniform(0.2, 0.6) * fit_s
+            events.append(f"random {delay:.1f}s: {kill._kill_after(proc, delay)}")
+        else:
+            how = kill._kill_during_checkpoint_write(proc, run / "checkpoints", fit_s * 4 + 60)
+            events.append(f"write: {how}")
+    print("kill events:", events, "steps recorded before the last start:", kill._steps_done(run))
+    assert events[0].endswith("True") and not events[1].endswith("None"), events
+    proc = kill._start(tiny_checkpoint, run)
+    kill._finish(proc, timeout=1800)
+    kill._check_equal(run, ref)
