@@ -47,9 +47,9 @@ def worker(payload: dict[str, Any]) -> dict[str, Any]:
 
     from dapo_lightning.lora import LoraSettings, merged_named_tensors
     from dapo_lightning.module import DAPOModule
-    from dapo_lightning.rollout.session import full_named_tensors
     from dapo_lightning.testing import make_random_rollout_batch
     from dapo_lightning.update import BatchingConfig
+    from dapo_lightning.weights import full_named_tensors
 
     torch.manual_seed(0)
     case = CASES[payload["case"]]

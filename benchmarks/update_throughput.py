@@ -248,13 +248,13 @@ def print_profile(name: str, prof: dict[str, Any]) -> None:
 
 def worker_dapo(case: Case) -> dict[str, Any]:
     import torch
-    from dapo_lightning.callbacks.base import DAPOCallback
+    from dapo_lightning.callbacks import DAPOCallback
     from lightning.pytorch import LightningDataModule, Trainer
     from torch.utils.data import DataLoader
 
     from dapo_lightning.module import DAPOModule
-    from dapo_lightning.rollout.session import full_named_tensors
     from dapo_lightning.update import BatchingConfig
+    from dapo_lightning.weights import full_named_tensors
 
     torch.manual_seed(0)
     batch = _make_batch(case)

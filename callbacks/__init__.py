@@ -1,7 +1,7 @@
 """Callbacks for DAPO runs, importable as ``dapo_lightning.callbacks``.
 
 Besides Lightning's hooks they implement two DAPO hooks, called by the library on every
-callback that defines them:
+:class:`DAPOCallback` (subclass it for your own; it is declared in :mod:`dapo_lightning.hooks`):
 
 * ``on_rollouts_scored(trainer, pl_module, rollouts)``: after scoring, before the
   dynamic-sampling filter (reward shaping, loss masks). No logging there.
@@ -24,8 +24,12 @@ from dapo_lightning.callbacks.progress import DAPOProgressBar, run_summary, stop
 from dapo_lightning.callbacks.run_guard import RunDirLockedError, RunGuard
 from dapo_lightning.callbacks.snapshot import TrainingSnapshot
 
+from dapo_lightning.hooks import DAPO_HOOKS, DAPOCallback
+
 __all__ = [
+    "DAPO_HOOKS",
     "CollapseDetector",
+    "DAPOCallback",
     "DAPOProgressBar",
     "Detector",
     "EntropyScheduler",

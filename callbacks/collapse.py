@@ -27,12 +27,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from dapo_lightning.callbacks.base import DAPOCallback
 from dapo_lightning.callbacks.snapshot import TrainingSnapshot
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from dapo_lightning.data.batch import ScoredRollouts
+from dapo_lightning.hooks import DAPOCallback
 
 Signal = Literal[
     "entropy",

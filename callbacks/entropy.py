@@ -12,8 +12,9 @@ import math
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from dapo_lightning.callbacks.base import DAPOCallback
 from typing_extensions import override
+
+from dapo_lightning.hooks import DAPOCallback
 
 Schedule = Literal["constant", "linear", "cosine", "exponential", "adaptive"]
 _FIXED = ("constant", "linear", "cosine", "exponential")

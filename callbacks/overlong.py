@@ -16,11 +16,11 @@ from typing import Any, overload
 
 import lightning.pytorch as pl
 import torch
-from dapo_lightning.callbacks.base import DAPOCallback
 from torch import Tensor
 from typing_extensions import override
 
 from dapo_lightning.data.batch import ScoredRollouts
+from dapo_lightning.hooks import DAPOCallback
 
 
 def _check_buffer(buffer_length: int, penalty_factor: float) -> None:

@@ -24,6 +24,8 @@ from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
+from dapo_lightning.interrupt import StopRequested, stop_requested
+
 #: What the bar and the plain lines show: (label, metric name, format).
 STEP_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("reward", "rollout/reward_mean", "{:+.3f}"),
@@ -71,8 +73,6 @@ def validation_line(trainer: pl.Trainer, metrics: dict[str, Any]) -> str | None:
 
 def stop_reason(trainer: pl.Trainer, exception: BaseException | None = None) -> str:
     """Why ``fit`` ended: the exception, a stop request, a callback's reason, or the limit hit."""
-    from dapo_lightning.interrupt import StopRequested, stop_requested
-
     if isinstance(exception, KeyboardInterrupt):
         return "interrupted (KeyboardInterrupt)"
     if isinstance(exception, StopRequested):

@@ -38,7 +38,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from dapo_lightning.callbacks.base import DAPOCallback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -52,6 +51,7 @@ from dapo_lightning.checkpoint import (
     newest_checkpoint,
     optimizer_settings,
 )
+from dapo_lightning.hooks import DAPOCallback
 from dapo_lightning.interrupt import (
     StopRequested,
     clear_stop_request,

@@ -41,6 +41,7 @@ from dapo_lightning.rollout import (
     HFRolloutEngine,
     RolloutEngine,
     SamplingConfig,
+    VLLMRolloutEngine,
     create_engine,
 )
 from dapo_lightning.rollout_correction import RolloutCorrection
@@ -73,6 +74,7 @@ __all__ = [
     "SamplingConfig",
     "ScoredRollouts",
     "StrategyAdapter",
+    "VLLMRolloutEngine",
     "WarmupConstantLR",
     "WarmupCosineLR",
     "aggregate_loss",
@@ -84,12 +86,3 @@ __all__ = [
     "register_policy_objective",
     "validation_metrics",
 ]
-
-
-def __getattr__(name: str):
-    # vLLM is imported only when its engine is asked for.
-    if name == "VLLMRolloutEngine":
-        from dapo_lightning.rollout.vllm import VLLMRolloutEngine
-
-        return VLLMRolloutEngine
-    raise AttributeError(f"module 'dapo_lightning' has no attribute {name!r}")

@@ -346,7 +346,7 @@ def _lora_policy(
         check_adapter_checkpoint,
         load_quantized_policy,
     )
-    from dapo_lightning.update import load_policy
+    from dapo_lightning.weights import load_policy
 
     if not lora.get("settings"):
         raise ValueError(

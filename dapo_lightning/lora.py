@@ -36,6 +36,15 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from dapo_lightning.weights import (
+    eval_mode,
+    frozen_copy,
+    full_plain_tensor,
+    is_4bit,
+    load_policy,
+    strip_wrapper_prefixes,
+)
+
 __all__ = [
     "DEFAULT_TARGET_MODULES",
     "LORA_CHECKPOINT_KEY",
@@ -251,11 +260,6 @@ def is_peft_model(module: nn.Module | None) -> bool:
     return isinstance(module, PeftModel)
 
 
-def _is_4bit(value: Tensor) -> bool:
-    """A bitsandbytes 4-bit packed weight (``Params4bit``: carries a ``quant_state``)."""
-    return getattr(value, "quant_state", None) is not None
-
-
 def apply_lora(policy: nn.Module, settings: LoraSettings) -> nn.Module:
     """Wrap ``policy`` with LoRA adapters (peft ``get_peft_model``); only adapters train.
 
@@ -278,7 +282,7 @@ def apply_lora(policy: nn.Module, settings: LoraSettings) -> nn.Module:
     peft = _import_peft()
     if is_peft_model(policy):
         raise ValueError("apply_lora: the policy already has peft adapters (apply them once).")
-    quantized = any(_is_4bit(p) for p in policy.parameters())
+    quantized = any(is_4bit(p) for p in policy.parameters())
     if settings.quantize_4bit and not quantized:
         raise ValueError(
             "lora.quantize_4bit is set but the policy is not 4-bit: load it with "
@@ -332,8 +336,6 @@ class _AdaptersOff(nn.Module):
         object.__setattr__(self, "peft_model", model)  # not a submodule: nothing is duplicated
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from dapo_lightning.update import eval_mode
-
         with self.peft_model.disable_adapter(), eval_mode(self.peft_model):
             return self.peft_model(*args, **kwargs)
 
@@ -356,26 +358,11 @@ def reference_without_adapters(model: nn.Module) -> nn.Module:
 # ---------------------------------------------------------------------- merged weights
 def _checkpoint_name(name: str) -> str:
     """Base checkpoint name of a peft model's state-dict / module name."""
-    from dapo_lightning.rollout.session import strip_wrapper_prefixes
-
     name = strip_wrapper_prefixes(name)
     for prefix in ("base_model.model.",):
         if name.startswith(prefix):
             name = name[len(prefix) :]
     return name
-
-
-def _dequantized(value: Tensor) -> Tensor:
-    import bitsandbytes.functional as bnbf
-
-    return bnbf.dequantize_4bit(value.data, value.quant_state)
-
-
-def _full(value: Tensor) -> Tensor:
-    """A full plain tensor: gathered (FSDP2 / ZeRO-3), or dequantized (bitsandbytes 4-bit)."""
-    from dapo_lightning.rollout.session import _full_tensor
-
-    return _dequantized(value) if _is_4bit(value) else _full_tensor(value)
 
 
 def _merged_weight(layer: nn.Module, name: str, base: Tensor) -> Tensor:
@@ -396,8 +383,8 @@ def _merged_weight(layer: nn.Module, name: str, base: Tensor) -> Tensor:
                 f"{name}: only LoRA on linear layers is merged here, got "
                 f"{type(layer.lora_A[adapter]).__name__}: target linear layers only."
             )
-        a = _full(layer.lora_A[adapter].weight)
-        b = _full(layer.lora_B[adapter].weight)
+        a = full_plain_tensor(layer.lora_A[adapter].weight)
+        b = full_plain_tensor(layer.lora_B[adapter].weight)
         wide = torch.promote_types(torch.float32, torch.promote_types(a.dtype, base.dtype))
         delta = (b.to(wide) @ a.to(wide)) * layer.scaling[adapter]
         if getattr(layer, "fan_in_fan_out", False):
@@ -431,7 +418,7 @@ def merged_named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 
     layers = {_checkpoint_name(n): m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
     state = model.state_dict(keep_vars=True)
-    quantized = {_checkpoint_name(k) for k, v in state.items() if _is_4bit(v)}
+    quantized = {_checkpoint_name(k) for k, v in state.items() if is_4bit(v)}
     for key, value in state.items():
         name = _checkpoint_name(key)
         if ".lora_" in name:
@@ -443,9 +430,9 @@ def merged_named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
             layer_name = owner[: -len(".base_layer")]
             name = f"{layer_name}.{leaf}"
             if leaf == "weight" and layer_name in layers:
-                yield name, _merged_weight(layers[layer_name], name, _full(value))
+                yield name, _merged_weight(layers[layer_name], name, full_plain_tensor(value))
                 continue
-        yield name, _full(value)
+        yield name, full_plain_tensor(value)
 
 
 def adapter_named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -469,7 +456,7 @@ def adapter_named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         problems.append(f"bias={config.bias!r} trains base biases")
     if getattr(config, "use_dora", False):
         problems.append("DoRA rescales the base weights")
-    if any(_is_4bit(p) for p in model.parameters()):
+    if any(is_4bit(p) for p in model.parameters()):
         problems.append("the trainer's base is 4-bit, the engine's is not")
     if problems:
         raise ValueError(
@@ -479,7 +466,7 @@ def adapter_named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         )
     state = model.state_dict(keep_vars=True)  # keeps ZeRO-3's partition handles (ds_id)
     for name, value in get_peft_model_state_dict(model, state_dict=state).items():
-        yield name, _full(value)
+        yield name, full_plain_tensor(value)
 
 
 def merged_model(model: nn.Module) -> nn.Module:
@@ -517,8 +504,6 @@ def load_base_policy(
     """The policy's base: 4-bit (QLoRA, CUDA) when ``settings.quantize_4bit``, else as is."""
     if settings is not None and settings.quantize_4bit:
         return load_quantized_policy(model_name_or_path, torch_dtype)
-    from dapo_lightning.update import load_policy
-
     return load_policy(model_name_or_path, torch_dtype)
 
 
@@ -541,8 +526,6 @@ def reference_policy(policy: nn.Module) -> nn.Module:
     switched off (no copy of the base); else a frozen copy."""
     if is_peft_model(policy):
         return reference_without_adapters(policy)
-    from dapo_lightning.update import frozen_copy
-
     return frozen_copy(policy)
 
 

@@ -42,10 +42,12 @@ from dapo_lightning.advantages import (
     compute_advantages,
     std_from_moments,
 )
-from dapo_lightning.callbacks.base import call_dapo_hook
+from dapo_lightning.checkpoint import collect_rng_states, restore_rng_states
 from dapo_lightning.checks import check_optimizer_settings, optimizer_error
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
+from dapo_lightning.data.datamodule import DAPODataModule
 from dapo_lightning.data.metrics import rollout_step_metrics, validation_metrics
+from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
 from dapo_lightning.interrupt import raise_stop, request_stop, should_stop, stop_requested
 from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.lora import (
@@ -64,7 +66,6 @@ from dapo_lightning.lora import (
 from dapo_lightning.loss import LossInputs, PolicyLossConfig
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.policy_loss import policy_loss
-from dapo_lightning.rollout.session import is_sharded
 from dapo_lightning.schedules import WarmupConstantLR
 from dapo_lightning.step_guard import NonFiniteGuard, all_finite, nonfinite_step_input
 from dapo_lightning.strategy import ShardingConfig, StrategyAdapter, shard_policy
@@ -75,13 +76,16 @@ from dapo_lightning.update import (
     behaviour_log_probs,
     check_data_settings,
     check_module_settings,
-    enable_gradient_checkpointing,
-    eval_mode,
-    has_dropout,
     micro_batch,
     micro_batch_rows,
     mini_batch_ranges,
     rows_of_groups,
+)
+from dapo_lightning.weights import (
+    enable_gradient_checkpointing,
+    eval_mode,
+    has_dropout,
+    is_sharded,
 )
 
 __all__ = ["DAPOModule", "default_optimizer"]
@@ -222,8 +226,7 @@ class DAPOModule(LightningModule):
 
     def on_fit_start(self) -> None:
         """Check the data's settings against the module's before any rollout is generated."""
-        from dapo_lightning.data.datamodule import DAPODataModule
-
+        warn_undeclared_dapo_hooks(self.trainer)
         data = self.trainer.datamodule
         if isinstance(data, DAPODataModule):
             check_data_settings(self.loss, self.batching, data, self.policy)
@@ -560,8 +563,6 @@ class DAPOModule(LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        from dapo_lightning.checkpoint import collect_rng_states
-
         checkpoint["dapo"] = {
             "policy_version": self.policy_version,
             "rollout_step": self.rollout_step,
@@ -580,8 +581,6 @@ class DAPOModule(LightningModule):
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.entropy_coef = float(state.get("entropy_coef", self.entropy_coef))
         if "rng" in state:
-            from dapo_lightning.checkpoint import restore_rng_states
-
             restore_rng_states(state["rng"])
 
     def save_pretrained(self, path: str) -> None:

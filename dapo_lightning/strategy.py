@@ -43,6 +43,9 @@ from lightning.pytorch.strategies import (
     Strategy,
 )
 from torch import Tensor
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from dapo_lightning.ranks import reduce_over_ranks
 
 StrategyKind = Literal["single", "ddp", "fsdp1", "fsdp2", "deepspeed"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -98,8 +101,6 @@ def shard_policy(policy: torch.nn.Module, device_mesh: Any, config: ShardingConf
     Raises:
         ValueError: the mesh has a tensor-parallel dimension larger than 1.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
     names = device_mesh.mesh_dim_names or ()
     if "tensor_parallel" in names and device_mesh["tensor_parallel"].size() > 1:
         raise ValueError(
@@ -201,9 +202,7 @@ class StrategyAdapter:
         """``op`` (``"sum"``, ``"max"``, ``"min"``) of ``tensor`` over ranks (a new tensor)."""
         if self.world_size == 1:
             return tensor.clone()
-        device = self.strategy.root_device
-        out = self.strategy.reduce(tensor.to(device).clone(), reduce_op=op)
-        return out.to(tensor.device)
+        return reduce_over_ranks(tensor, op, self.strategy)
 
     def any_rank(self, decision: bool) -> bool:
         """True when ``decision`` is True on any rank."""

@@ -9,11 +9,13 @@ both written with ``save_pretrained`` so that ``AutoTokenizer``,
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -218,8 +220,6 @@ def completions_to_batch(
 
 def free_port() -> int:
     """A free TCP port on localhost (for a test's ``MASTER_PORT``)."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -235,8 +235,6 @@ def one_process_group(path: str | Path) -> Iterator[None]:
     Raises:
         RuntimeError: a default group of more than one process is already up.
     """
-    import torch.distributed as dist
-
     if dist.is_initialized():
         if dist.get_world_size() != 1:
             raise RuntimeError("one_process_group: a multi-process group is already initialised.")

@@ -1,11 +1,10 @@
 """The parts of one DAPO update that need no Lightning: how a rollout batch is cut into
-mini-batches and micro-batches, which log-probs correct stale samples, loading the policy, and
-the checks of the module's and the data's settings (docs/design.md, "One training step")."""
+mini-batches and micro-batches, which log-probs correct stale samples, and the checks of the
+module's and the data's settings (docs/design.md, "One training step"). Loading the policy,
+eval mode and frozen copies are in :mod:`dapo_lightning.weights`."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +18,6 @@ from dapo_lightning.loss import PolicyLossConfig
 from dapo_lightning.metrics import ReduceOp
 from dapo_lightning.objectives import objective_params, policy_objective
 from dapo_lightning.rollout_correction import TRL_METRICS, RolloutCorrection, token_truncation
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 #: How each metric of :func:`~dapo_lightning.policy_loss.policy_loss` is reduced (default:
 #: token-weighted mean).
@@ -191,57 +187,6 @@ class StepTensors:
     def trainer_logp(self) -> Tensor:
         """The trainer's log-probs of the sampled tokens before the step's updates."""
         return self.old_log_probs if self.old_log_probs is not None else self.parity_logp
-
-
-def load_policy(model_name_or_path: str, torch_dtype: str) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained`` with an error that names the field and the fix."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(
-            model_name_or_path, dtype=_DTYPES[torch_dtype], trust_remote_code=False
-        )
-    except OSError as err:
-        raise FileNotFoundError(
-            f"model.model_name_or_path={model_name_or_path!r} could not be loaded ({err}). Give "
-            "an existing folder written by save_pretrained or a hub id (with network access)."
-        ) from err
-
-
-def enable_gradient_checkpointing(policy: nn.Module) -> None:
-    """Recompute activations in backward (non-reentrant), with the KV cache off."""
-    if hasattr(policy, "gradient_checkpointing_enable"):
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if hasattr(policy, "config"):
-            policy.config.use_cache = False
-
-
-def frozen_copy(policy: nn.Module) -> nn.Module:
-    """A frozen eval-mode copy of ``policy`` (the reference of the KL penalty)."""
-    import copy
-
-    ref = copy.deepcopy(policy).eval()
-    ref.requires_grad_(False)
-    return ref
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Dropout off inside (as the engine samples), the previous mode restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
-def has_dropout(model: nn.Module) -> bool:
-    """True when a dropout layer with ``p > 0`` would make train-mode log-probs differ."""
-    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
-        float(getattr(getattr(model, "config", None), key, 0.0) or 0.0) > 0
-        for key in ("attention_dropout", "hidden_dropout", "dropout")
-    )
 
 
 _CLIP_FIX = "Give the max gradient norm (paper 1.0), or 0 / null for no clipping."

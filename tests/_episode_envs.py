@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dapo_lightning.callbacks.base import DAPOCallback
+from dapo_lightning.callbacks import DAPOCallback
 from dapo_lightning.data.batch import RolloutBatch
 from dapo_lightning.envs import StepResult
 

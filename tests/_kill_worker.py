@@ -65,7 +65,7 @@ def pause_callback(run: Path) -> Any:
     the timing is arranged; the signal and its handling are real)."""
     import time
 
-    from dapo_lightning.callbacks.base import DAPOCallback
+    from dapo_lightning.callbacks import DAPOCallback
 
     where, _, at = os.environ.get("DAPO_WORKER_PAUSE", "").partition(":")
 

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 import torch
-from dapo_lightning.callbacks.base import DAPOCallback
+from dapo_lightning.callbacks import DAPOCallback
 from lightning.pytorch import LightningDataModule, Trainer
 from torch.utils.data import DataLoader
 
@@ -111,7 +111,7 @@ def fit_update(
     trainer.callbacks.append(recorder)
     trainer.fit(module, datamodule=FixedBatches(fixed_batch(batch_seed), steps=steps))
     module.recorded_updates = recorder.updates
-    from dapo_lightning.rollout.session import full_named_tensors
+    from dapo_lightning.weights import full_named_tensors
 
     after = dict(full_named_tensors(module.policy))  # gathered when sharded (FSDP2)
     delta = {k: after[k] - v for k, v in before.items()}

@@ -33,7 +33,7 @@ from dapo_lightning.rewards import (
     RewardRunner,
     get_reward,
 )
-from dapo_lightning.rollout.base import SamplingConfig
+from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
 from dapo_lightning.testing import make_tiny_checkpoint
 
 # ----------------------------------------------------------------------------- the CLI parser
@@ -317,7 +317,7 @@ def test_vllm_engine_not_installed(tiny_checkpoint, monkeypatch):
 # ----------------------------------------------- checks across model and data, before generating
 
 
-class _CountingEngine:
+class _CountingEngine(RolloutEngine):
     """A rollout engine that records whether it was ever asked to generate."""
 
     calls = 0

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from dapo_lightning.callbacks.base import DAPOCallback, call_dapo_hook
+from dapo_lightning.callbacks import DAPOCallback
 from dapo_lightning.callbacks.collapse import (
     SIGNALS,
     CollapseDetector,
@@ -40,6 +40,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader
 
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.hooks import call_dapo_hook
 from dapo_lightning.rollout.base import SamplingConfig
 
 

@@ -255,7 +255,7 @@ def gpu_fit(
 ) -> tuple[dict[str, Tensor], list[dict[str, float]], Trainer]:
     """One rollout step of the fixed batch on one GPU (tests/_module_harness.py's fit_update with
     accelerator="gpu"); returns (parameter delta on the CPU, update metrics, trainer)."""
-    from dapo_lightning.rollout.session import full_named_tensors
+    from dapo_lightning.weights import full_named_tensors
 
     torch.manual_seed(0)
     kwargs = dict(optimizer=sgd, gradient_clip_val=None, parity_check_every=0)
@@ -433,7 +433,7 @@ def test_fsdp2_on_one_gpu_gives_the_single_device_update(tiny_checkpoint, gpu_re
     import torch.distributed as dist
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from dapo_lightning.rollout.session import is_sharded
+    from dapo_lightning.weights import is_sharded
 
     single, _, _ = gpu_fit(tiny_checkpoint, micro_batch_size=3)
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dapo_lightning.callbacks.base import DAPOCallback
+from dapo_lightning.callbacks import DAPOCallback
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 

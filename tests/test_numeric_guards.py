@@ -62,7 +62,7 @@ def _fit(
     if module_setup is not None:
         module_setup(module)
     before = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
-    from dapo_lightning.callbacks.base import DAPOCallback
+    from dapo_lightning.callbacks import DAPOCallback
 
     class Hooks(DAPOCallback):  # the library calls DAPO hooks on DAPOCallbacks; forward it
         def __init__(self, inner: Any) -> None:

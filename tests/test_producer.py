@@ -22,7 +22,7 @@ from dapo_lightning.data.producer import (
 from dapo_lightning.data.sources import FieldMap, records_from_rows, tokenize_records
 from dapo_lightning.interrupt import StopRequested, clear_stop_request, request_stop
 from dapo_lightning.rewards import RewardRunner
-from dapo_lightning.rollout.base import Completion, SamplingConfig
+from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.tasks.arithmetic import ArithmeticReward, make_arithmetic_rows
 from dapo_lightning.testing import make_tiny_tokenizer
@@ -36,7 +36,7 @@ def pass_rate_of(prompt: str) -> float:
     return (0.0, 0.25, 0.5, 1.0)[zlib.crc32(prompt.encode()) % 4]
 
 
-class ScriptedEngine:
+class ScriptedEngine(RolloutEngine):
     """Answers prompt ``a+b=`` correctly on sample j iff ``j < round(rate * n)`` (rate per prompt)."""
 
     def __init__(self, rate=pass_rate_of):

@@ -12,17 +12,13 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from dapo_lightning.rollout import SamplingConfig
-from dapo_lightning.rollout.session import (
-    EngineSession,
-    full_named_tensors,
-    is_sharded,
-    strip_wrapper_prefixes,
-)
+from dapo_lightning.rollout import RolloutEngine, SamplingConfig
+from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.testing import free_port, make_tiny_tokenizer, one_process_group
+from dapo_lightning.weights import full_named_tensors, is_sharded, strip_wrapper_prefixes
 
 
-class RecordingEngine:
+class RecordingEngine(RolloutEngine):
     """A real RolloutEngine whose load_weights keeps what it was given (names, full copies)."""
 
     def __init__(self, sleep_mode: bool = False) -> None:
@@ -226,7 +222,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", LOCAL_
                   WORLD_SIZE="1")
 import deepspeed
 from transformers import AutoModelForCausalLM
-from dapo_lightning.rollout.session import full_named_tensors
+from dapo_lightning.weights import full_named_tensors
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 ref = {k: v.clone() for k, v in model.state_dict().items()}
 deepspeed.init_distributed(dist_backend="gloo")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dapo_lightning.callbacks.base import DAPOCallback
+from dapo_lightning.callbacks import DAPOCallback
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import (

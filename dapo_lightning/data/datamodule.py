@@ -28,7 +28,6 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from dapo_lightning.callbacks.base import call_dapo_hook
 from dapo_lightning.checks import check_finite
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer, TrainingComplete
@@ -46,10 +45,14 @@ from dapo_lightning.envs import (
     environment_factory,
     with_instructions,
 )
+from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
+from dapo_lightning.ranks import gather_objects, sum_over_ranks
 from dapo_lightning.rewards import RewardRunner, get_reward
 from dapo_lightning.rewards.base import check_reward_settings
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
+from dapo_lightning.rollout.engines import check_engine
 from dapo_lightning.rollout.session import EngineSession
+from dapo_lightning.tasks import get_task
 
 
 @dataclass(frozen=True)
@@ -187,8 +190,6 @@ class DAPODataModule(pl.LightningDataModule):
         environment: EnvironmentConfig | None = None,
     ) -> None:
         super().__init__()
-        from dapo_lightning.tasks import get_task
-
         if (train_files is None) == (task is None):
             raise ValueError(
                 "DAPODataModule needs exactly one of train_files (prompt files) or task "
@@ -197,17 +198,9 @@ class DAPODataModule(pl.LightningDataModule):
         self.task = get_task(task) if task is not None else None
         if self.task is not None and self.task.check is not None:
             self.task.check(**(task_kwargs or {}))
-        if isinstance(engine, str) and engine not in ("hf", "vllm"):
-            raise ValueError(f"engine={engine!r}: use 'hf', 'vllm' or an engine object.")
-        if engine == "vllm" and model_name_or_path is None:
-            raise ValueError("engine='vllm' needs model_name_or_path (the checkpoint vLLM loads).")
-        if engine == "vllm":
-            import importlib.util
-
-            if importlib.util.find_spec("vllm") is None:  # fail now, not after set-up
-                from dapo_lightning.rollout.vllm import _INSTALL_HINT
-
-                raise ImportError(f"data.engine='vllm' but vllm is not installed. {_INSTALL_HINT}")
+        check_engine(
+            engine, model_name_or_path, field="data.engine", path_field="data.model_name_or_path"
+        )
         if val_n < 1 or val_batch_size < 1:
             raise ValueError("val_n and val_batch_size must be >= 1.")
         if steps_per_epoch is not None and steps_per_epoch < 1:
@@ -322,6 +315,7 @@ class DAPODataModule(pl.LightningDataModule):
         """Load the tokenizer and prompts, build the reward runner, session and producer (once)."""
         if self.producer is not None:
             return
+        warn_undeclared_dapo_hooks(getattr(self, "trainer", None))
         if self.tokenizer is None:
             self.tokenizer = self._load_tokenizer()
         train, val = self._load_records()
@@ -392,11 +386,7 @@ class DAPODataModule(pl.LightningDataModule):
         )
 
     def _sum_over_ranks(self, flags: list[int]) -> list[int]:
-        strategy = self.trainer.strategy
-        if self.trainer.world_size == 1:
-            return list(flags)
-        t = torch.tensor(flags, dtype=torch.long, device=strategy.root_device)
-        return strategy.reduce(t, reduce_op="sum").tolist()
+        return sum_over_ranks(flags, self.trainer.strategy)
 
     def teardown(self, stage: str | None = None) -> None:
         if self.reward_runner is not None:
@@ -503,7 +493,7 @@ class DAPODataModule(pl.LightningDataModule):
         if self.producer is None:
             return dict(self._pending_state or {})
         mine = {"producer": self.producer.state_dict(), "engine": self.session.state_dict()}
-        return {"ranks": _gather_objects(mine)}
+        return {"ranks": gather_objects(mine)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore this rank's part of :meth:`state_dict`.
@@ -528,14 +518,3 @@ class DAPODataModule(pl.LightningDataModule):
         self.producer.load_state_dict(mine["producer"])
         if mine.get("engine"):
             self.session.load_state_dict(mine["engine"])
-
-
-def _gather_objects(obj: Any) -> list[Any]:
-    """``obj`` of every rank, in rank order (``[obj]`` without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out

@@ -6,7 +6,9 @@ import torch
 from torch import Tensor
 
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.data.producer import STAT_OPS
 from dapo_lightning.metrics import MetricAccumulator
+from dapo_lightning.rollout.parity import logprob_parity
 
 
 def validation_metrics(rollouts: ScoredRollouts) -> dict[str, float]:
@@ -52,9 +54,6 @@ def rollout_step_metrics(
     ``parity/*`` (:func:`~dapo_lightning.rollout.parity.logprob_parity` on the tokens sampled
     by the current version) weighted by those tokens.
     """
-    from dapo_lightning.data.producer import STAT_OPS
-    from dapo_lightning.rollout.parity import logprob_parity
-
     acc = MetricAccumulator()
     rows = float(batch.batch_size)
     lengths = batch.response_length.float()

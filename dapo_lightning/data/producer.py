@@ -38,6 +38,7 @@ from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted
 from dapo_lightning.data.sources import PromptRecord
 from dapo_lightning.envs.runner import episode_results, token_masks
 from dapo_lightning.interrupt import StopRequested, request_stop, stop_requested
+from dapo_lightning.ranks import sum_over_ranks
 from dapo_lightning.rewards.base import RewardRunner
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
@@ -278,20 +279,6 @@ def group_has_variance(values: Tensor, group_index: Tensor) -> Tensor:
     return hi > lo
 
 
-def all_reduce_flags(flags: list[int]) -> list[int]:
-    """Sum integer flags over all ranks (identity without an initialised process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(flags)
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor(flags, dtype=torch.long, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
 def numeric_extras(extra: dict[str, list[Any]]) -> dict[str, list[float]]:
     """The reward's ``extra`` fields whose every value is a number or bool (None skipped)."""
     out: dict[str, list[float]] = {}
@@ -322,7 +309,8 @@ class RolloutProducer:
             the external launcher): the ranks of a group submit the same prompts and receive
             the same responses, and each trains on its own 1 / tp_size of the group's batch.
         sync: Sums integer flags over ranks (the data module passes the strategy's reduce;
-            default: ``torch.distributed`` all-reduce when initialised).
+            default: :func:`~dapo_lightning.ranks.sum_over_ranks` over the default process
+            group when one is initialised).
         on_scored: Called with every round's scored rollouts before the filter (shaping).
 
     Raises:
@@ -368,7 +356,7 @@ class RolloutProducer:
         #: Groups of one engine group's batch (every rank of the group holds all of them).
         self.local_train = config.train_batch_size // groups
         self.local_gen = config.prompts_per_round // groups
-        self.sync = sync or all_reduce_flags
+        self.sync = sync or sum_over_ranks
         self.on_scored = on_scored
         self.tracker = config.make_tracker()
         self.sampler = PromptSampler(len(self.records), seed=seed, rank=group, world_size=groups)
@@ -851,7 +839,6 @@ __all__ = [
     "DynamicSamplingError",
     "RolloutProducer",
     "TrainingComplete",
-    "all_reduce_flags",
     "concat_rollouts",
     "group_has_variance",
 ]

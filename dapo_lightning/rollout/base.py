@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 from torch import Tensor
 
@@ -80,10 +81,42 @@ class Completion:
                 raise ValueError("Completion.loss_mask entries must be 0 or 1.")
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What the data module needs from a generation backend."""
+class RolloutEngine(abc.ABC):
+    """What the library needs from a generation backend: subclass it for your own engine.
 
+    Two methods are required, :meth:`generate` and :meth:`load_weights`. The other capabilities
+    the engine session uses have defaults that do nothing, so an engine implements only what
+    it has:
+
+    * ``model``: the ``nn.Module`` the engine samples with when that is the policy itself
+      (the HF engine without sharding): nothing is pushed then. Default None.
+    * ``sleep_mode`` / :meth:`wake_up` / :meth:`sleep`: an engine that frees its memory
+      between rollouts (vLLM sleep mode, CUDA only) is woken before each generation and put
+      back to sleep after it. Default: never asleep.
+    * ``lora_enabled`` / :meth:`load_adapter`: an engine that serves LoRA adapters over its
+      own base receives the adapter weights instead of merged ones. Default: merged weights.
+    * :meth:`state_dict` / :meth:`load_state_dict`: the sampling RNG state, checkpointed to
+      resume exactly. Default: no state.
+
+    Example::
+
+        class EchoEngine(RolloutEngine):
+            def generate(self, prompts, n, sampling):
+                return [[Completion([1], [0.0], "stop") for _ in range(n)] for _ in prompts]
+
+            def load_weights(self, named_tensors):
+                for _ in named_tensors:  # consume them (a gather may be a collective)
+                    pass
+    """
+
+    #: The module the engine samples with when it is the policy itself (nothing to push).
+    model: Any = None
+    #: True when the engine sleeps between rollouts (:meth:`wake_up` before generating).
+    sleep_mode: bool = False
+    #: True when the engine serves LoRA adapters itself (:meth:`load_adapter` is pushed).
+    lora_enabled: bool = False
+
+    @abc.abstractmethod
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
     ) -> list[list[Completion]]:
@@ -91,8 +124,36 @@ class RolloutEngine(Protocol):
 
         Returns one list of ``n`` completions per prompt, in prompt order.
         """
-        ...
 
+    @abc.abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Replace the engine's weights with the trainer's (checkpoint-format names)."""
-        ...
+        """Replace the engine's weights with the trainer's (checkpoint-format names; iterate
+        them all: gathering a sharded policy is a collective)."""
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], peft_config: Any) -> None:
+        """Serve these LoRA adapter weights (peft names) over the engine's own base.
+
+        Raises:
+            NotImplementedError: always, unless the engine overrides it with ``lora_enabled``.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} serves no LoRA adapters (lora_enabled is False): the "
+            "engine session pushes merged weights to it instead."
+        )
+
+    def wake_up(self) -> bool:
+        """Bring a sleeping engine's weights and cache back (called when ``sleep_mode``);
+        False when it was not asleep (the default: never)."""
+        return False
+
+    def sleep(self) -> bool:
+        """Free the engine's memory until the next :meth:`wake_up` (called when
+        ``sleep_mode``); False when it cannot (the default)."""
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampling RNG state to checkpoint (default: none)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional
+        """Restore :meth:`state_dict` (default: nothing to restore)."""

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from dapo_lightning import interrupt
 from dapo_lightning.logprobs import position_ids_from_mask
-from dapo_lightning.rollout.base import Completion, SamplingConfig
+from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
 
 
 def process_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
@@ -55,7 +55,7 @@ def process_logits(logits: Tensor, temperature: float, top_k: int, top_p: float)
     return torch.log_softmax(z, dim=-1)
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(RolloutEngine):
     """Samples completions from a Hugging Face causal LM that is also the policy being trained.
 
     Args:

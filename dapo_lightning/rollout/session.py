@@ -31,73 +31,23 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
+from dapo_lightning.lora import adapter_named_tensors, is_peft_model, merged_named_tensors
 from dapo_lightning.rollout.base import RolloutEngine
-
-#: Name fragments that wrappers (FSDP1, activation checkpointing, torch.compile) insert.
-WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def strip_wrapper_prefixes(name: str) -> str:
-    """Checkpoint name of a parameter of a wrapped module.
-
-    Removes :data:`WRAPPER_PREFIXES` anywhere in ``name`` and a leading ``module.``
-    (DistributedDataParallel / DeepSpeed engine).
-    """
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    while name.startswith("module."):
-        name = name[len("module.") :]
-    return name
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """True when any parameter of ``module`` is a DTensor shard (FSDP2) or ZeRO-3 partition."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in module.parameters())
-
-
-def full_named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(checkpoint name, full tensor)`` for every entry of ``module.state_dict()``.
-
-    One tensor at a time, so at most one gathered parameter is alive beyond the shards:
-
-    * plain tensors (single process, DDP) are yielded detached (no copy);
-    * FSDP2 / DTensor shards are gathered with ``DTensor.full_tensor()`` (a collective:
-      every rank must iterate);
-    * DeepSpeed ZeRO-3 partitioned parameters (those with ``ds_id``) are gathered with
-      ``deepspeed.zero.GatheredParameters`` and copied out (a collective too);
-    * FSDP1 (``FullyShardedDataParallel``) gathers in its own ``state_dict()`` (the default
-      full state-dict type), which holds the whole unsharded state at once.
-
-    Names are stripped of wrapper prefixes; tied weights appear under every name
-    ``state_dict()`` gives them (``lm_head.weight`` included): the format vLLM loads.
-    """
-    for name, value in module.state_dict(keep_vars=True).items():
-        yield strip_wrapper_prefixes(name), _full_tensor(value)
-
-
-def _full_tensor(value: Tensor) -> Tensor:
-    if hasattr(value, "ds_id"):  # DeepSpeed ZeRO-3 partitioned parameter
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
-            return value.data.detach().clone()
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return value.full_tensor().detach()
-    return value.detach()
+from dapo_lightning.rollout.engines import check_engine, create_engine
+from dapo_lightning.weights import full_named_tensors, is_sharded
 
 
 class EngineSession:
     """One rank's rollout engine: built lazily, awake while generating, with current weights.
 
     Args:
-        engine: ``"hf"``, ``"vllm"``, or an object implementing
-            :class:`~dapo_lightning.rollout.base.RolloutEngine`.
+        engine: ``"hf"``, ``"vllm"``, or an engine object (a
+            :class:`~dapo_lightning.rollout.base.RolloutEngine` subclass: the optional
+            capabilities the session uses, ``model``, ``sleep_mode`` / ``wake_up`` / ``sleep``,
+            ``lora_enabled`` / ``load_adapter``, ``state_dict`` / ``load_state_dict``, have
+            defaults there).
         engine_kwargs: Constructor options of an engine given by name.
         model_path: Checkpoint folder or hub id (vLLM loads it; the HF engine loads its own
             copy from it when the policy is sharded).
@@ -127,10 +77,7 @@ class EngineSession:
         seed: int = 0,
         rank: int = 0,
     ) -> None:
-        if isinstance(engine, str) and engine not in ("hf", "vllm"):
-            raise ValueError(f"engine={engine!r}: use 'hf', 'vllm' or an engine object.")
-        if engine == "vllm" and model_path is None:
-            raise ValueError("engine='vllm' needs model_path (the checkpoint vLLM loads).")
+        check_engine(engine, model_path)
         self.kind = engine if isinstance(engine, str) else None
         self._engine: RolloutEngine | None = None if isinstance(engine, str) else engine
         self.engine_kwargs = dict(engine_kwargs or {})
@@ -163,8 +110,6 @@ class EngineSession:
         return self._engine
 
     def _build(self) -> RolloutEngine:
-        from dapo_lightning.rollout import create_engine
-
         if self.kind == "vllm":
             return create_engine(
                 "vllm", model_path=self.model_path, seed=self.seed, **self.engine_kwargs
@@ -204,7 +149,7 @@ class EngineSession:
     def shares_policy(self) -> bool:
         """True when the engine samples with the policy module itself (nothing to push)."""
         engine = self.engine
-        return self._policy is not None and getattr(engine, "model", None) is self._policy()
+        return self._policy is not None and engine.model is self._policy()
 
     def sync(self, version: int) -> bool:
         """Push the policy's weights when the engine holds an older ``version``; True if pushed.
@@ -225,12 +170,10 @@ class EngineSession:
 
     def _push(self, policy: nn.Module) -> None:
         """Send ``policy``'s weights in the form the engine takes (see the module docstring)."""
-        from dapo_lightning.lora import adapter_named_tensors, is_peft_model, merged_named_tensors
-
         engine = self.engine
         if not is_peft_model(policy):
             engine.load_weights(full_named_tensors(policy))
-        elif getattr(engine, "lora_enabled", False):
+        elif engine.lora_enabled:
             config = policy.peft_config[policy.active_adapter]
             engine.load_adapter(adapter_named_tensors(policy), config)
         else:
@@ -240,7 +183,7 @@ class EngineSession:
     def generating(self, version: int) -> Iterator[RolloutEngine]:
         """Wake a sleep-mode engine, bring its weights to ``version``, yield it, sleep again."""
         engine = self.engine
-        sleeps = bool(getattr(engine, "sleep_mode", False))
+        sleeps = bool(engine.sleep_mode)
         if sleeps:
             engine.wake_up()
         try:
@@ -254,12 +197,12 @@ class EngineSession:
         """The engine's sampling RNG state, when it has one (checkpointed to resume exactly)."""
         if self._engine is None:
             return dict(self._pending_state or {})
-        return self._engine.state_dict() if hasattr(self._engine, "state_dict") else {}
+        return self._engine.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the engine RNG state (applied when the engine is built, if it is not yet)."""
         if self._engine is None:
             self._pending_state = dict(state)
-        elif state and hasattr(self._engine, "load_state_dict"):
+        elif state:
             self._engine.load_state_dict(state)
             self._pending_state = None

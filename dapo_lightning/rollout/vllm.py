@@ -41,7 +41,7 @@ from dapo_lightning.interrupt import StopRequested, stop_requested
 from dapo_lightning.interrupt import should_stop as should_stop_requested
 from dapo_lightning.logging_setup import quiet_partial_reload
 from dapo_lightning.precision import resolve_dtype
-from dapo_lightning.rollout.base import Completion, SamplingConfig
+from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def _completions(request: Any) -> list[Completion]:
     return group
 
 
-class VLLMRolloutEngine:
+class VLLMRolloutEngine(RolloutEngine):
     """An in-process ``vllm.LLM`` behind the :class:`~dapo_lightning.rollout.base.RolloutEngine` protocol.
 
     Args:

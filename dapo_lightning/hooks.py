@@ -2,21 +2,32 @@
 
 Lightning calls its own hooks on every callback; a DAPO run has two more moments a callback
 may act on, and the library calls them through :func:`call_dapo_hook` on every callback of the
-trainer that is a :class:`DAPOCallback`:
+trainer that is a :class:`DAPOCallback` (exported as ``dapo_lightning.callbacks.DAPOCallback``;
+this module is the library core's, so the module and the data module need nothing from
+``dapo_lightning.callbacks``):
 
 * ``on_rollouts_scored(trainer, pl_module, rollouts)``: after a generation round is scored,
   before the dynamic-sampling filter (reward shaping, loss masks; see docs/design.md, "One
   training step, as data"). Called on every rank for its own rollouts; do not log here.
 * ``on_dapo_update(trainer, pl_module, metrics)``: after every optimizer update, with that
   update's metrics (reduced over ranks, names without the ``update/`` prefix).
+
+A plain Lightning ``Callback`` that defines one of these methods without subclassing
+:class:`DAPOCallback` is not called: the dispatcher goes by the declared type, not by method
+names, so an unrelated callback's method of the same name is never invoked with DAPO
+arguments. It is not dropped silently either: :func:`warn_undeclared_dapo_hooks` (run at fit
+start by the module and the data module) warns once per trainer, naming the callback and the
+hook, and says to subclass :class:`DAPOCallback`.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from dapo_lightning.data.batch import ScoredRollouts
 
@@ -58,3 +69,35 @@ def call_dapo_hook(trainer: pl.Trainer | None, hook: str, *args: Any) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, DAPOCallback):
             getattr(callback, hook)(trainer, trainer.lightning_module, *args)
+
+
+# Trainers already checked by warn_undeclared_dapo_hooks (the module and the data module both
+# call it at fit start; one warning per trainer).
+_CHECKED: weakref.WeakSet[pl.Trainer] = weakref.WeakSet()
+
+
+def undeclared_dapo_hooks(callbacks: list[Callback]) -> list[tuple[str, str]]:
+    """``(callback class name, hook)`` for each DAPO hook a callback defines without being a
+    :class:`DAPOCallback` (so :func:`call_dapo_hook` will not call it)."""
+    return [
+        (type(cb).__name__, hook)
+        for cb in callbacks
+        if not isinstance(cb, DAPOCallback)
+        for hook in DAPO_HOOKS
+        if callable(getattr(cb, hook, None))
+    ]
+
+
+def warn_undeclared_dapo_hooks(trainer: pl.Trainer | None) -> None:
+    """Warn (once per trainer, on rank 0) about callbacks whose DAPO hooks will not be called
+    because they do not subclass :class:`DAPOCallback`."""
+    if trainer is None or trainer in _CHECKED:
+        return
+    _CHECKED.add(trainer)
+    for name, hook in undeclared_dapo_hooks(trainer.callbacks):
+        rank_zero_warn(
+            f"callback {name} defines {hook}() but is a plain Lightning Callback: DAPO hooks are "
+            f"called only on DAPOCallback subclasses, so it will never run. Fix: subclass "
+            "dapo_lightning.callbacks.DAPOCallback.",
+            category=UserWarning,
+        )
