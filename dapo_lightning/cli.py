@@ -505,8 +505,9 @@ def _warmup_task_kwargs(config: Namespace) -> dict[str, Any]:
     data = (config.get("data") or Namespace()).get("init_args") or Namespace()
     task_kwargs = dict(data.get("task_kwargs") or {})
     task_kwargs.setdefault("task_seed", task_kwargs.pop("seed", data.get("seed") or 0))
-    if data.get("apply_chat_template") is not None:
-        task_kwargs["apply_chat_template"] = bool(data.get("apply_chat_template"))
+    chat = (data.get("prompts") or Namespace()).get("apply_chat_template")
+    if chat is not None:
+        task_kwargs["apply_chat_template"] = bool(chat)
     return task_kwargs
 
 

@@ -4,10 +4,24 @@ Two paths compute the same numbers:
 
 * **fused** (default): the model's output head is applied chunk by chunk of response positions
   inside :class:`LinearLogProbs`, which keeps only per-row statistics and recomputes each chunk's
-  logits in backward, so no ``[B, T, V]`` tensor is ever held (see :func:`response_log_probs`
-  for the memory formula);
+  logits in backward, so no ``[B, T, V]`` tensor is ever held;
 * **naive** (``chunk_size=None``): the model returns float logits for the response positions
   and ``log_softmax`` over them is kept for backward.
+
+Memory of the vocabulary-sized part of :func:`response_log_probs`, with ``N = B * T`` response
+positions, vocabulary ``V``, hidden size ``H`` and ``c`` rows per chunk:
+
+* fused (``chunk_size`` = rows, or ``"auto"`` = :func:`auto_chunk_rows`, ~32 MiB chunks): kept
+  for backward ``N * H`` hidden states (model dtype) + ``3 * N`` floats (``lse``, entropy,
+  targets); transient ``~3 * c * V * 4`` bytes per chunk, plus in backward one float32
+  ``[V, H]`` accumulator for the head's weight gradient. The output head's own forward is
+  replaced for the call (:func:`_fused_head`), so wrappers' hooks (FSDP2, DDP, ZeRO-3) still run
+  and tied embeddings get both gradient contributions.
+* naive (``chunk_size=None``): kept for backward ``N * V * 4`` bytes (the ``log_softmax``
+  output), ``3 * N * V * 4`` with a differentiable entropy (plus the softmax and the logits);
+  transient on top: the model-dtype logits ``B * (T + 1) * V`` and their float32 copy.
+  (Measured with ``saved_tensors_hooks`` for N = 1024, V = 32768: 128 / 385 MiB naive, 0.2 MiB
+  fused, see ``tests/test_logprobs.py``.)
 """
 
 from __future__ import annotations
@@ -387,20 +401,7 @@ def response_log_probs(
     ``logits_to_keep=response_width + 1``, so a long prompt costs no vocab-sized memory.
     ``entropy_grad=False`` returns the entropy without a graph (for metrics).
 
-    Memory of the vocabulary-sized part, with ``N = B * T`` response positions, vocabulary ``V``,
-    hidden size ``H`` and ``c`` rows per chunk:
-
-    * fused (``chunk_size`` = rows, or ``"auto"`` = :func:`auto_chunk_rows`, ~32 MiB chunks):
-      kept for backward ``N * H`` hidden states (model dtype) + ``3 * N`` floats (``lse``,
-      entropy, targets); transient ``~3 * c * V * 4`` bytes per chunk, plus in backward one
-      float32 ``[V, H]`` accumulator for the head's weight gradient. The output head's own
-      forward is replaced for the call (:func:`_fused_head`), so wrappers' hooks (FSDP2, DDP,
-      ZeRO-3) still run and tied embeddings get both gradient contributions.
-    * naive (``chunk_size=None``): kept for backward ``N * V * 4`` bytes (the ``log_softmax``
-      output), ``3 * N * V * 4`` with a differentiable entropy (plus the softmax and the
-      logits); transient on top: the model-dtype logits ``B * (T + 1) * V`` and their float32
-      copy. (Measured with ``saved_tensors_hooks`` for N = 1024, V = 32768: 128 / 385 MiB naive,
-      0.2 MiB fused, see ``tests/test_logprobs.py``.)
+    Memory: see the module docstring (fused: no ``[B, T, V]`` tensor is kept).
 
     Models without an ``nn.Linear`` output head use the naive path; a model that changes its
     head's output (logit soft-capping or scaling) is detected and recomputed on the naive path.

@@ -224,9 +224,9 @@ def check_data_settings(
     longest = data.max_prompt_length + data.sampling.max_tokens
     if isinstance(context, int) and longest > context:
         raise ConfigError(
-            f"data.max_prompt_length={data.max_prompt_length} + data.sampling.max_tokens="
+            f"data.prompts.max_prompt_length={data.max_prompt_length} + data.sampling.max_tokens="
             f"{data.sampling.max_tokens} = {longest} tokens exceeds the model's context "
-            f"(max_position_embeddings={context}). Fix: lower max_prompt_length or "
+            f"(max_position_embeddings={context}). Fix: lower prompts.max_prompt_length or "
             "sampling.max_tokens so that their sum fits the context."
         )
     least = advantage_estimator(loss.advantage_estimator).traits["min_group_size"]

@@ -137,6 +137,7 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
 
     from dapo_lightning import DAPODataModule, DAPOModule
     from dapo_lightning.checkpoint import AtomicCheckpointIO, find_resume_checkpoint
+    from dapo_lightning.data.config import PromptConfig, ScoringConfig
     from dapo_lightning.data.producer import DynamicSamplingConfig
     from dapo_lightning.interrupt import exit_on_stop
     from dapo_lightning.rollout.base import SamplingConfig
@@ -189,12 +190,11 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
         model_dir,
         task="arithmetic",
         task_kwargs={"num_prompts": 24},
-        apply_chat_template=False,
+        prompts=PromptConfig(apply_chat_template=False, max_prompt_length=16),
         reward=FirstTokenParity(tokenizer),
-        reward_in_process=True,
+        scoring=ScoringConfig(in_process=True),
         engine="hf",
         **_episode_settings(),
-        max_prompt_length=16,
         sampling=SamplingConfig(max_tokens=4),
         dynamic_sampling=DynamicSamplingConfig(
             n=4,

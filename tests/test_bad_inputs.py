@@ -8,6 +8,7 @@ data, rewards, tokenizer / model / engine availability, and dtypes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ from dapo_lightning import DAPODataModule, DAPOModule
 from dapo_lightning.callbacks import CollapseDetector, EntropyScheduler, OverlongRewardShaping
 from dapo_lightning.callbacks.collapse import Detector
 from dapo_lightning.cli import build_cli
+from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.data.producer import DynamicSamplingConfig, DynamicSamplingError  # noqa: F401
 from dapo_lightning.data.sources import PromptDataError
 from dapo_lightning.rewards import (
@@ -184,28 +186,7 @@ def test_module_missing_model_path(tmp_path):
         ({}, ValueError, "exactly one of train_files"),
         ({"task": "algebra"}, ValueError, "task='algebra' is not a built-in task"),
         ({"task": "arithmetic", "engine": "sglang"}, ValueError, "engine='sglang'"),
-        ({"task": "arithmetic", "val_n": 0}, ValueError, "val_n and val_batch_size"),
         ({"task": "arithmetic", "steps_per_epoch": 0}, ValueError, "steps_per_epoch must be"),
-        ({"task": "arithmetic", "max_prompt_length": 0}, ValueError, "max_prompt_length must be"),
-        ({"task": "arithmetic", "reward_timeout_s": 0.0}, ValueError, "timeout_s must be > 0"),
-        (
-            {"task": "arithmetic", "reward_timeout_s": nan},
-            ValueError,
-            "reward_timeout_s=nan is not",
-        ),
-        ({"task": "arithmetic", "reward_workers": 0}, ValueError, "reward_workers must be >= 1"),
-        (
-            {"task": "arithmetic", "max_reward_failure_frac": 2.0},
-            ValueError,
-            "max_reward_failure_frac must be in",
-        ),
-        (
-            {"task": "arithmetic", "max_reward_failure_frac": nan},
-            ValueError,
-            "max_reward_failure_frac=nan is not",
-        ),
-        ({"task": "arithmetic", "val_fraction": nan}, ValueError, "val_fraction=nan is not"),
-        ({"task": "arithmetic", "val_temperature": nan}, ValueError, "temperature=nan is not"),
     ],
 )
 def test_datamodule_bad_arguments(tiny_checkpoint, kwargs, error, match):
@@ -255,19 +236,25 @@ def test_dynamic_sampling_bad_settings(kwargs, match):
         DynamicSamplingConfig(**kwargs)
 
 
+#: PromptConfig fields a test may pass to _dm() as keywords.
+PROMPT_FIELDS = {f.name for f in dataclasses.fields(PromptConfig)}
+
+
 def _dm(path: Any, dynamic: dict[str, Any] | None = None, **kw: Any) -> DAPODataModule:
     args: dict[str, Any] = dict(
         task="arithmetic",
         task_kwargs={"num_prompts": 8},
-        apply_chat_template=False,
+        prompts=PromptConfig(apply_chat_template=False, max_prompt_length=16),
         reward="arithmetic",
-        reward_in_process=True,
-        max_prompt_length=16,
+        scoring=ScoringConfig(in_process=True),
         sampling=SamplingConfig(max_tokens=4),
         dynamic_sampling=DynamicSamplingConfig(
             **{"n": 2, "train_batch_size": 2, **(dynamic or {})}
         ),
     )
+    prompt_kw = {k: kw.pop(k) for k in list(kw) if k in PROMPT_FIELDS}
+    if prompt_kw:
+        args["prompts"] = dataclasses.replace(args["prompts"], **prompt_kw)
     args.update(kw)
     return DAPODataModule(str(path), **args)
 
@@ -277,8 +264,6 @@ def _dm(path: Any, dynamic: dict[str, Any] | None = None, **kw: Any) -> DAPOData
     [
         ({"dynamic": {"train_batch_size": 16}}, "more than the 8 training prompts"),
         ({"reward": "exact_match"}, "reward='exact_match' is not a built-in reward"),
-        ({"val_fraction": 1.0}, "val_fraction must be in"),
-        ({"overlong_prompts": "truncate"}, "overlong_prompts must be 'error' or 'drop'"),
         ({"max_prompt_length": 2}, "max_prompt_length=2"),
     ],
 )
@@ -286,6 +271,40 @@ def test_datamodule_bad_settings_fail_in_setup(tiny_checkpoint, kwargs, match):
     dm = _dm(tiny_checkpoint, **kwargs)
     with pytest.raises((ValueError, TypeError), match=match):
         dm.setup("fit")
+
+
+@pytest.mark.parametrize(
+    ("group", "kwargs", "match"),
+    [
+        (ScoringConfig, {"timeout_s": 0.0}, "scoring.timeout_s must be > 0"),
+        (ScoringConfig, {"timeout_s": math.nan}, "scoring.timeout_s=nan is not finite"),
+        (ScoringConfig, {"timeout_s": math.inf}, "scoring.timeout_s=inf is not finite"),
+        (ScoringConfig, {"workers": 0}, "scoring.workers must be an integer >= 1"),
+        (ScoringConfig, {"max_failure_frac": 2.0}, r"scoring.max_failure_frac must be in \[0, 1\]"),
+        (
+            ScoringConfig,
+            {"max_failure_frac": math.nan},
+            "scoring.max_failure_frac=nan is not finite",
+        ),
+        (ValidationConfig, {"fraction": 1.0}, r"validation.fraction must be in \[0, 1\)"),
+        (ValidationConfig, {"fraction": math.nan}, "validation.fraction=nan is not finite"),
+        (ValidationConfig, {"n": 0}, "validation.n must be an integer >= 1"),
+        (ValidationConfig, {"batch_size": 0}, "validation.batch_size must be an integer >= 1"),
+        (ValidationConfig, {"temperature": 0.0}, "validation.temperature must be > 0"),
+        (ValidationConfig, {"temperature": math.inf}, "validation.temperature=inf is not finite"),
+        (ValidationConfig, {"temperature": math.nan}, "validation.temperature=nan is not finite"),
+        (PromptConfig, {"max_prompt_length": 0}, "prompts.max_prompt_length must be >= 1"),
+        (
+            PromptConfig,
+            {"overlong_prompts": "truncate"},
+            "prompts.overlong_prompts must be 'error'",
+        ),
+        (PromptConfig, {"prompt_key": ""}, "prompts.prompt_key must name a field"),
+    ],
+)
+def test_data_setting_groups_refuse_bad_values(group, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        group(**kwargs)
 
 
 def test_missing_tokenizer_path(tmp_path):
@@ -302,7 +321,9 @@ def test_chat_template_needed_but_missing(tmp_path):
     for extra in path.glob("chat_template.*"):
         extra.unlink()
     dm = _dm(path, apply_chat_template=True)
-    with pytest.raises(PromptDataError, match="no chat template. Fix: set apply_chat_template"):
+    with pytest.raises(
+        PromptDataError, match="no chat template. Fix: set prompts.apply_chat_template: false"
+    ):
         dm.setup("fit")
 
 
@@ -397,8 +418,8 @@ def _rows_file(tmp_path: Path, rows: list[Any] | str) -> Path:
     [
         ("", "no prompts found"),
         ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n', "line 2 is not valid JSON"),
-        ([{"question": "1+1=", "answer": "2"}], "missing field 'prompt'.*set prompt_key"),
-        ([{"prompt": "1+1="}], "missing field 'answer'.*set answer_key"),
+        ([{"question": "1+1=", "answer": "2"}], "missing field 'prompt'.*set prompts.prompt_key"),
+        ([{"prompt": "1+1="}], "missing field 'answer'.*set prompts.answer_key"),
         ([{"prompt": "   ", "answer": "2"}], "empty prompt"),
         ([{"prompt": "1+1=", "answer": None}], "field 'answer' is null"),
         ([{"prompt": "1+1=", "answer": ["2"]}], "must be a string or a number, got list"),
@@ -412,11 +433,9 @@ def test_bad_prompt_rows(tiny_checkpoint, tmp_path, content, match):
     dm = DAPODataModule(
         str(tiny_checkpoint),
         train_files=str(path),
-        answer_key="answer",
-        apply_chat_template=False,
+        prompts=PromptConfig(answer_key="answer", apply_chat_template=False, max_prompt_length=16),
         reward="arithmetic",
-        reward_in_process=True,
-        max_prompt_length=16,
+        scoring=ScoringConfig(in_process=True),
         sampling=SamplingConfig(max_tokens=4),
         dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=1),
     )
@@ -479,7 +498,7 @@ def test_reward_that_hangs_is_killed_by_the_timeout():
     runner = RewardRunner(HangingReward(), timeout_s=0.5, num_workers=1)
     t0 = time.monotonic()
     try:
-        with pytest.raises(RewardFailureError, match="timeout.*raise reward_timeout_s"):
+        with pytest.raises(RewardFailureError, match="timeout.*raise data.scoring.timeout_s"):
             runner.score(["a"], ["1"])
     finally:
         runner.close()
@@ -502,7 +521,7 @@ class LockedReward:
 
 def test_reward_that_cannot_be_pickled_names_the_fix():
     with pytest.raises(ValueError, match=r"reward LockedReward cannot be sent to a reward worker "
-                       r"process .*_thread.lock.*reward_in_process: true"):  # fmt: skip
+                       r"process .*_thread.lock.*data.scoring.in_process: true"):  # fmt: skip
         RewardRunner(LockedReward(), num_workers=1)
     RewardRunner(LockedReward(), in_process=True).close()  # the fix works
 
@@ -604,12 +623,14 @@ def _files_dm(path: Any, train_files: str, **kw: Any) -> DAPODataModule:
 
     args: dict[str, Any] = dict(
         train_files=train_files,
-        prompt_key="prompt",
-        answer_key="answer",
-        apply_chat_template=False,
+        prompts=PromptConfig(
+            prompt_key="prompt",
+            answer_key="answer",
+            apply_chat_template=False,
+            max_prompt_length=16,
+        ),
         reward="arithmetic",
-        reward_in_process=True,
-        max_prompt_length=16,
+        scoring=ScoringConfig(in_process=True),
         dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=2, gen_batch_size=2),
     )
     return DAPODataModule(str(path), **{**args, **kw})
@@ -669,7 +690,7 @@ def test_reward_class_path_that_does_not_import(tiny_checkpoint):
     cli = build_cli(
         ["--model=dapo_lightning.DAPOModule", f"--model.model_name_or_path={tiny_checkpoint}",
          "--data=dapo_lightning.DAPODataModule", "--data.task=arithmetic",
-         "--data.apply_chat_template=false", "--data.reward_in_process=true",
+         "--data.prompts.apply_chat_template=false", "--data.scoring.in_process=true",
          '--data.reward={"class_path": "my_rewards.ExactMatch"}', "--trainer.logger=false"],
         run=False,
     )  # fmt: skip
@@ -791,9 +812,8 @@ data:
   init_args:
     task: arithmetic
     task_kwargs: {{level: 1, num_prompts: 16}}
-    reward_in_process: true
-    apply_chat_template: false
-    max_prompt_length: 16
+    scoring: {{in_process: true}}
+    prompts: {{apply_chat_template: false, max_prompt_length: 16}}
     sampling: {{max_tokens: 4}}
     dynamic_sampling: {{n: 2, train_batch_size: 2, filter_metric: null}}
 trainer:
@@ -841,9 +861,9 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
         (["--data.sampling.temperature=.nan"], ["temperature=nan is not finite"]),
         (["--data.sampling.temperature=.inf"], ["temperature=inf is not finite"]),
         (["--data.sampling.top_p=.nan"], ["top_p must be in (0, 1], got nan"]),
-        (["--data.val_temperature=.nan"], ["temperature=nan is not finite"]),
-        (["--data.reward_timeout_s=.nan"], ["reward_timeout_s=nan is not finite"]),
-        (["--data.val_fraction=.nan"], ["val_fraction=nan is not finite"]),
+        (["--data.validation.temperature=.nan"], ["validation.temperature=nan is not finite"]),
+        (["--data.scoring.timeout_s=.nan"], ["data.scoring.timeout_s=nan is not finite"]),
+        (["--data.validation.fraction=.nan"], ["data.validation.fraction=nan is not finite"]),
         (
             ["--model.optimizer=torch.optim.AdamW", "--model.optimizer.lr=.nan"],
             ["model.optimizer.init_args.lr: Invalid learning rate: nan"],

@@ -118,7 +118,7 @@ def test_engine_kwargs_are_engine_arguments(path, capsys):
     assert unknown_engine_kwargs(d["engine_kwargs"]) == []
     max_model_len = d["engine_kwargs"].get("max_model_len")
     if max_model_len is not None:
-        assert max_model_len >= d["max_prompt_length"] + d["sampling"]["max_tokens"]
+        assert max_model_len >= d["prompts"]["max_prompt_length"] + d["sampling"]["max_tokens"]
 
 
 def test_engine_kwargs_check_catches_a_typo():
@@ -145,7 +145,7 @@ def test_gpu_configs(name, capsys):
     assert m["optimizer"]["init_args"]["lr"] == 1e-6
     ds = d["dynamic_sampling"]
     assert ds["n"] == 16 and d["sampling"]["temperature"] == 1.0 and ds["filter_metric"] == "acc"
-    assert d["reward"] == "dapo" and d["train_files"] and d["val_files"]
+    assert d["reward"] == "dapo" and d["train_files"] and d["validation"]["files"]
     updates = ds["train_batch_size"] // m["batching"]["mini_batch_size"]
     assert t["max_steps"] % updates == 0, "max_steps should be a whole number of rollout steps"
     if name == "single_gpu_1.5b.yaml":
@@ -174,7 +174,7 @@ def test_paper_config_numbers(capsys):
     assert t["devices"] % tp == 0 and d["engine_kwargs"]["enable_sleep_mode"] is True
     # 30 AIME problems over the engine groups, one validation chunk each
     groups = t["num_nodes"] * t["devices"] // tp
-    assert d["val_batch_size"] >= -(-30 // groups)
+    assert d["validation"]["batch_size"] >= -(-30 // groups)
 
 
 def _without(cfg: dict, *keys: str) -> dict:

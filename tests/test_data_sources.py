@@ -76,7 +76,7 @@ def test_hf_dataset_on_disk(tmp_path):
     "row,match",
     [
         ({"prompt": "", "answer": "1"}, r"row 2: field 'prompt' is an empty prompt"),
-        ({"answer": "1"}, r"row 2: missing field 'prompt'.*set prompt_key"),
+        ({"answer": "1"}, r"row 2: missing field 'prompt'.*set prompts.prompt_key"),
         ({"prompt": "x", "answer": [1]}, r"row 2: field 'answer' must be a string or a number"),
         ({"prompt": "x", "answer": True}, r"row 2: field 'answer' is a bool"),
         ({"prompt": "x", "answer": None}, r"row 2: field 'answer' is null"),
@@ -101,7 +101,9 @@ def test_overlong_prompts_error_or_drop():
         [{"prompt": "short", "answer": "1"}, {"prompt": "x" * 100, "answer": "2"}],
         FieldMap("prompt", "answer"),
     )
-    with pytest.raises(PromptDataError, match="max_prompt_length=50.*overlong_prompts='drop'"):
+    with pytest.raises(
+        PromptDataError, match="max_prompt_length=50.*prompts.overlong_prompts: drop"
+    ):
         tokenize_records(records, TOK, apply_chat_template=False, max_prompt_length=50)
     kept, dropped = tokenize_records(
         records, TOK, apply_chat_template=False, max_prompt_length=50, overlong_prompts="drop"

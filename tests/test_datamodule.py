@@ -16,6 +16,7 @@ from dapo_lightning.data import (
     ScoredRollouts,
     validation_metrics,
 )
+from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.rollout import SamplingConfig
 
 
@@ -83,7 +84,7 @@ def scripted_dm(path, **dynamic_sampling):
         task="arithmetic",
         task_kwargs={"num_prompts": 40},
         reward="arithmetic",
-        reward_in_process=True,
+        scoring=ScoringConfig(in_process=True),
         engine=ScriptedEngine(),
         sampling=SamplingConfig(max_tokens=8),
         dynamic_sampling=DynamicSamplingConfig(**settings),
@@ -109,16 +110,13 @@ def test_hf_engine_fit_with_validation(tiny_checkpoint, tmp_path):
         task="arithmetic",
         task_kwargs={"num_prompts": 20},
         reward="arithmetic",
-        reward_kwargs={"strict": False},
-        reward_in_process=False,
+        scoring=ScoringConfig(reward_kwargs={"strict": False}, in_process=False),
         engine="hf",
         sampling=SamplingConfig(max_tokens=4),
         # a random tiny model solves nothing: no variance to filter on
         dynamic_sampling=DynamicSamplingConfig(n=3, train_batch_size=2, filter_metric=None),
-        val_fraction=0.2,
-        val_n=2,
-        val_batch_size=3,
-        max_prompt_length=64,
+        validation=ValidationConfig(fraction=0.2, n=2, batch_size=3),
+        prompts=PromptConfig(max_prompt_length=64),
     )
     module = ToyModule(tiny_checkpoint)
     try:

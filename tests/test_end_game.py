@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from test_producer import ScriptedEngine
 
 from dapo_lightning import DAPODataModule, DAPOModule, DynamicSamplingConfig, SamplingConfig
+from dapo_lightning.data.config import PromptConfig, ScoringConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,9 +29,9 @@ def test_a_solved_training_set_stops_the_fit_with_a_final_checkpoint(tiny_checkp
         task="arithmetic",
         task_kwargs={"num_prompts": 8},
         reward="arithmetic",
-        reward_in_process=True,
+        scoring=ScoringConfig(in_process=True),
         engine=ScriptedEngine(rate=lambda p: 1.0),
-        max_prompt_length=64,
+        prompts=PromptConfig(max_prompt_length=64),
         sampling=SamplingConfig(max_tokens=8),
         # no filter: all-right groups are trained on (zero advantage) until they retire
         dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=4, filter_metric=None),

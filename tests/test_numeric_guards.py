@@ -25,6 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from dapo_lightning import DAPODataModule, DAPOModule, DynamicSamplingConfig, SamplingConfig
 from dapo_lightning.data.batch import RolloutBatch
+from dapo_lightning.data.config import PromptConfig, ScoringConfig
 from dapo_lightning.loss import PolicyLossConfig
 from dapo_lightning.rollout_correction import RolloutCorrection
 from dapo_lightning.update import BatchingConfig
@@ -199,9 +200,8 @@ def test_trust_remote_code_is_never_enabled(tiny_checkpoint, monkeypatch):
         str(tiny_checkpoint),
         task="arithmetic",
         task_kwargs={"num_prompts": 4},
-        apply_chat_template=False,
-        reward_in_process=True,
-        max_prompt_length=16,
+        prompts=PromptConfig(apply_chat_template=False, max_prompt_length=16),
+        scoring=ScoringConfig(in_process=True),
         sampling=SamplingConfig(max_tokens=4),
         dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=2),
     )
@@ -227,22 +227,21 @@ def test_no_source_file_enables_trust_remote_code():
 
 def test_rewards_run_in_worker_processes_with_timeout_by_default(tiny_checkpoint):
     sig = inspect.signature(DAPODataModule.__init__).parameters
-    assert sig["reward_in_process"].default is False
-    assert sig["reward_timeout_s"].default > 0
+    assert sig["scoring"].default.in_process is False
+    assert sig["scoring"].default.timeout_s > 0
     dm = DAPODataModule(
         str(tiny_checkpoint),
         task="arithmetic",
         task_kwargs={"num_prompts": 4},
-        apply_chat_template=False,
+        prompts=PromptConfig(apply_chat_template=False, max_prompt_length=16),
         reward="arithmetic",
-        max_prompt_length=16,
         sampling=SamplingConfig(max_tokens=4),
         dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=2),
     )
     dm.setup("fit")
     runner = dm.reward_runner
     try:
-        assert runner.in_process is False and runner.timeout_s == dm.reward_timeout_s
+        assert runner.in_process is False and runner.timeout_s == dm.scoring.timeout_s
         results = runner.score(["7", "3"], ["7", "8"])
         assert [r.acc for r in results] == [True, False]
         workers = [w.proc for w in runner._workers]
@@ -254,7 +253,7 @@ def test_rewards_run_in_worker_processes_with_timeout_by_default(tiny_checkpoint
 def test_quickstart_in_process_reward_is_explicit():
     """The quickstart opts in to in-process scoring explicitly (a trusted built-in reward)."""
     text = (Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml").read_text()
-    assert "reward_in_process: true" in text
+    assert "scoring:\n      in_process: true" in text
 
 
 # ------------------------------------------------- non-finite weights (issue 29)

@@ -108,7 +108,7 @@ def test_runner_timeout_and_failure_counting():
         assert runner.last_failures == 2
         # The killed worker was replaced: the runner still works.
         assert [r.acc for r in runner.score(["5"], ["5"])] == [True]
-        with pytest.raises(RewardFailureError, match="max_reward_failure_frac"):
+        with pytest.raises(RewardFailureError, match="data.scoring.max_failure_frac"):
             runner.score(["HANG", "BOOM", "1"], ["1", "1", "1"])
     finally:
         runner.close()

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.rollout import HFRolloutEngine, RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.hf import process_logits
-from dapo_lightning.rollout.parity import ParityMonitor, logprob_parity
+from dapo_lightning.rollout.parity import logprob_parity
 from dapo_lightning.testing import completions_to_batch
 
 
@@ -173,7 +173,7 @@ def test_process_logits_top_k_top_p():
     assert torch.allclose(logp.exp(), p / p.sum(), atol=1e-6)
 
 
-# ---------------------------------------------------------------- parity monitor (rollout/parity.py)
+# ---------------------------------------------------------------- parity (rollout/parity.py)
 
 
 def test_logprob_parity_formulas():
@@ -193,11 +193,7 @@ def test_logprob_parity_formulas():
         logprob_parity(trainer, engine[:, :2], mask)
 
 
-def test_parity_monitor_schedule_and_on_real_rollouts(model, tokenizer):
-    monitor = ParityMonitor(every=3)
-    assert [monitor.should_check(k) for k in range(7)] == [1, 0, 0, 1, 0, 0, 1]
-    with pytest.raises(ValueError, match="every"):
-        ParityMonitor(every=0)
+def test_logprob_parity_on_real_rollouts(model, tokenizer):
     engine = HFRolloutEngine(model, tokenizer, seed=8)
     prompts = _prompts(tokenizer, ["one", "three"])
     out = engine.generate(prompts, 2, SamplingConfig(max_tokens=8))
@@ -206,7 +202,7 @@ def test_parity_monitor_schedule_and_on_real_rollouts(model, tokenizer):
         logp, _ = response_log_probs(
             model, batch.input_ids, batch.attention_mask, batch.response_width
         )
-    stats = ParityMonitor()(logp, batch)
+    stats = logprob_parity(logp, batch.rollout_log_probs, batch.response_mask)
     assert stats["parity/max_abs_diff"] < 1e-5
     assert stats["parity/tis_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert stats["parity/tokens"] == batch.response_mask.sum().item()
@@ -215,7 +211,8 @@ def test_parity_monitor_schedule_and_on_real_rollouts(model, tokenizer):
         hot, _ = response_log_probs(
             model, batch.input_ids, batch.attention_mask, batch.response_width, temperature=2.0
         )
-    assert ParityMonitor()(hot, batch)["parity/max_abs_diff"] > 1e-2
+    hot_stats = logprob_parity(hot, batch.rollout_log_probs, batch.response_mask)
+    assert hot_stats["parity/max_abs_diff"] > 1e-2
 
 
 def test_a_stop_request_ends_generation_between_decode_steps(model, tokenizer):

@@ -44,7 +44,7 @@ SHORT = [
     "--data.init_args.sampling.max_tokens", "64",
     "--data.init_args.dynamic_sampling.gen_batch_size", "8",
     "--data.init_args.dynamic_sampling.max_num_gen_batches", "1",
-    "--data.init_args.val_n", "1",
+    "--data.init_args.validation.n", "1",
 ]  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """Data: prompt sources, batches, the rollout producer (dynamic sampling) and the DataModule."""
 
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
+from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.data.datamodule import DAPODataModule, RolloutTicket, ValidationTicket
 from dapo_lightning.data.difficulty import (
     DifficultyTracker,
@@ -39,6 +40,7 @@ __all__ = [
     "DynamicSamplingError",
     "EndOfTraining",
     "FieldMap",
+    "PromptConfig",
     "PromptDataError",
     "PredictiveSelector",
     "PromptRecord",
@@ -49,7 +51,9 @@ __all__ = [
     "RolloutProducer",
     "RolloutTicket",
     "ScoredRollouts",
+    "ScoringConfig",
     "TrainingComplete",
+    "ValidationConfig",
     "ValidationTicket",
     "concat_rollouts",
     "deduplicate",

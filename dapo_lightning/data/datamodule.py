@@ -6,7 +6,7 @@ step are generated in :meth:`DAPODataModule.on_before_batch_transfer`, which Lig
 right before that step's ``training_step`` (after the previous step's updates). The prompt
 cursor advances only there, so prefetching changes nothing. Validation works the same way with
 :class:`ValidationTicket` s, returning :class:`~dapo_lightning.data.batch.ScoredRollouts` of
-``val_n`` responses per held-out prompt.
+``validation.n`` responses per held-out prompt.
 
 The pieces it wires together, each with one home: the prompt sources
 (:mod:`dapo_lightning.data.sources`, or a built-in task from :mod:`dapo_lightning.tasks`), the
@@ -22,14 +22,14 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from dapo_lightning.checks import check_finite
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
+from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer, TrainingComplete
 from dapo_lightning.data.sources import (
     FieldMap,
@@ -48,7 +48,6 @@ from dapo_lightning.envs import (
 from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
 from dapo_lightning.ranks import gather_objects, sum_over_ranks
 from dapo_lightning.rewards import RewardRunner, get_reward
-from dapo_lightning.rewards.base import check_reward_settings
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.engines import check_engine
 from dapo_lightning.rollout.session import EngineSession
@@ -64,7 +63,7 @@ class RolloutTicket:
 
 @dataclass(frozen=True)
 class ValidationTicket:
-    """Placeholder for validation chunk ``index`` (``val_batch_size`` held-out prompts)."""
+    """Placeholder for validation chunk ``index`` (``validation.batch_size`` held-out prompts)."""
 
     index: int
 
@@ -96,7 +95,16 @@ def _as_list(files: str | Path | list[str] | None) -> list[str] | None:
 
 # The data module's hyper-parameters (saved in checkpoints) hold these plain dataclasses:
 # allow them in ``torch.load(weights_only=True)``.
-torch.serialization.add_safe_globals([SamplingConfig, DynamicSamplingConfig, EnvironmentConfig])
+torch.serialization.add_safe_globals(
+    [
+        SamplingConfig,
+        DynamicSamplingConfig,
+        EnvironmentConfig,
+        PromptConfig,
+        ScoringConfig,
+        ValidationConfig,
+    ]
+)
 
 #: The paper's sampling: 20480-token responses at temperature 1.0.
 PAPER_SAMPLING = SamplingConfig(max_tokens=20480)
@@ -111,40 +119,26 @@ class DAPODataModule(pl.LightningDataModule):
         model_name_or_path: Checkpoint folder or hub id; the tokenizer is loaded from it in
             ``setup()`` (and the vLLM engine, with ``engine="vllm"``).
         train_files: Prompt files (JSONL, Parquet, a ``save_to_disk`` folder or a hub name).
-        val_files: Held-out prompt files (else ``val_fraction`` of the train prompts).
         task: A built-in task instead of files (:data:`dapo_lightning.tasks.TASKS`:
             ``"arithmetic"``, ``"word_problems"``, ``"reasoning_gym"``). A task whose rows carry
             a ``split`` field holds out its own ``"val"`` rows (then ``val_fraction`` must be 0).
         task_kwargs: Options of the task's problem generator (``seed`` defaults to the run's).
-        prompt_key: Field holding the prompt (string or chat messages).
-        answer_key: Field holding the ground truth; dotted paths reach nested fields.
-        uid_key: Field holding a stable prompt id; None hashes the prompt text.
-        data_source_key: Field naming the data source (passed to the reward).
-        apply_chat_template: Wrap prompts in the tokenizer's chat template (string prompts become
-            one user message) with the generation prompt appended.
-        dedup: Remove repeated prompts (the public DAPO-Math-17k file repeats each ~100x).
-        val_fraction: Share of train prompts held out for validation when ``val_files`` is None.
-        overlong_prompts: Prompts over ``max_prompt_length`` tokens: "error" or "drop" (counted).
+        prompts: Where the prompt rows' fields are, the chat template, de-duplication and the
+            prompt length (:class:`~dapo_lightning.data.config.PromptConfig`).
         reward: "dapo" (paper "Answer:" rule), "math_verify", "arithmetic", "last_number", or a
             reward object; None: the task's reward (else "dapo").
-        reward_kwargs: Constructor options of a reward given by name.
-        reward_timeout_s: Most seconds scoring one response may take (then it fails).
-        reward_workers: Reward worker processes.
-        max_reward_failure_frac: Largest share of a round whose scoring may fail before the run
-            stops with an error.
-        reward_in_process: Score in the training process without timeouts (fast, for trusted
-            rewards and tests).
-        engine: "hf" (samples with the policy module itself), "vllm", or an engine object.
+        scoring: The reward's options, timeout, workers and failure budget
+            (:class:`~dapo_lightning.data.config.ScoringConfig`).
+        engine: "hf" (samples with the policy module itself), "vllm", or an engine object
+            (a :class:`~dapo_lightning.rollout.base.RolloutEngine`).
         engine_kwargs: Constructor options of the engine.
-        max_prompt_length: Most prompt tokens (after the chat template).
         sampling: How training rollouts are sampled: ``max_tokens`` (the maximum response
             length, paper 20480), ``temperature`` (paper 1.0; the module's log-probs use the
             same, read from each batch), ``top_p``, ``top_k``.
         dynamic_sampling: Group size, batch sizes, the filter and its end game
             (:class:`~dapo_lightning.data.producer.DynamicSamplingConfig`).
-        val_n: Responses per held-out prompt (pass@val_n is logged).
-        val_temperature: Sampling temperature for validation.
-        val_batch_size: Held-out prompts per validation step (per rank).
+        validation: Held-out files (or a fraction of the train prompts), responses per prompt,
+            temperature and batch size (:class:`~dapo_lightning.data.config.ValidationConfig`).
         steps_per_epoch: Rollout steps per Lightning epoch; None makes one endless epoch
             (stop with ``max_steps``).
         seed: Seeds the prompt order, validation split, subsampling and the engines; None uses
@@ -160,31 +154,16 @@ class DAPODataModule(pl.LightningDataModule):
         model_name_or_path: str | None = None,
         *,
         train_files: str | list[str] | None = None,
-        val_files: str | list[str] | None = None,
         task: str | None = None,
         task_kwargs: dict[str, Any] | None = None,
-        prompt_key: str = "prompt",
-        answer_key: str = "reward_model.ground_truth",
-        uid_key: str | None = None,
-        data_source_key: str | None = "data_source",
-        apply_chat_template: bool = True,
-        dedup: bool = True,
-        val_fraction: float = 0.0,
-        overlong_prompts: Literal["error", "drop"] = "error",
+        prompts: PromptConfig = PromptConfig(),  # noqa: B008 - a plain dataclass
         reward: str | Any | None = None,
-        reward_kwargs: dict[str, Any] | None = None,
-        reward_timeout_s: float = 10.0,
-        reward_workers: int = 1,
-        max_reward_failure_frac: float = 0.1,
-        reward_in_process: bool = False,
+        scoring: ScoringConfig = ScoringConfig(),  # noqa: B008 - a plain dataclass
         engine: str | Any = "hf",
         engine_kwargs: dict[str, Any] | None = None,
-        max_prompt_length: int = 2048,
         sampling: SamplingConfig = PAPER_SAMPLING,
         dynamic_sampling: DynamicSamplingConfig = PAPER_DYNAMIC_SAMPLING,
-        val_n: int = 1,
-        val_temperature: float = 1.0,
-        val_batch_size: int = 32,
+        validation: ValidationConfig = ValidationConfig(),  # noqa: B008 - a plain dataclass
         steps_per_epoch: int | None = None,
         seed: int | None = None,
         environment: EnvironmentConfig | None = None,
@@ -201,45 +180,26 @@ class DAPODataModule(pl.LightningDataModule):
         check_engine(
             engine, model_name_or_path, field="data.engine", path_field="data.model_name_or_path"
         )
-        if val_n < 1 or val_batch_size < 1:
-            raise ValueError("val_n and val_batch_size must be >= 1.")
         if steps_per_epoch is not None and steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be >= 1 or None, got {steps_per_epoch}.")
-        if max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1 token, got {max_prompt_length}.")
-        check_finite("val_fraction", val_fraction, "Give a share in [0, 1).")
-        check_reward_settings(reward_timeout_s, reward_workers, max_reward_failure_frac)
         self.save_hyperparameters(ignore=["reward", "engine"])
         self.model_name_or_path = model_name_or_path
         self.train_files = _as_list(train_files)
-        self.val_files = _as_list(val_files)
         self.task_kwargs = dict(task_kwargs or {})
-        self.fields = FieldMap(prompt_key, answer_key, uid_key, data_source_key)
-        if self.task is not None:
+        #: Prompt fields and preparation; the reward's runner settings; validation.
+        self.prompts, self.scoring, self.validation = prompts, scoring, validation
+        self.fields = prompts.field_map()
+        if self.task is not None:  # a task's rows have these fields
             self.fields = FieldMap("prompt", "answer", "uid", None)
-        self.apply_chat_template = apply_chat_template
-        self.dedup = dedup
-        self.val_fraction = val_fraction
-        self.overlong_prompts = overlong_prompts
         self.reward = reward if reward is not None else (self.task.reward if self.task else "dapo")
-        self.reward_kwargs = dict(reward_kwargs or {})
-        self.reward_timeout_s = reward_timeout_s
-        self.reward_workers = reward_workers
-        self.max_reward_failure_frac = max_reward_failure_frac
-        self.reward_in_process = reward_in_process
         self.engine_spec: str | RolloutEngine = engine
         self.engine_kwargs = dict(engine_kwargs or {})
-        self.max_prompt_length = max_prompt_length
         #: Sampling settings of training rollouts (the module reads them from each batch).
         self.sampling = dataclasses.replace(sampling)
         #: Dynamic-sampling settings (the module checks its mini-batches against them).
         self.dynamic_sampling = dynamic_sampling
         #: Sampling settings of validation.
-        self.val_sampling = SamplingConfig(
-            sampling.max_tokens, val_temperature, sampling.top_p, sampling.top_k
-        )
-        self.val_n = val_n
-        self.val_batch_size = val_batch_size
+        self.val_sampling = dataclasses.replace(sampling, temperature=validation.temperature)
         self.steps_per_epoch = steps_per_epoch
         self._seed = seed
         #: Multi-turn environment settings (None: single-turn rollouts).
@@ -255,6 +215,11 @@ class DAPODataModule(pl.LightningDataModule):
         #: uids drawn at each training step (this rank), for logging and tests.
         self.drawn_log: list[list[str]] = []
         self._pending_state: dict[str, Any] | None = None
+
+    @property
+    def max_prompt_length(self) -> int:
+        """Most prompt tokens (``prompts.max_prompt_length``)."""
+        return self.prompts.max_prompt_length
 
     @property
     def seed(self) -> int:
@@ -290,11 +255,12 @@ class DAPODataModule(pl.LightningDataModule):
                     r for r, v in zip(records, split) if v
                 ]
         else:
-            records = load_prompt_records(self.train_files, self.fields, dedup=self.dedup)
-        if self.val_files is not None:
-            return records, load_prompt_records(self.val_files, self.fields, dedup=self.dedup)
-        if self.val_fraction > 0:
-            return split_train_val(records, self.val_fraction, self.seed)
+            records = load_prompt_records(self.train_files, self.fields, dedup=self.prompts.dedup)
+        val_files = _as_list(self.validation.files)
+        if val_files is not None:
+            return records, load_prompt_records(val_files, self.fields, dedup=self.prompts.dedup)
+        if self.validation.fraction > 0:
+            return split_train_val(records, self.validation.fraction, self.seed)
         return records, []
 
     def _load_tokenizer(self) -> Any:
@@ -322,11 +288,11 @@ class DAPODataModule(pl.LightningDataModule):
         if self._make_env is not None and self.environment.add_instructions:
             instructions = getattr(self._make_env(), "instructions", None)
             text = instructions() if callable(instructions) else None
-            with_instructions(train + val, text, self.apply_chat_template)
+            with_instructions(train + val, text, self.prompts.apply_chat_template)
         tok_kw = dict(
-            apply_chat_template=self.apply_chat_template,
-            max_prompt_length=self.max_prompt_length,
-            overlong_prompts=self.overlong_prompts,
+            apply_chat_template=self.prompts.apply_chat_template,
+            max_prompt_length=self.prompts.max_prompt_length,
+            overlong_prompts=self.prompts.overlong_prompts,
         )
         self.train_records, self.dropped_prompts = tokenize_records(train, self.tokenizer, **tok_kw)
         if val:
@@ -334,11 +300,11 @@ class DAPODataModule(pl.LightningDataModule):
             self.dropped_prompts += dropped_val
         rank, world = self._rank_world()
         self.reward_runner = RewardRunner(
-            get_reward(self.reward, **self.reward_kwargs),
-            timeout_s=self.reward_timeout_s,
-            num_workers=self.reward_workers,
-            max_failure_frac=self.max_reward_failure_frac,
-            in_process=self.reward_in_process,
+            get_reward(self.reward, **self.scoring.reward_kwargs),
+            timeout_s=self.scoring.timeout_s,
+            num_workers=self.scoring.workers,
+            max_failure_frac=self.scoring.max_failure_frac,
+            in_process=self.scoring.in_process,
         )
         self.session = self._make_session(rank)
         self.session.attach(lambda: self.trainer.lightning_module.policy)
@@ -380,7 +346,7 @@ class DAPODataModule(pl.LightningDataModule):
             make_env=self._make_env,
             records=self.train_records + self.val_records,
             max_episode_tokens=budget or self.max_prompt_length + self.sampling.max_tokens,
-            use_chat_template=self.apply_chat_template,
+            use_chat_template=self.prompts.apply_chat_template,
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
             **kwargs,
         )
@@ -418,7 +384,7 @@ class DAPODataModule(pl.LightningDataModule):
         shard = self._val_shard()
         if not shard:
             return []
-        chunks = math.ceil(len(shard) / self.val_batch_size)
+        chunks = math.ceil(len(shard) / self.validation.batch_size)
         return DataLoader(_Tickets(ValidationTicket, chunks), batch_size=None)
 
     # --------------------------------------------------------------- rollouts
@@ -457,14 +423,16 @@ class DAPODataModule(pl.LightningDataModule):
         self._batch_start = None
 
     def validation_rollouts(self, index: int) -> ScoredRollouts:
-        """``val_n`` scored responses for each prompt of validation chunk ``index``."""
+        """``validation.n`` scored responses for each prompt of validation chunk ``index``."""
         if self.producer is None:
             raise RuntimeError("call setup() before validating.")
         shard = self._val_shard()
-        chunk = shard[index * self.val_batch_size : (index + 1) * self.val_batch_size]
+        chunk = shard[index * self.validation.batch_size : (index + 1) * self.validation.batch_size]
         version = self._policy_version()
         with self.session.generating(version):
-            return self.producer.score(chunk, [self.val_n] * len(chunk), self.val_sampling, version)
+            return self.producer.score(
+                chunk, [self.validation.n] * len(chunk), self.val_sampling, version
+            )
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Turn a ticket into its rollouts, right before the step that consumes them."""

@@ -255,7 +255,7 @@ def _clean_prompt(value: Any, where: str, key: str) -> Prompt:
         return msgs
     raise PromptDataError(
         f"{where}: field {key!r} must be a non-empty string or a list of chat messages, got "
-        f"{value!r}; fix the row or point prompt_key at the prompt field."
+        f"{value!r}; fix the row or point prompts.prompt_key at the prompt field."
     )
 
 
@@ -279,7 +279,7 @@ def _clean_answer(value: Any, where: str, key: str) -> str:
         return value.strip()
     raise PromptDataError(
         f"{where}: field {key!r} must be a string or a number, got {type(value).__name__} "
-        f"{value!r}; store the ground truth as a string (or point answer_key at it)."
+        f"{value!r}; store the ground truth as a string (or point prompts.answer_key at it)."
     )
 
 
@@ -300,7 +300,7 @@ def records_from_rows(
             except KeyError as e:
                 raise PromptDataError(
                     f"{where}: missing field {key!r} (no {str(e)!r}; row keys: {sorted(row)}): "
-                    f"set {attr} to the field that holds it (dotted paths reach nested fields)."
+                    f"set prompts.{attr} to the field that holds it (dotted paths reach nested fields)."
                 ) from None
             if values[attr] is None:
                 raise PromptDataError(f"{where}: field {key!r} is null: fill it or drop the row.")
@@ -311,7 +311,7 @@ def records_from_rows(
                 uid = str(get_field(row, fields.uid_key))
             except KeyError:
                 raise PromptDataError(
-                    f"{where}: missing uid field {fields.uid_key!r}: set uid_key=None to derive "
+                    f"{where}: missing uid field {fields.uid_key!r}: set prompts.uid_key: null to derive "
                     "ids from the prompt text."
                 ) from None
         else:
@@ -348,7 +348,7 @@ def deduplicate(records: Sequence[PromptRecord]) -> tuple[list[PromptRecord], in
     uids = [r.uid for r in kept]
     if len(set(uids)) != len(uids):
         raise PromptDataError(
-            "distinct prompts share a uid: make uid_key unique per prompt or set uid_key=None."
+            "distinct prompts share a uid: make prompts.uid_key unique per prompt or set it to null."
         )
     return kept, len(records) - len(kept)
 
@@ -404,8 +404,8 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, apply_chat_template: bool) -> 
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not isinstance(prompt, str):
         raise PromptDataError(
-            "a prompt is a list of chat messages but apply_chat_template=False: set "
-            "apply_chat_template=True or give plain-text prompts."
+            "a prompt is a list of chat messages but prompts.apply_chat_template is false: set "
+            "it true or give plain-text prompts."
         )
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
@@ -426,8 +426,8 @@ def tokenize_records(
         raise ValueError(f"overlong_prompts must be 'error' or 'drop', got {overlong_prompts!r}.")
     if apply_chat_template and not getattr(tokenizer, "chat_template", None):
         raise PromptDataError(
-            f"apply_chat_template=True but the tokenizer ({type(tokenizer).__name__}) has no chat "
-            "template. Fix: set apply_chat_template=False to feed plain-text prompts as they are, "
+            f"prompts.apply_chat_template is true but the tokenizer ({type(tokenizer).__name__}) has no chat "
+            "template. Fix: set prompts.apply_chat_template: false to feed plain-text prompts as they are, "
             "or use a tokenizer that defines one (tokenizer.chat_template)."
         )
     kept, dropped = [], 0
@@ -439,8 +439,8 @@ def tokenize_records(
                 continue
             raise PromptDataError(
                 f"prompt {i + 1} (uid {r.uid}) has {len(ids)} tokens, more than "
-                f"max_prompt_length={max_prompt_length}: raise max_prompt_length, or set "
-                "overlong_prompts='drop' to skip such prompts."
+                f"max_prompt_length={max_prompt_length}: raise prompts.max_prompt_length, or set "
+                "prompts.overlong_prompts: drop to skip such prompts."
             )
         r.prompt_ids = ids
         kept.append(r)

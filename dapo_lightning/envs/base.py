@@ -199,7 +199,7 @@ class EnvironmentConfig:
         kwargs: Keyword arguments of the environment's constructor.
         max_turns: Most assistant turns per episode (the last one ends it whatever it says).
         max_episode_tokens: Most tokens of prompt + all assistant turns + all observations
-            (<= the engine's context). None: ``max_prompt_length + sampling.max_tokens``,
+            (<= the engine's context). None: ``prompts.max_prompt_length + sampling.max_tokens``,
             what the model's context check already covers. ``sampling.max_tokens`` bounds the
             assistant tokens of an episode (overlong shaping measures those).
         call_timeout_s: Most seconds one ``reset`` / ``step`` call may take; a call over it

@@ -129,7 +129,7 @@ class ObservationFormatter:
                 raise ValueError(
                     "the chat template does not end an assistant message with the EOS token "
                     f"{tokenizer.eos_token!r}: observations cannot follow a turn. Set "
-                    "data.apply_chat_template: false, or use a tokenizer whose template does."
+                    "data.prompts.apply_chat_template: false, or use a tokenizer whose template does."
                 )
             self._prefix = base[: base.rindex(marker) + len(marker)]
 
@@ -276,7 +276,7 @@ class EpisodeRunner:
         if context is not None and self.max_episode_tokens > context:
             raise ValueError(
                 f"environment.max_episode_tokens={self.max_episode_tokens} exceeds the engine's "
-                f"context ({context} tokens): lower it (or max_prompt_length / sampling.max_tokens "
+                f"context ({context} tokens): lower it (or prompts.max_prompt_length / sampling.max_tokens "
                 "when it is null)."
             )
         self.totals = dict.fromkeys(_STAT_KEYS, 0)

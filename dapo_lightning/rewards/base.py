@@ -185,11 +185,11 @@ class _Worker:
                 f"reward worker for {self.reward_name} exited before it started (its error is "
                 "above): when it says the script re-ran its top level, put the training code "
                 'under `if __name__ == "__main__":`; else check that the reward is picklable '
-                "and importable in a fresh process, or set data.reward_in_process: true."
+                "and importable in a fresh process, or set data.scoring.in_process: true."
                 if died
                 else f"reward worker for {self.reward_name} did not start within "
                 f"{WORKER_START_S:.0f} s: check that the reward is picklable and importable in "
-                "a fresh process, or set data.reward_in_process: true."
+                "a fresh process, or set data.scoring.in_process: true."
             )
 
     def kill(self) -> None:
@@ -217,7 +217,7 @@ def check_picklable(reward: Any) -> None:
     except Exception as err:  # noqa: BLE001 - TypeError, PicklingError, AttributeError, ...
         raise ConfigError(
             f"reward {type(reward).__name__} cannot be sent to a reward worker process "
-            f"(pickling it failed: {err}). Fix: set data.reward_in_process: true to score in "
+            f"(pickling it failed: {err}). Fix: set data.scoring.in_process: true to score in "
             "the training process (no timeout), or make the reward picklable (no locks, open "
             "files or lambdas among its attributes; a module-level class)."
         ) from err
@@ -317,10 +317,10 @@ class RewardRunner:
             )
             raise RewardFailureError(
                 f"{failures} of {n} responses ({failures / n:.0%}) failed to score with "
-                f"{type(self.reward).__name__}, more than max_reward_failure_frac="
+                f"{type(self.reward).__name__}, more than data.scoring.max_failure_frac="
                 f"{self.max_failure_frac}. First reasons: {reasons[:3]}. Fix the reward function, "
-                f"raise reward_timeout_s (now {self.timeout_s}) if it is slow, or raise "
-                "max_reward_failure_frac to tolerate more."
+                f"raise data.scoring.timeout_s (now {self.timeout_s}) if it is slow, or raise "
+                "data.scoring.max_failure_frac to tolerate more."
             )
         return results
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dapo_lightning.rollout.base import Completion, FinishReason, RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.engines import ENGINE_KINDS, check_engine, create_engine
 from dapo_lightning.rollout.hf import HFRolloutEngine
-from dapo_lightning.rollout.parity import ParityMonitor, logprob_parity
+from dapo_lightning.rollout.parity import logprob_parity
 from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.rollout.vllm import VLLMRolloutEngine
 from dapo_lightning.weights import full_named_tensors
@@ -19,7 +19,6 @@ __all__ = [
     "EngineSession",
     "FinishReason",
     "HFRolloutEngine",
-    "ParityMonitor",
     "RolloutEngine",
     "SamplingConfig",
     "VLLMRolloutEngine",

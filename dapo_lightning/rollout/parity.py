@@ -2,18 +2,15 @@
 
 After a weight push the engine's log-probabilities of its sampled tokens should equal the
 trainer's for the same tokens (docs/design.md invariant 3). A silent mismatch (a wrong or partial
-push, tied embeddings left stale, dtype drift) shows up here and nowhere else.
+push, tied embeddings left stale, dtype drift) shows up here and nowhere else. The module compares
+every ``parity_check_every`` rollout steps, on the tokens the current weights sampled
+(:func:`~dapo_lightning.data.metrics.rollout_step_metrics`: ``parity/*``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:  # data.batch imports rollout.base: no runtime import here (cycle)
-    from dapo_lightning.data.batch import RolloutBatch
 
 
 def logprob_parity(trainer_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> dict[str, float]:
@@ -52,29 +49,3 @@ def logprob_parity(trainer_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> d
         "parity/tis_ratio_max": ratio.max().item(),
         "parity/tokens": float(d.numel()),
     }
-
-
-class ParityMonitor:
-    """Decides when to compare and computes the comparison on a :class:`RolloutBatch`.
-
-    Args:
-        every: Check after every ``every``-th weight push (1 = every push; the first batch
-            after each checked push is compared). Must be >= 1.
-    """
-
-    def __init__(self, every: int = 1) -> None:
-        if every < 1:
-            raise ValueError(f"ParityMonitor.every must be >= 1, got {every}.")
-        self.every = every
-
-    def should_check(self, push_count: int) -> bool:
-        """True when the push numbered ``push_count`` (0 = initial weights) is one to check."""
-        return push_count % self.every == 0
-
-    def __call__(self, trainer_logp: Tensor, batch: RolloutBatch) -> dict[str, float]:
-        """:func:`logprob_parity` of ``trainer_logp`` ``[B, T]`` against the batch's rollout log-probs.
-
-        Only ``batch.response_mask`` tokens are compared; ``trainer_logp`` must be computed at the
-        sampling temperature for the comparison to be meaningful.
-        """
-        return logprob_parity(trainer_logp, batch.rollout_log_probs, batch.response_mask)

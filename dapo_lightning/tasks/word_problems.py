@@ -8,7 +8,7 @@ are left?"). Every answer is a non-negative integer. Rows are::
     {"prompt": [{"role": "user", "content": "<problem> <instruction>"}],
      "answer": "10", "uid": "wp-mul_sub-3-4-2-tom-apples", "template": "mul_sub"}
 
-The prompt is a list of chat messages, so the data module needs ``apply_chat_template=True``
+The prompt is a list of chat messages, so the data module needs ``prompts.apply_chat_template: true``
 (the default). The instruction (:data:`INSTRUCTION`) asks for one or two short sentences that
 end with "The answer is N.": a 135M instruct model (SmolLM2-135M-Instruct, see
 :mod:`dapo_lightning.models`) then writes ~35 tokens, which keeps rollouts short.

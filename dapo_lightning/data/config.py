@@ -1,0 +1,148 @@
+"""The data module's setting groups besides sampling: where the prompts' fields are and how
+they are prepared (:class:`PromptConfig`), how responses are scored (:class:`ScoringConfig`)
+and how the held-out set is validated (:class:`ValidationConfig`).
+
+Each is declared, documented and validated here once (NaN and infinities refused, the field
+named, :class:`~dapo_lightning.checks.ConfigError`: one ``error:`` line from the CLI); the data
+module takes them whole. YAML::
+
+    data:
+      init_args:
+        prompts: {prompt_key: question, answer_key: answer, max_prompt_length: 512}
+        scoring: {timeout_s: 10.0, workers: 4}
+        validation: {files: data/test.jsonl, n: 4, temperature: 0.6}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from dapo_lightning.checks import ConfigError, check_finite
+from dapo_lightning.data.sources import FieldMap
+
+__all__ = ["PromptConfig", "ScoringConfig", "ValidationConfig"]
+
+
+def _finite(owner: str, name: str, value: float, fix: str) -> None:
+    check_finite(f"data.{owner}.{name}", value, fix)
+
+
+@dataclass
+class PromptConfig:
+    """Where a prompt row's fields are, and how prompts become token ids.
+
+    Args:
+        prompt_key: Field holding the prompt (string or chat messages).
+        answer_key: Field holding the ground truth; dotted paths reach nested fields.
+        uid_key: Field holding a stable prompt id; None hashes the prompt text.
+        data_source_key: Field naming the data source (passed to the reward).
+        apply_chat_template: Wrap prompts in the tokenizer's chat template (string prompts
+            become one user message) with the generation prompt appended.
+        dedup: Remove repeated prompts (the public DAPO-Math-17k file repeats each ~100x).
+        max_prompt_length: Most prompt tokens (after the chat template).
+        overlong_prompts: Prompts over ``max_prompt_length`` tokens: ``"error"`` or
+            ``"drop"`` (counted in ``data/dropped_prompts``).
+
+    A built-in task (``data.task``) brings its own fields; the keys are not read then.
+    """
+
+    prompt_key: str = "prompt"
+    answer_key: str = "reward_model.ground_truth"
+    uid_key: str | None = None
+    data_source_key: str | None = "data_source"
+    apply_chat_template: bool = True
+    dedup: bool = True
+    max_prompt_length: int = 2048
+    overlong_prompts: Literal["error", "drop"] = "error"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_prompt_length, bool) or not isinstance(self.max_prompt_length, int):
+            raise ConfigError(
+                f"data.prompts.max_prompt_length must be an integer number of tokens, got "
+                f"{self.max_prompt_length!r}."
+            )
+        if self.max_prompt_length < 1:
+            raise ConfigError(
+                f"data.prompts.max_prompt_length must be >= 1 token, got {self.max_prompt_length}."
+            )
+        if self.overlong_prompts not in ("error", "drop"):
+            raise ConfigError(
+                f"data.prompts.overlong_prompts must be 'error' or 'drop', got {self.overlong_prompts!r}."
+            )
+        for name in ("prompt_key", "answer_key"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"data.prompts.{name} must name a field, got {getattr(self, name)!r}.")
+
+    def field_map(self) -> FieldMap:
+        """The row fields as :class:`~dapo_lightning.data.sources.FieldMap`."""
+        return FieldMap(self.prompt_key, self.answer_key, self.uid_key, self.data_source_key)
+
+
+@dataclass
+class ScoringConfig:
+    """How the reward scores responses (:class:`~dapo_lightning.rewards.base.RewardRunner`).
+
+    Args:
+        reward_kwargs: Constructor options of a reward given by name (``data.reward``).
+        timeout_s: Most seconds scoring one response may take (then it fails).
+        workers: Reward worker processes.
+        max_failure_frac: Largest share of a round whose scoring may fail before the run
+            stops with an error, in [0, 1].
+        in_process: Score in the training process without timeouts (fast, for trusted
+            rewards and tests; needed for a reward that cannot be pickled).
+    """
+
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 10.0
+    workers: int = 1
+    max_failure_frac: float = 0.1
+    in_process: bool = False
+
+    def __post_init__(self) -> None:
+        self.reward_kwargs = dict(self.reward_kwargs or {})
+        _finite("scoring", "timeout_s", self.timeout_s, "Give the seconds one response may take.")
+        _finite("scoring", "max_failure_frac", self.max_failure_frac, "Give a share in [0, 1].")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"data.scoring.timeout_s must be > 0 seconds, got {self.timeout_s}.")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigError(f"data.scoring.workers must be an integer >= 1, got {self.workers!r}.")
+        if not 0 <= self.max_failure_frac <= 1:
+            raise ConfigError(
+                f"data.scoring.max_failure_frac must be in [0, 1], got {self.max_failure_frac}."
+            )
+
+
+@dataclass
+class ValidationConfig:
+    """The held-out prompts and how they are sampled.
+
+    Args:
+        files: Held-out prompt files (JSONL, Parquet, a ``save_to_disk`` folder or a hub
+            name); None: ``fraction`` of the train prompts (or no validation).
+        fraction: Share of train prompts held out when ``files`` is None, in [0, 1).
+        n: Responses per held-out prompt (``val/pass@n`` is logged).
+        temperature: Sampling temperature of validation (> 0).
+        batch_size: Held-out prompts per validation step (per rank).
+    """
+
+    files: str | list[str] | None = None
+    fraction: float = 0.0
+    n: int = 1
+    temperature: float = 1.0
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if isinstance(self.files, Path):
+            self.files = str(self.files)
+        _finite("validation", "fraction", self.fraction, "Give a share in [0, 1).")
+        _finite("validation", "temperature", self.temperature, "Give a temperature > 0 (1.0).")
+        if not 0 <= self.fraction < 1:
+            raise ConfigError(f"data.validation.fraction must be in [0, 1), got {self.fraction}.")
+        if self.temperature <= 0:
+            raise ConfigError(f"data.validation.temperature must be > 0, got {self.temperature}.")
+        for name in ("n", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"data.validation.{name} must be an integer >= 1, got {value!r}.")
