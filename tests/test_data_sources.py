@@ -116,7 +116,7 @@ def test_messages_need_chat_template():
         [{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}],
         FieldMap("prompt", "answer"),
     )
-    with pytest.raises(PromptDataError, match="apply_chat_template=True"):
+    with pytest.raises(PromptDataError, match="prompts.apply_chat_template is false: set it true"):
         tokenize_records(records, TOK, apply_chat_template=False)
 
 

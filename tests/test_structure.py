@@ -15,6 +15,7 @@ synthetic package (the ``test_checker_*`` tests), so none of them passes vacuous
 from __future__ import annotations
 
 import ast
+import configparser
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -485,3 +486,13 @@ def test_the_floors_of_docs_design(sources):
         assert "dapo_lightning.hooks" in reached or core == "dapo_lightning.update"
         assert not {m for m in reached if m.startswith("dapo_lightning.callbacks")}, core
     assert "dapo_lightning.hooks" in graph["dapo_lightning.callbacks"]  # callbacks import the core
+
+
+def test_every_subpackage_is_packaged(sources):
+    """setup.cfg lists packages by hand: a sub-package missing there is absent from the wheel
+    (tasks/ and envs/ were)."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    packages = {s.module for s in sources if s.is_package}
+    assert packages == listed, (sorted(packages - listed), sorted(listed - packages))
