@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from dapo_lightning import hooks
+from dapo_lightning import DAPODataModule, hooks
 from dapo_lightning.hooks import (
     DAPO_HOOKS,
     DAPOCallback,
@@ -20,6 +20,7 @@ from dapo_lightning.hooks import (
     warn_undeclared_dapo_hooks,
 )
 from dapo_lightning.module import DAPOModule
+from dapo_lightning.rollout import EngineSession, RolloutEngine
 from tests._module_harness import FixedBatches, fixed_batch, sgd
 
 
@@ -119,3 +120,33 @@ def test_fit_warns_about_a_plain_callback_and_still_calls_the_declared_one(tiny_
     assert len(declared.calls) == 1 and declared.calls[0].startswith("update:")
     assert "grad_norm" in declared.calls[0] and "loss" in declared.calls[0]
     assert trainer in hooks._CHECKED
+
+
+def test_an_engine_object_must_subclass_the_protocol(tiny_checkpoint):
+    class Duck:  # generate / load_weights, but not a RolloutEngine
+        def generate(self, prompts, n, sampling):
+            return []
+
+        def load_weights(self, named_tensors):
+            return None
+
+    with pytest.raises(TypeError, match=r"data.engine \(Duck\) does not subclass .*RolloutEngine"):
+        DAPODataModule(str(tiny_checkpoint), task="arithmetic", engine=Duck())
+
+    class Minimal(RolloutEngine):
+        def generate(self, prompts, n, sampling):
+            return [[] for _ in prompts]
+
+        def load_weights(self, named_tensors):
+            self.loaded = [name for name, _ in named_tensors]
+
+    engine = Minimal()  # every optional capability has its default
+    assert engine.model is None and engine.sleep_mode is False and engine.lora_enabled is False
+    assert engine.wake_up() is False and engine.sleep() is False
+    assert engine.state_dict() == {} and engine.load_state_dict({"x": 1}) is None
+    with pytest.raises(NotImplementedError, match="Minimal serves no LoRA adapters"):
+        engine.load_adapter([], None)
+    session = EngineSession(engine)
+    with session.generating(version=0) as got:
+        assert got is engine and got.generate([[1]], 2, None) == [[]]
+    assert session.state_dict() == {}

@@ -11,11 +11,12 @@ reasoning_gym = pytest.importorskip(
     "reasoning_gym", reason="the tasks extra: pip install reasoning-gym"
 )
 
+from dapo_lightning.data.config import ValidationConfig  # noqa: E402
 from dapo_lightning.data.datamodule import DAPODataModule  # noqa: E402
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
 from dapo_lightning.data.sources import FieldMap, records_from_rows, tokenize_records  # noqa: E402
 from dapo_lightning.rewards import RewardRunner, get_reward  # noqa: E402
-from dapo_lightning.rollout.base import Completion, SamplingConfig  # noqa: E402
+from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig  # noqa: E402
 from dapo_lightning.rollout.session import EngineSession  # noqa: E402
 from dapo_lightning.tasks import get_task  # noqa: E402
 from dapo_lightning.tasks.reasoning_gym import (  # noqa: E402
@@ -207,13 +208,16 @@ def test_data_module_holds_out_the_tasks_val_rows():
     }
     assert not {r.prompt[0]["content"] for r in train} & {r.prompt[0]["content"] for r in val}
     dm = DAPODataModule(
-        "unused", task="reasoning_gym", task_kwargs={"dataset": "chain_sum"}, val_fraction=0.2
+        "unused",
+        task="reasoning_gym",
+        task_kwargs={"dataset": "chain_sum"},
+        validation=ValidationConfig(fraction=0.2),
     )
-    with pytest.raises(ValueError, match="own held-out problems.*val_fraction: 0"):
+    with pytest.raises(ValueError, match="own held-out problems.*validation.fraction: 0"):
         dm._load_records()
 
 
-class AnswerEngine:
+class AnswerEngine(RolloutEngine):
     """Answers the first ``right`` samples of each prompt with its answer line, the rest wrong."""
 
     def __init__(self, answers: dict[tuple[int, ...], str], right: int) -> None:

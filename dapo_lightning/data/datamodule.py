@@ -121,7 +121,7 @@ class DAPODataModule(pl.LightningDataModule):
         train_files: Prompt files (JSONL, Parquet, a ``save_to_disk`` folder or a hub name).
         task: A built-in task instead of files (:data:`dapo_lightning.tasks.TASKS`:
             ``"arithmetic"``, ``"word_problems"``, ``"reasoning_gym"``). A task whose rows carry
-            a ``split`` field holds out its own ``"val"`` rows (then ``val_fraction`` must be 0).
+            a ``split`` field holds out its own ``"val"`` rows (then ``validation.fraction`` must be 0).
         task_kwargs: Options of the task's problem generator (``seed`` defaults to the run's).
         prompts: Where the prompt rows' fields are, the chat template, de-duplication and the
             prompt length (:class:`~dapo_lightning.data.config.PromptConfig`).
@@ -245,10 +245,10 @@ class DAPODataModule(pl.LightningDataModule):
             rows = self.task.make_rows(**{"seed": self.seed, **self.task_kwargs})
             records = records_from_rows(rows, self.fields, name=self.task.name)
             if any("split" in r.meta for r in records):  # the task holds out its own problems
-                if self.val_fraction > 0 or self.val_files is not None:
+                if self.validation.fraction > 0 or self.validation.files is not None:
                     raise ValueError(
                         f"task={self.task.name!r} has its own held-out problems (its rows' "
-                        "split): set val_fraction: 0 and no val_files."
+                        "split): set validation.fraction: 0 and no validation.files."
                     )
                 split = [r.meta.get("split") == "val" for r in records]
                 return [r for r, v in zip(records, split) if not v], [

@@ -46,7 +46,7 @@ def check_engine(
         return
     if not isinstance(engine, RolloutEngine):
         raise TypeError(
-            f"{field} is a {type(engine).__name__}, which does not subclass "
+            f"{field} ({type(engine).__name__}) does not subclass "
             "dapo_lightning.RolloutEngine: subclass it (generate and load_weights are required; "
             "sleep, adapters and RNG state have no-op defaults)."
         )
