@@ -73,7 +73,9 @@ class PromptConfig:
             )
         for name in ("prompt_key", "answer_key"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ConfigError(f"data.prompts.{name} must name a field, got {getattr(self, name)!r}.")
+                raise ConfigError(
+                    f"data.prompts.{name} must name a field, got {getattr(self, name)!r}."
+                )
 
     def field_map(self) -> FieldMap:
         """The row fields as :class:`~dapo_lightning.data.sources.FieldMap`."""
@@ -107,7 +109,9 @@ class ScoringConfig:
         if self.timeout_s <= 0:
             raise ConfigError(f"data.scoring.timeout_s must be > 0 seconds, got {self.timeout_s}.")
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
-            raise ConfigError(f"data.scoring.workers must be an integer >= 1, got {self.workers!r}.")
+            raise ConfigError(
+                f"data.scoring.workers must be an integer >= 1, got {self.workers!r}."
+            )
         if not 0 <= self.max_failure_frac <= 1:
             raise ConfigError(
                 f"data.scoring.max_failure_frac must be in [0, 1], got {self.max_failure_frac}."
