@@ -886,16 +886,19 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
             ["model.batching.mini_batch_size=3 does not divide", "Fix:"],
         ),
         (
-            ["--data.max_prompt_length=500", "--data.sampling.max_tokens=100"],
+            ["--data.prompts.max_prompt_length=500", "--data.sampling.max_tokens=100"],
             ["exceeds the model's context", "Fix:"],
         ),
-        (["--data.max_prompt_length=2"], ["more than max_prompt_length=2", "raise max_prompt"]),
+        (
+            ["--data.prompts.max_prompt_length=2"],
+            ["more than max_prompt_length=2", "raise prompts.max_prompt"],
+        ),
         (
             [
                 '--data.reward={"class_path": "_hanging_reward.LockedReward"}',
-                "--data.reward_in_process=false",
+                "--data.scoring.in_process=false",
             ],
-            ["reward LockedReward cannot be sent", "_thread.lock", "reward_in_process: true"],
+            ["reward LockedReward cannot be sent", "_thread.lock", "data.scoring.in_process: true"],
         ),
         (
             ["--data.task=null", "--data.train_files=."],
