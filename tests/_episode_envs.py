@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo_lightning.callbacks import DAPOCallback
+
 from dapo_lightning.data.batch import RolloutBatch
 from dapo_lightning.envs import StepResult
 

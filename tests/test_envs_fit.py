@@ -37,7 +37,8 @@ data:
   init_args:
     sampling: {{max_tokens: 6}}
     dynamic_sampling: {{n: 4, train_batch_size: 4, gen_batch_size: 4, filter_metric: null}}
-    val_n: 2
+    validation:
+      n: 2
     environment: {environment}
 """
     )

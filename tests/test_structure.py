@@ -55,11 +55,7 @@ LAZY_INTERNAL: dict[tuple[str, str, str], str] = {}
 #: is "lines", "params" or "imports" (name: the function holding the imports). None of the
 #: "imports" entries dodges a cycle (moving each one to the top makes none): they are moves.
 PENDING: dict[tuple[str, str, str], str] = {
-    ("lines", "dapo_lightning/loss.py", "compute_policy_loss"): "seam",
-    ("lines", "dapo_lightning/advantages.py", "compute_advantages"): "seam",
-    ("params", "dapo_lightning/module.py", "DAPOModule"): "seam",
     ("params", "dapo_lightning/data/producer.py", "DynamicSamplingConfig"): "sample",
-    ("lines", "dapo_lightning/rollout/vllm.py", "VLLMRolloutEngine.__init__"): "sample",
     ("lines", "dapo_lightning/tasks/arithmetic_warmup.py", "make_quickstart_checkpoint"): (
         "newcomer"
     ),
