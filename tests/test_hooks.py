@@ -101,9 +101,7 @@ def test_undeclared_hooks_are_found_and_warned_once_per_trainer():
 
 def test_fit_warns_about_a_plain_callback_and_still_calls_the_declared_one(tiny_checkpoint):
     torch.manual_seed(0)
-    module = DAPOModule(
-        str(tiny_checkpoint), optimizer=sgd, micro_batch_size=8, parity_check_every=0
-    )
+    module = DAPOModule(str(tiny_checkpoint), optimizer=sgd, parity_check_every=0)
     declared, plain = Declared(), PlainScorer()
     trainer = Trainer(
         accelerator="cpu",
