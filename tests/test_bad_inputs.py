@@ -20,10 +20,10 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-
-from dapo_lightning import DAPODataModule, DAPOModule
 from dapo_lightning.callbacks import CollapseDetector, EntropyScheduler, OverlongRewardShaping
 from dapo_lightning.callbacks.collapse import Detector
+
+from dapo_lightning import DAPODataModule, DAPOModule
 from dapo_lightning.cli import build_cli
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.data.producer import DynamicSamplingConfig, DynamicSamplingError  # noqa: F401
@@ -902,7 +902,7 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
         ),
         (
             ["--data.task=null", "--data.train_files=."],
-            ["train_files / val_files:", "is a folder but not one written by datasets"],
+            ["train_files / validation.files:", "is a folder but not one written by datasets"],
         ),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0].startswith("--") else "",

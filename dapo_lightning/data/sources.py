@@ -182,7 +182,7 @@ def _read_dataset_dir(path: Path) -> list[Any]:
 
     if not any((path / name).is_file() for name in _SAVED_DATASET_FILES):
         raise PromptDataError(
-            f"train_files / val_files: {path} is a folder but not one written by "
+            f"train_files / validation.files: {path} is a folder but not one written by "
             f"datasets' save_to_disk (it has no {' / '.join(_SAVED_DATASET_FILES)}). Fix: "
             "list the prompt files inside it (.jsonl, .json or .parquet), e.g. "
             f"train_files: [{path}/train.jsonl]."
@@ -222,7 +222,7 @@ def read_rows(source: str | Path | Any) -> list[dict[str, Any]]:
     if isinstance(source, Path) or looks_like_local_path(str(source)):
         raise FileNotFoundError(
             f"no such file: prompt file {str(source)!r} does not exist (relative paths start "
-            f"at {Path.cwd()}): check the path in train_files / val_files."
+            f"at {Path.cwd()}): check the path in train_files / validation.files."
         )
     import datasets
 
