@@ -37,12 +37,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import random
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -358,17 +360,12 @@ def collect_rng_states() -> dict[str, Any]:
     """The global RNG states (Python ``random``, NumPy, torch CPU and CUDA) as plain objects
     (tensors, lists, tuples, numbers, strings), so a checkpoint holding them still loads with
     ``torch.load(..., weights_only=True)``."""
-    import random
-
     state: dict[str, Any] = {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
     }
-    with contextlib.suppress(ImportError):  # numpy is optional
-        import numpy as np
-
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -376,16 +373,12 @@ def collect_rng_states() -> dict[str, Any]:
 
 def restore_rng_states(state: dict[str, Any]) -> None:
     """Restore what :func:`collect_rng_states` returned (missing entries are left alone)."""
-    import random
-
     if "python" in state:
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))
     if "torch" in state:
         torch.set_rng_state(state["torch"])
     if "numpy" in state:
-        import numpy as np
-
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():

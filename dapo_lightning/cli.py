@@ -69,6 +69,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
 from dapo_lightning import plot
+from dapo_lightning.callbacks import RunGuard
 from dapo_lightning.checkpoint import (
     CheckpointDiskFullError,
     NonFiniteCheckpointError,
@@ -76,9 +77,12 @@ from dapo_lightning.checkpoint import (
 )
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.datamodule import DAPODataModule
+from dapo_lightning.export import atomic_folder, export_main
 from dapo_lightning.interrupt import exit_on_stop
 from dapo_lightning.logging_setup import quiet_known_warnings
+from dapo_lightning.models import make_model_main
 from dapo_lightning.module import DAPOModule
+from dapo_lightning.plot import plot_main
 from dapo_lightning.precision import resolve_trainer_precision
 from dapo_lightning.run_lock import RunDirLockedError
 from dapo_lightning.step_guard import NonFiniteUpdatesError
@@ -229,8 +233,6 @@ class DAPOLightningCLI(LightningCLI):
         """The configured Trainer, with a :class:`~dapo_lightning.callbacks.RunGuard` first
         among its callbacks when the config lists none (first: it takes the run directory's lock
         before the other callbacks write into it)."""
-        from dapo_lightning.callbacks import RunGuard
-
         trainer = super().instantiate_trainer(**kwargs)
         if not any(isinstance(c, RunGuard) for c in trainer.callbacks):
             trainer.callbacks.insert(0, RunGuard())
@@ -409,8 +411,6 @@ def model_to_create(config: Namespace) -> tuple[str, Path] | None:
 def write_model(config: Namespace, kind: str, target: Path) -> None:
     """Write the tiny ``kind`` model at ``target`` atomically (a temporary folder beside it,
     renamed when complete), one progress line per stage."""
-    from dapo_lightning.export import atomic_folder
-
     seed = config.get("seed_everything")
     # not `seed in (None, True, False)`: 1 == True would map seed 1 to 0
     seed = 0 if seed is None or isinstance(seed, bool) else int(seed)
@@ -603,18 +603,12 @@ def main(args: list[str] | None = None) -> None:
     # (transformers imports deepspeed, which logs its CPU-accelerator line): logging_setup.py.
     quiet_known_warnings()
     if argv and argv[0] == "plot":
-        from dapo_lightning.plot import plot_main
-
         plot_main(argv[1:])
         return
     if argv and argv[0] == "export":
-        from dapo_lightning.export import export_main
-
         export_main(argv[1:])
         return
     if argv and argv[0] == "make-model":
-        from dapo_lightning.models import make_model_main
-
         make_model_main(argv[1:])
         return
     _run_lightning(args)

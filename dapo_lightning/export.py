@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shutil
 import uuid
@@ -41,6 +42,16 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.utils import logging as hf_logging
+
+from dapo_lightning.lora import (
+    LoraSettings,
+    apply_lora,
+    check_adapter_checkpoint,
+    is_peft_model,
+    load_quantized_policy,
+    merged_model,
+)
+from dapo_lightning.weights import load_policy
 
 #: The LightningModule attribute the policy lives under (state_dict keys ``policy.<name>``).
 POLICY_PREFIX = "policy."
@@ -153,8 +164,6 @@ def export_pretrained(
         export_pretrained(module.policy, AutoTokenizer.from_pretrained(base), "out/model")
         export_pretrained(module.policy, tokenizer, "out/adapter", adapter=True)  # LoRA run
     """
-    from dapo_lightning.lora import is_peft_model, merged_model
-
     if is_peft_model(policy):
         if adapter:
             if not hasattr(tokenizer, "save_pretrained"):
@@ -338,16 +347,6 @@ def _lora_policy(
 ) -> nn.Module:
     """The peft model of a LoRA checkpoint: the base from ``model_name_or_path`` (4-bit for a
     QLoRA run exported merged), the checkpoint's adapters on it."""
-    import dataclasses
-
-    from dapo_lightning.lora import (
-        LoraSettings,
-        apply_lora,
-        check_adapter_checkpoint,
-        load_quantized_policy,
-    )
-    from dapo_lightning.weights import load_policy
-
     if not lora.get("settings"):
         raise ValueError(
             f"checkpoint {ckpt} holds adapters of a peft policy built outside DAPOModule's "

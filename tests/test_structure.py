@@ -60,17 +60,6 @@ LAZY_INTERNAL: dict[tuple[str, str, str], str] = {
 #: "imports" entries dodges a cycle (moving each one to the top makes none): they are moves.
 PENDING: dict[tuple[str, str, str], str] = {
     ("params", "dapo_lightning/data/producer.py", "DynamicSamplingConfig"): "sample",
-    ("imports", "dapo_lightning/checkpoint.py", "collect_rng_states"): "guard",
-    ("imports", "dapo_lightning/checkpoint.py", "restore_rng_states"): "guard",
-    ("imports", "dapo_lightning/interrupt.py", "exit_on_stop"): "guard",
-    ("imports", "dapo_lightning/cli.py", "DAPOLightningCLI.instantiate_trainer"): "guard",
-    ("imports", "dapo_lightning/cli.py", "main"): "newcomer",
-    ("imports", "dapo_lightning/cli.py", "write_model"): "newcomer",
-    ("imports", "dapo_lightning/export.py", "export_pretrained"): "newcomer",
-    ("imports", "dapo_lightning/export.py", "_lora_policy"): "newcomer",
-    ("imports", "dapo_lightning/models.py", "make_smollm2_folder"): "newcomer",
-    ("imports", "dapo_lightning/rollout/vllm.py", "VLLMRolloutEngine.__init__"): "sample",
-    ("imports", "dapo_lightning/rollout/vllm.py", "VLLMRolloutEngine.load_adapter"): "sample",
 }
 
 

@@ -31,6 +31,9 @@ import itertools
 import logging
 import os
 import re
+import shutil
+import tempfile
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -39,7 +42,7 @@ from torch import Tensor
 
 from dapo_lightning.interrupt import StopRequested, stop_requested
 from dapo_lightning.interrupt import should_stop as should_stop_requested
-from dapo_lightning.logging_setup import quiet_partial_reload
+from dapo_lightning.logging_setup import quiet_known_warnings, quiet_partial_reload
 from dapo_lightning.precision import resolve_dtype
 from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
 
@@ -292,8 +295,6 @@ class VLLMRolloutEngine(RolloutEngine):
         if device == "cpu":
             # vLLM's legacy VLLM_CPU_KVCACHE_SPACE (whole GiB only) would override the size
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        from dapo_lightning.logging_setup import quiet_known_warnings
-
         quiet_known_warnings()  # before vLLM is imported: it reads its log level then
         vllm = import_vllm()
         from vllm.platforms import current_platform
@@ -462,10 +463,6 @@ class VLLMRolloutEngine(RolloutEngine):
             RuntimeError: the engine was built without ``enable_lora``.
             ValueError: no tensors were given.
         """
-        import shutil
-        import tempfile
-        import weakref
-
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
