@@ -34,7 +34,9 @@ def test_a_solved_training_set_stops_the_fit_with_a_final_checkpoint(tiny_checkp
         prompts=PromptConfig(max_prompt_length=64),
         sampling=SamplingConfig(max_tokens=8),
         # no filter: all-right groups are trained on (zero advantage) until they retire
-        dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=4, filter_metric=None),
+        dynamic_sampling=DynamicSamplingConfig(
+            n=2, train_batch_size=4, filter_metric=None, round_sizing="fixed"
+        ),  # fixed rounds: the step count below is 8 x 3 visits / 4
     )
     assert data.dynamic_sampling.retire_after == 3  # the default
     module = DAPOModule(str(tiny_checkpoint), parity_check_every=0)

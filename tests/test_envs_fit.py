@@ -159,7 +159,7 @@ def test_calculator_recipe_differs_from_the_single_turn_one_only_where_it_must(c
     assert {k for k in differ if not k.startswith("data.init_args.environment.")} == {
         "trainer.default_root_dir",
         "model.init_args.model_name_or_path",
-        "data.init_args.max_prompt_length",
+        "data.init_args.prompts.max_prompt_length",
         "data.init_args.engine_kwargs.max_model_len",
     }
     assert single["data.init_args.environment"] is None
@@ -168,7 +168,7 @@ def test_calculator_recipe_differs_from_the_single_turn_one_only_where_it_must(c
     assert budget == multi["data.init_args.engine_kwargs.max_model_len"]
     assert (
         budget
-        >= multi["data.init_args.max_prompt_length"] + multi["data.init_args.sampling.max_tokens"]
+        >= multi["data.init_args.prompts.max_prompt_length"] + multi["data.init_args.sampling.max_tokens"]
     )
 
 
