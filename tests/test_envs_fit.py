@@ -168,7 +168,8 @@ def test_calculator_recipe_differs_from_the_single_turn_one_only_where_it_must(c
     assert budget == multi["data.init_args.engine_kwargs.max_model_len"]
     assert (
         budget
-        >= multi["data.init_args.prompts.max_prompt_length"] + multi["data.init_args.sampling.max_tokens"]
+        >= multi["data.init_args.prompts.max_prompt_length"]
+        + multi["data.init_args.sampling.max_tokens"]
     )
 
 
