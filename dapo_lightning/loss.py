@@ -65,6 +65,14 @@ LOG_RATIO_CLAMP: float = 20.0
 Count = int | float | Tensor
 
 
+def check_loss_agg_mode(mode: str) -> None:
+    """Raise a ValueError unless ``mode`` is one of :data:`LOSS_AGG_MODES`."""
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(
+            f"loss_agg_mode={mode!r} is not known; valid modes: {', '.join(LOSS_AGG_MODES)}."
+        )
+
+
 def _normaliser(count: Count | None, default: Tensor, like: Tensor, name: str) -> Tensor:
     """``count`` (or ``default``) as a detached scalar of ``like``'s dtype, floored at 1."""
     if count is None:
@@ -124,10 +132,7 @@ def aggregate_loss(
         max_response_length: Dr. GRPO's constant length ``L`` (required by
             ``seq-mean-token-sum-norm``; usually the sampling ``max_tokens``).
     """
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(
-            f"loss_agg_mode={mode!r} is not known; valid modes: {', '.join(LOSS_AGG_MODES)}."
-        )
+    check_loss_agg_mode(mode)
     if values.dim() != 2 or values.shape != mask.shape:
         raise ValueError(
             f"values and mask must both be [B, T]; got values {tuple(values.shape)} and "
@@ -260,10 +265,7 @@ def check_loss_settings(
     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None, loss_agg_mode: str
 ) -> None:
     """Raise a ValueError naming the setting when a clip ratio or the aggregation mode is invalid."""
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(
-            f"loss_agg_mode={loss_agg_mode!r} is not known; valid modes: {', '.join(LOSS_AGG_MODES)}."
-        )
+    check_loss_agg_mode(loss_agg_mode)
     if not 0.0 <= clip_ratio_low < 1.0:
         raise ValueError(
             f"loss.clip_ratio_low (eps_low) must be in [0, 1) so that 1 - eps_low > 0; got {clip_ratio_low}."
