@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from dapo_lightning.checks import check_finite
+
 if TYPE_CHECKING:  # data imports the producer, which imports envs: no runtime import (cycle)
     from dapo_lightning.data.sources import PromptRecord
 
@@ -234,12 +236,11 @@ class EnvironmentConfig:
             raise ValueError(
                 f"environment.max_episode_tokens must be >= 2 or null, got {self.max_episode_tokens}."
             )
-        if not (isinstance(self.call_timeout_s, (int, float)) and self.call_timeout_s > 0):
+        check_finite("environment.call_timeout_s", self.call_timeout_s, "Give seconds > 0.")
+        if not self.call_timeout_s > 0:
             raise ValueError(
                 f"environment.call_timeout_s must be > 0 seconds, got {self.call_timeout_s}."
             )
-        if not math.isfinite(self.call_timeout_s):
-            raise ValueError("environment.call_timeout_s must be finite.")
         if not 0 <= self.max_failure_frac <= 1:
             raise ValueError(
                 f"environment.max_failure_frac must be in [0, 1], got {self.max_failure_frac}."
