@@ -14,6 +14,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dapo_lightning.module import DAPOModule
+from dapo_lightning.testing import free_port
 from dapo_lightning.update import BatchingConfig, micro_batch_rows
 from tests._module_harness import FixedBatches, fit_update, fixed_batch
 
@@ -72,7 +73,7 @@ def test_negative_control_per_micro_batch_mean_differs(tiny_checkpoint, one_micr
     assert max_rel_diff(one_micro_batch, delta) > 1e-3
 
 
-def two_rank_update(checkpoint, tmp_path, micro, strategy="ddp", port=29531, **module_kwargs):
+def two_rank_update(checkpoint, tmp_path, micro, strategy="ddp", **module_kwargs):
     """The parameter update of 2 real gloo ranks (torch.distributed.run) on the fixed batch."""
     import json
 
@@ -80,7 +81,7 @@ def two_rank_update(checkpoint, tmp_path, micro, strategy="ddp", port=29531, **m
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HARNESS.parent.parent))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(port), str(HARNESS), str(checkpoint), str(out), str(micro),
+        "--master_port", str(free_port()), str(HARNESS), str(checkpoint), str(out), str(micro),
         strategy, json.dumps(module_kwargs),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
@@ -99,7 +100,7 @@ def test_two_ddp_ranks_give_the_same_update(tiny_checkpoint, one_micro_batch, tm
 @pytest.mark.timeout(240)
 def test_two_fsdp2_ranks_give_the_same_update(tiny_checkpoint, one_micro_batch, tmp_path):
     """Real DTensor shards (ModelParallelStrategy, FSDP2 fully_shard per layer and root)."""
-    delta = two_rank_update(tiny_checkpoint, tmp_path, 3, strategy="fsdp2", port=29537)
+    delta = two_rank_update(tiny_checkpoint, tmp_path, 3, strategy="fsdp2")
     assert max_rel_diff(one_micro_batch, delta) <= 1e-5
 
 
@@ -122,7 +123,6 @@ def test_fsdp2_ranks_run_equal_micro_batch_counts_under_a_token_budget(
         tmp_path,
         16,
         strategy="fsdp2",
-        port=29539,
         batching={"max_tokens_per_micro_batch": 60},
     )
     assert max_rel_diff(one_micro_batch, delta) <= 1e-5
@@ -146,7 +146,7 @@ def test_reinforce_baseline_std_is_global_over_ranks(tiny_checkpoint, tmp_path):
         str(tiny_checkpoint), micro_batch_size=3, loss={"advantage_estimator": "reinforce_baseline"}
     )
     two = two_rank_update(
-        tiny_checkpoint, tmp_path, 3, port=29535, loss={"advantage_estimator": "reinforce_baseline"}
+        tiny_checkpoint, tmp_path, 3, loss={"advantage_estimator": "reinforce_baseline"}
     )
     assert max_rel_diff(one, two) <= 1e-5
 

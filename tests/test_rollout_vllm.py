@@ -20,7 +20,7 @@ from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.rollout import RolloutEngine, SamplingConfig, create_engine
 from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.rollout.vllm import bucket_named_tensors
-from dapo_lightning.testing import completions_to_batch
+from dapo_lightning.testing import completions_to_batch, free_port
 
 PROMPTS = [[2, 90, 75, 10, 40], [2, 71, 80], [2, 50, 51, 52, 53, 54, 55, 56, 57]]
 
@@ -213,7 +213,7 @@ def test_two_gloo_ranks_each_run_an_engine(tiny_checkpoint, tmp_path, launcher):
     same seed, the same samples on both ranks, parity after a push."""
     pytest.importorskip("vllm")
     worker = Path(__file__).with_name("_dist_vllm_worker.py")
-    port = {"torchrun": "29533", "slurm": "29543", "tp2": "29553"}[launcher]
+    port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     procs = []

@@ -218,7 +218,7 @@ def test_two_fsdp2_ranks_push_full_tensors_and_keep_parity(tiny_checkpoint, tmp_
 
 _ZERO3_SCRIPT = """
 import os, sys, torch
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", LOCAL_RANK="0",
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", LOCAL_RANK="0",
                   WORLD_SIZE="1")
 import deepspeed
 from transformers import AutoModelForCausalLM
@@ -239,13 +239,14 @@ print("ZERO3-OK")
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(900)
 def test_full_named_tensors_deepspeed_zero3(tiny_checkpoint):
     pytest.importorskip("deepspeed")
     # A subprocess: DeepSpeed keeps process-global communication state.
     proc = subprocess.run(
-        [sys.executable, "-c", _ZERO3_SCRIPT, str(tiny_checkpoint)],
+        [sys.executable, "-c", _ZERO3_SCRIPT, str(tiny_checkpoint), str(free_port())],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=600,  # DeepSpeed may JIT-build its shm op first (minutes on 2 busy cores)
     )
     assert "ZERO3-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
