@@ -59,7 +59,7 @@ from _common import bar_chart, out_dir, print_table  # noqa: E402
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
 from dapo_lightning.data.sources import PromptRecord  # noqa: E402
 from dapo_lightning.rewards.base import RewardResult, RewardRunner  # noqa: E402
-from dapo_lightning.rollout.base import Completion, SamplingConfig  # noqa: E402
+from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig  # noqa: E402
 from dapo_lightning.rollout.session import EngineSession  # noqa: E402
 
 #: The recipe's dynamic-sampling shape (configs/smollm2_135m.yaml).
@@ -91,7 +91,7 @@ def make_pass_rates(num_prompts: int, seed: int) -> tuple[list[float], list[floa
 
 
 @dataclass
-class SimulatedEngine:
+class SimulatedEngine(RolloutEngine):
     """Stands in for the model (and only for it): sample ``j`` of prompt ``i`` is right with
     probability ``p_i(step)``; lengths 1..``max_len`` tokens; ``slots`` samples run at a time.
 
