@@ -19,12 +19,12 @@ the order their samples end, so an aborted request costs the tokens it had gener
 below count a finished sample as 1 and an aborted one as its generated share of its length.
 
 The recipe's batch shape: 256 prompts, ``n = 8``, ``train_batch_size = 8``, ``gen_batch_size =
-16``, ``retire_after = 3``, ``max_num_gen_batches = 10``; 200 rollout steps per configuration:
+16``, ``selection.retire_after = 3``, ``max_num_gen_batches = 10``; 200 rollout steps per configuration:
 
 * samples per kept group (in units of ``n``): all samples generated / groups that reached a batch;
 * rounds per step (median), zero-variance share of the generated groups;
 * starved prompts: prompts eligible at the end (not retired) whose longest gap between visits
-  (or from the last visit to the end) exceeds ``revisit_within`` epochs; the largest gap;
+  (or from the last visit to the end) exceeds ``selection.revisit_within`` epochs; the largest gap;
 * kept acc - p: mean over kept groups of (the group's accuracy - the prompt's true pass rate)
   (the former ``adaptive_n``, which subsampled larger groups to a variance-keeping mix, was
   measured here at +0.033 against uniform's +0.023 with 5.8 n samples per kept group against
@@ -63,10 +63,18 @@ from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfi
 from dapo_lightning.rollout.session import EngineSession  # noqa: E402
 
 #: The recipe's dynamic-sampling shape (configs/smollm2_135m.yaml).
-RECIPE = dict(n=8, train_batch_size=8, gen_batch_size=16, max_num_gen_batches=10, retire_after=3)
+RECIPE = dict(n=8, train_batch_size=8, gen_batch_size=16, max_num_gen_batches=10)
+#: The recipe's prompt selection (``dynamic_sampling.selection``; the rest: the defaults).
+RECIPE_SELECTION = dict(retire_after=3)
 
 #: Today's behaviour: uniform draws, fixed rounds, whole rounds (the HF engine's path).
-UNIFORM = dict(selection="uniform", round_sizing="fixed", in_flight=False)
+UNIFORM = dict(selection={"strategy": "uniform"}, round_sizing="fixed", in_flight=False)
+
+
+def recipe_config(settings: dict[str, Any]) -> DynamicSamplingConfig:
+    """The recipe's config with ``settings`` over it (``selection`` merged key by key)."""
+    selection = {**RECIPE_SELECTION, **settings.get("selection", {})}
+    return DynamicSamplingConfig(**{**RECIPE, **settings, "selection": selection})
 
 
 def make_pass_rates(num_prompts: int, seed: int) -> tuple[list[float], list[float], list[str]]:
@@ -215,7 +223,7 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
         PromptRecord(uid=f"p{i}", prompt=f"p{i}", answer="1", prompt_ids=[i])
         for i in range(prompts)
     ]
-    config = DynamicSamplingConfig(**{**RECIPE, **settings})
+    config = recipe_config(settings)
     visits: dict[str, list[int]] = defaultdict(list)
     bias: list[float] = []
     producer: RolloutProducer | None = None
@@ -258,7 +266,7 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
     for i, epoch in producer.sampler.pending:  # drawn, given back by a stopped round: next up
         visits[records[i].uid].append(epoch)
     end_epoch = producer.sampler.epoch
-    bound = config.revisit_within
+    bound = config.selection.revisit_within
     gaps = {}
     for r in records:
         st = producer.tracker.stats.get(r.uid) if producer.tracker is not None else None
@@ -282,7 +290,7 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
 #: The configurations compared: today's behaviour, each part alone, all parts (the defaults).
 CONFIGS: dict[str, dict[str, Any]] = {
     "uniform (today)": UNIFORM,
-    "+ predictive selection": {**UNIFORM, "selection": "predictive"},
+    "+ predictive selection": {**UNIFORM, "selection": {"strategy": "predictive"}},
     "+ right-sized rounds": {**UNIFORM, "round_sizing": "kept_frac"},
     "+ right-sized rounds, carry-over": {
         **UNIFORM,

@@ -68,7 +68,7 @@ def _sized(rank: int, world: int) -> dict:
     engine = ScriptedEngine(rate=rate)
     producer = make_producer(
         engine, num_prompts=400, level=2, train_batch_size=8, gen_batch_size=8,
-        world_size=world, rank=rank, max_num_gen_batches=0, selection="predictive",
+        world_size=world, rank=rank, max_num_gen_batches=0, strategy="predictive",
         round_sizing="kept_frac",
     )  # fmt: skip
     out: dict = {"counts": [], "sizes": []}

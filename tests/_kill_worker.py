@@ -138,6 +138,7 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
     from dapo_lightning import DAPODataModule, DAPOModule
     from dapo_lightning.checkpoint import AtomicCheckpointIO, find_resume_checkpoint
     from dapo_lightning.data.config import PromptConfig, ScoringConfig
+    from dapo_lightning.data.difficulty import PromptSelectionConfig
     from dapo_lightning.data.producer import DynamicSamplingConfig
     from dapo_lightning.interrupt import exit_on_stop
     from dapo_lightning.rollout.base import SamplingConfig
@@ -203,8 +204,8 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
             carry_over=True,
             filter_metric="acc",
             max_num_gen_batches=50,
-            retire_after=8,  # per-prompt statistics in the checkpoint (none retires in 10 steps)
-            park_after=8,
+            # per-prompt statistics in the checkpoint (none retires in 10 steps)
+            selection=PromptSelectionConfig(retire_after=8, park_after=8),
         ),
         seed=0,
     )

@@ -24,8 +24,10 @@ from dapo_lightning.callbacks import CollapseDetector, EntropyScheduler, Overlon
 from dapo_lightning.callbacks.collapse import Detector
 
 from dapo_lightning import DAPODataModule, DAPOModule
+from dapo_lightning.checks import ConfigError
 from dapo_lightning.cli import build_cli
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
+from dapo_lightning.data.difficulty import PromptSelectionConfig
 from dapo_lightning.data.producer import DynamicSamplingConfig, DynamicSamplingError  # noqa: F401
 from dapo_lightning.data.sources import PromptDataError
 from dapo_lightning.rewards import (
@@ -221,19 +223,37 @@ def test_sampling_bad_settings(kwargs, match):
         ({"on_exhausted": "retry"}, "on_exhausted must be"),
         ({"filter_metric": "len"}, "filter_metric must be"),
         ({"max_staleness": -1}, "max_staleness must be >= 0"),
-        ({"retire_after": -1}, "retire_after must be >= 0"),
-        ({"revisit_every": 0}, "revisit_every must be >= 1"),
-        ({"selection": "greedy"}, "selection must be 'uniform' or 'predictive'"),
-        ({"max_skip": 1.0}, "max_skip must be in"),
-        ({"max_skip": nan}, "max_skip must be in"),
-        ({"revisit_within": 0}, "revisit_within must be >= 1"),
         ({"round_sizing": "auto"}, "round_sizing must be 'fixed' or 'kept_frac'"),
         ({"max_gen_batch_size": 0}, "max_gen_batch_size must be >= 1"),
+        ({"selection": "uniform"}, r"write selection: \{strategy: uniform\}"),
+        ({"selection": {"retire_after": -1}}, "selection.retire_after must be an integer >= 0"),
     ],
 )
 def test_dynamic_sampling_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DynamicSamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"retire_after": -1}, "selection.retire_after must be an integer >= 0"),
+        ({"retire_after": 1.5}, "selection.retire_after must be an integer >= 0"),
+        ({"park_after": -1}, "selection.park_after must be an integer >= 0"),
+        ({"revisit_every": 0}, "selection.revisit_every must be an integer >= 1"),
+        ({"strategy": "greedy"}, "selection.strategy must be 'uniform' or 'predictive'"),
+        ({"max_skip": 1.0}, r"selection.max_skip must be in \[0, 1\)"),
+        ({"max_skip": -0.1}, r"selection.max_skip must be in \[0, 1\)"),
+        ({"max_skip": nan}, "selection.max_skip=nan is not finite"),
+        ({"max_skip": inf}, "selection.max_skip=inf is not finite"),
+        ({"max_skip": "0.5"}, "selection.max_skip must be a number"),
+        ({"revisit_within": 0}, "selection.revisit_within must be an integer >= 1"),
+    ],
+)
+def test_prompt_selection_bad_settings(kwargs, match):
+    """Each field is checked once, in PromptSelectionConfig, named by its YAML path."""
+    with pytest.raises(ConfigError, match="data.dynamic_sampling." + match):
+        PromptSelectionConfig(**kwargs)
 
 
 #: PromptConfig fields a test may pass to _dm() as keywords.
@@ -881,6 +901,10 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
             ["model.optimizer.init_args.eps"],
         ),
         (["--data.dynamic_sampling.n=1"], ["data.dynamic_sampling.n=1", "Fix: n >= 2"]),
+        (
+            ["--data.dynamic_sampling.selection.max_skip=.nan"],
+            ["data.dynamic_sampling.selection.max_skip=nan is not finite"],
+        ),
         (
             ["--data.dynamic_sampling.train_batch_size=4", "--model.batching.mini_batch_size=3"],
             ["model.batching.mini_batch_size=3 does not divide", "Fix:"],

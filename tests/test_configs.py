@@ -202,7 +202,7 @@ def test_grpo_baseline_differs_from_quickstart_only_in_the_dapo_techniques(capsy
     assert (gm["loss"]["clip_ratio_low"], gm["loss"]["clip_ratio_high"]) == (0.2, 0.2)
     assert gm["loss"]["loss_agg_mode"] == "seq-mean-token-mean"
     gds = gd["dynamic_sampling"]
-    assert gds["filter_metric"] is None and gds["retire_after"] == 0
+    assert gds["filter_metric"] is None and gds["selection"]["retire_after"] == 0
     assert gds["gen_batch_size"] == gds["train_batch_size"]
     assert _callbacks_without_paths(grpo) == [
         cb
@@ -214,7 +214,7 @@ def test_grpo_baseline_differs_from_quickstart_only_in_the_dapo_techniques(capsy
         "model.init_args.loss.loss_agg_mode",
         "data.init_args.dynamic_sampling.filter_metric",
         "data.init_args.dynamic_sampling.gen_batch_size",
-        "data.init_args.dynamic_sampling.retire_after",
+        "data.init_args.dynamic_sampling.selection.retire_after",
         "trainer.callbacks",
         "trainer.default_root_dir",
         "trainer.logger",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_producer import ScriptedEngine
+from test_producer import ScriptedEngine, config_with_selection
 from transformers import AutoModelForCausalLM
 
 from dapo_lightning.data import (
@@ -87,7 +87,7 @@ def scripted_dm(path, **dynamic_sampling):
         scoring=ScoringConfig(in_process=True),
         engine=ScriptedEngine(),
         sampling=SamplingConfig(max_tokens=8),
-        dynamic_sampling=DynamicSamplingConfig(**settings),
+        dynamic_sampling=config_with_selection(settings),
     )
 
 

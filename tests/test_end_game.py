@@ -38,7 +38,7 @@ def test_a_solved_training_set_stops_the_fit_with_a_final_checkpoint(tiny_checkp
             n=2, train_batch_size=4, filter_metric=None, round_sizing="fixed"
         ),  # fixed rounds: the step count below is 8 x 3 visits / 4
     )
-    assert data.dynamic_sampling.retire_after == 3  # the default
+    assert data.dynamic_sampling.selection.retire_after == 3  # the default
     module = DAPOModule(str(tiny_checkpoint), parity_check_every=0)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True, save_top_k=0)
     trainer = Trainer(
@@ -81,7 +81,7 @@ trainer:
         str(override),
     ]
     args += ["--trainer.default_root_dir", str(tmp_path / "run")]
-    args += ["--data.init_args.dynamic_sampling.retire_after", "3"]
+    args += ["--data.init_args.dynamic_sampling.selection.retire_after", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1750)
     out = proc.stdout + proc.stderr

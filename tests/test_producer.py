@@ -6,12 +6,15 @@ groups have variance is known exactly and reproducible (no hidden RNG state)."""
 
 from __future__ import annotations
 
+import copyreg
+import dataclasses
 import math
 import zlib
 
 import pytest
 import torch
 
+from dapo_lightning.data.difficulty import PromptSelectionConfig
 from dapo_lightning.data.producer import (
     STAT_OPS,
     DynamicSamplingConfig,
@@ -65,6 +68,17 @@ class ScriptedEngine(RolloutEngine):
         self.loaded += 1
 
 
+#: PromptSelectionConfig's fields: make_producer / scripted data modules take them as keywords.
+SELECTION_FIELDS = {f.name for f in dataclasses.fields(PromptSelectionConfig)}
+
+
+def config_with_selection(settings: dict) -> DynamicSamplingConfig:
+    """``DynamicSamplingConfig(**settings)`` with the prompt-selection keys grouped."""
+    settings = dict(settings)
+    selection = {k: settings.pop(k) for k in list(settings) if k in SELECTION_FIELDS}
+    return DynamicSamplingConfig(**settings, selection=PromptSelectionConfig(**selection))
+
+
 def make_producer(
     engine=None,
     *,
@@ -88,7 +102,7 @@ def make_producer(
         gen_batch_size=8,
         max_num_gen_batches=20,
         retire_after=0,
-        selection="uniform",
+        strategy="uniform",
         round_sizing="fixed",
     )
     settings.update(config)
@@ -96,7 +110,7 @@ def make_producer(
         EngineSession(engine or ScriptedEngine()),
         runner,
         records,
-        DynamicSamplingConfig(**settings),
+        config_with_selection(settings),
         decode=lambda ids: TOK.decode(ids, skip_special_tokens=True),
         pad_token_id=TOK.pad_token_id,
         sampling=SamplingConfig(max_tokens=8),
@@ -213,7 +227,29 @@ def test_solved_training_set_ends_cleanly():
 
 
 def test_retire_after_is_on_by_default():
-    assert DynamicSamplingConfig().retire_after == 3
+    assert DynamicSamplingConfig().selection.retire_after == 3
+
+
+def test_a_checkpoint_with_the_flat_selection_keys_loads_them_grouped(tmp_path, monkeypatch):
+    """Checkpoints written before the prompt-selection settings were grouped hold a
+    DynamicSamplingConfig with flat ``selection`` (a string), ``max_skip``, ... attributes; it
+    loads (weights_only) with them under ``selection`` (LEGACY_SELECTION_KEYS)."""
+    flat = {
+        **{f.name: getattr(DynamicSamplingConfig(n=4), f.name) for f in dataclasses.fields(
+            DynamicSamplingConfig) if f.name != "selection"},
+        "selection": "uniform", "max_skip": 0.5, "revisit_within": 4, "retire_after": 0,
+        "park_after": 2, "revisit_every": 3,
+    }  # fmt: skip
+    old_pickle = lambda self, protocol: (copyreg.__newobj__, (DynamicSamplingConfig,), flat)  # noqa: E731
+    monkeypatch.setattr(DynamicSamplingConfig, "__reduce_ex__", old_pickle)
+    torch.save({"datamodule_hyper_parameters": {"ds": DynamicSamplingConfig()}}, tmp_path / "old")
+    monkeypatch.undo()
+    loaded = torch.load(tmp_path / "old", weights_only=True)["datamodule_hyper_parameters"]["ds"]
+    expected = PromptSelectionConfig("uniform", 0.5, 4, 0, 2, 3)
+    assert loaded == DynamicSamplingConfig(n=4, selection=expected)
+    assert not hasattr(loaded, "max_skip")
+    torch.save(DynamicSamplingConfig(selection=expected), tmp_path / "new")  # today's round trip
+    assert torch.load(tmp_path / "new", weights_only=True).selection == expected
 
 
 def test_no_filter_keeps_everything():
@@ -465,7 +501,7 @@ def test_predictive_selection_skips_zero_variance_prompts_and_starves_none():
     kw = dict(num_prompts=32, train_batch_size=4, gen_batch_size=4, max_num_gen_batches=0)
     uniform, predictive = (
         make_producer(**kw),
-        make_producer(**kw, selection="predictive", max_skip=0.9, revisit_within=3),
+        make_producer(**kw, strategy="predictive", max_skip=0.9, revisit_within=3),
     )
     visits: dict[str, list[int]] = {}
     update = predictive.tracker.update
@@ -511,7 +547,7 @@ def test_a_prompt_whose_skill_changed_is_seen_again_and_kept():
 
     producer = make_producer(
         ScriptedEngine(rate=rate), num_prompts=32, train_batch_size=2, gen_batch_size=2,
-        max_num_gen_batches=0, selection="predictive", max_skip=0.95, revisit_within=4,
+        max_num_gen_batches=0, strategy="predictive", max_skip=0.95, revisit_within=4,
     )  # fmt: skip
     changed = [r.uid for r in producer.records if r.prompt.startswith("1+")]
     assert changed
@@ -598,7 +634,7 @@ def test_resume_with_the_new_defaults_gives_the_same_selections(tmp_path):
         return out
 
     kw = dict(
-        engine=None, num_prompts=48, selection="predictive", round_sizing="kept_frac",
+        engine=None, num_prompts=48, strategy="predictive", round_sizing="kept_frac",
         retire_after=3, max_skip=0.9, revisit_within=3,
     )  # fmt: skip
 

@@ -13,6 +13,7 @@ reasoning_gym = pytest.importorskip(
 
 from dapo_lightning.data.config import ValidationConfig  # noqa: E402
 from dapo_lightning.data.datamodule import DAPODataModule  # noqa: E402
+from dapo_lightning.data.difficulty import PromptSelectionConfig  # noqa: E402
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
 from dapo_lightning.data.sources import FieldMap, records_from_rows, tokenize_records  # noqa: E402
 from dapo_lightning.rewards import RewardRunner, get_reward  # noqa: E402
@@ -258,7 +259,12 @@ def test_the_entry_travels_from_the_row_to_the_reward(in_process):
         EngineSession(engine),
         runner,
         records,
-        DynamicSamplingConfig(n=4, train_batch_size=2, gen_batch_size=3, retire_after=0),
+        DynamicSamplingConfig(
+            n=4,
+            train_batch_size=2,
+            gen_batch_size=3,
+            selection=PromptSelectionConfig(retire_after=0),
+        ),
         decode=lambda ids: TOK.decode(ids, skip_special_tokens=True),
         pad_token_id=TOK.pad_token_id,
         sampling=SamplingConfig(max_tokens=8),

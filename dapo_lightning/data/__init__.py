@@ -6,6 +6,7 @@ from dapo_lightning.data.datamodule import DAPODataModule, RolloutTicket, Valida
 from dapo_lightning.data.difficulty import (
     DifficultyTracker,
     PredictiveSelector,
+    PromptSelectionConfig,
     PromptStats,
     zero_variance_prob,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "PredictiveSelector",
     "PromptRecord",
     "PromptSampler",
+    "PromptSelectionConfig",
     "PromptStats",
     "PromptsExhausted",
     "RolloutBatch",

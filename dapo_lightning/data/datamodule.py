@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
+from dapo_lightning.data.difficulty import PromptSelectionConfig
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer, TrainingComplete
 from dapo_lightning.data.sources import (
     FieldMap,
@@ -99,6 +100,7 @@ torch.serialization.add_safe_globals(
     [
         SamplingConfig,
         DynamicSamplingConfig,
+        PromptSelectionConfig,
         EnvironmentConfig,
         PromptConfig,
         ScoringConfig,

@@ -1,5 +1,6 @@
 """Per-prompt pass-rate statistics, retiring solved prompts, parking hopeless ones, and
-predictive selection (beyond the paper).
+predictive selection (beyond the paper). Their settings are one group,
+:class:`PromptSelectionConfig` (``data.dynamic_sampling.selection``).
 
 A *visit* is one generation of a group for a prompt. After each visit the prompt's statistics
 (visits, samples, correct samples, streak of all-correct visits, ever solved) are updated with the
@@ -31,7 +32,14 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from dapo_lightning.checks import ConfigError, check_finite
+
+SelectionStrategy = Literal["uniform", "predictive"]
+
+#: Where :class:`PromptSelectionConfig` sits in a run's YAML (its errors name this path).
+SELECTION_PATH = "data.dynamic_sampling.selection"
 
 #: Beta prior of a prompt's pass rate for :func:`zero_variance_prob`: U-shaped, as RL pass
 #: rates are (most prompts are never or always solved; benchmarks/RESULTS.md). On the simulated
@@ -41,6 +49,64 @@ PRIOR: tuple[float, float] = (0.05, 0.05)
 
 #: Weight of the older history at each new visit (1.0: plain counts; the predictive estimate).
 HISTORY_DECAY = 0.9
+
+
+@dataclass(frozen=True)
+class PromptSelectionConfig:
+    """Which prompts are drawn: retiring solved ones, parking hopeless ones, predictive skipping.
+
+    Held by :class:`~dapo_lightning.data.producer.DynamicSamplingConfig` as ``selection``; YAML
+    ``data.init_args.dynamic_sampling.selection.{strategy, max_skip, ...}``.
+
+    Args:
+        strategy: ``"predictive"`` (default: skip a prompt with the probability, capped at
+            ``max_skip``, that its next group has zero variance, from its history;
+            :class:`PredictiveSelector`) or ``"uniform"`` (every eligible prompt in turn).
+            Predictive selection needs a filter (``filter_metric`` not null); without one it is
+            uniform.
+        max_skip: Largest skip probability of predictive selection, in [0, 1) (the
+            exploration floor is ``1 - max_skip``).
+        revisit_within: Predictive selection never skips a prompt not visited for this many
+            epochs, so the epochs between two visits of an eligible prompt are at most this.
+        retire_after: Retire prompts all-correct in this many visits in a row (0: never).
+        park_after: Park prompts never solved after this many visits (0: never).
+        revisit_every: Epochs a parked prompt waits before it is visited again.
+
+    Raises:
+        ConfigError: a setting out of range, named by its YAML path.
+    """
+
+    strategy: SelectionStrategy = "predictive"
+    max_skip: float = 0.99
+    revisit_within: int = 16
+    retire_after: int = 3
+    park_after: int = 0
+    revisit_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("uniform", "predictive"):
+            raise ConfigError(
+                f"{SELECTION_PATH}.strategy must be 'uniform' or 'predictive', "
+                f"got {self.strategy!r}."
+            )
+        check_finite(f"{SELECTION_PATH}.max_skip", self.max_skip, "Give a number in [0, 1).")
+        if not 0.0 <= self.max_skip < 1.0:
+            raise ConfigError(
+                f"{SELECTION_PATH}.max_skip must be in [0, 1) (1 - max_skip is the "
+                f"exploration floor), got {self.max_skip!r}."
+            )
+        _count(self.revisit_within, 1, "revisit_within", "epochs")
+        _count(self.retire_after, 0, "retire_after", "0 = never")
+        _count(self.park_after, 0, "park_after", "0 = never")
+        _count(self.revisit_every, 1, "revisit_every", "epochs")
+
+
+def _count(value: Any, low: int, name: str, what: str) -> None:
+    """Raise :class:`ConfigError` naming ``selection.name`` unless ``value`` is an int >= low."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(
+            f"{SELECTION_PATH}.{name} must be an integer >= {low} ({what}), got {value!r}."
+        )
 
 
 @dataclass

@@ -8,7 +8,7 @@ varies within the group (a group where every response is equally right or wrong 
 advantage and only dilutes the batch). Rounds repeat until ``train_batch_size / world_size``
 groups are kept. The end game (docs/design.md, "Dynamic sampling"):
 
-* prompts solved ``retire_after`` visits in a row are retired (never drawn again);
+* prompts solved ``selection.retire_after`` visits in a row are retired (never drawn again);
 * when ``max_num_gen_batches`` rounds run out, ``on_exhausted`` decides: ``"train_on_kept"``
   (default: the batch holds the groups kept so far; exact under token-mean, whose normaliser
   counts the tokens actually there; ``data/short_batch`` says so), ``"stop"`` (end the run
@@ -26,14 +26,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
-from dapo_lightning.data.difficulty import DifficultyTracker, PredictiveSelector
+from dapo_lightning.data.difficulty import (
+    DifficultyTracker,
+    PredictiveSelector,
+    PromptSelectionConfig,
+)
 from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted
 from dapo_lightning.data.sources import PromptRecord
 from dapo_lightning.envs.runner import episode_results, token_masks
@@ -45,7 +50,6 @@ from dapo_lightning.rollout.session import EngineSession
 
 FilterMetric = Literal["acc", "score", "reward"] | None
 OnExhausted = Literal["train_on_kept", "stop", "error"]
-Selection = Literal["uniform", "predictive"]
 RoundSizing = Literal["fixed", "kept_frac"]
 
 #: Weight of the older rounds in the kept-fraction estimate that sizes rounds (per round).
@@ -103,17 +107,9 @@ class DynamicSamplingConfig:
             corrects them with the engine's log-probs (``stale_tis_cap``).
         max_staleness: Carried groups older than this many policy versions are dropped
             (``data/dropped_stale_groups``); None keeps them whatever their age.
-        retire_after: Retire prompts all-correct in this many visits in a row (0: never).
-        park_after: Park prompts never solved after this many visits (0: never).
-        revisit_every: Epochs a parked prompt waits before it is visited again.
-        selection: How prompts are drawn: ``"uniform"`` (every eligible prompt in turn) or
-            ``"predictive"`` (default: skip a prompt with the probability, capped at
-            ``max_skip``, that its next group has zero variance, from its history;
-            :class:`~dapo_lightning.data.difficulty.PredictiveSelector`).
-        max_skip: Largest skip probability of predictive selection (exploration floor
-            ``1 - max_skip``).
-        revisit_within: Predictive selection never skips a prompt not visited for this many
-            epochs, so the epochs between two visits of an eligible prompt are at most this.
+        selection: Which prompts are drawn (strategy, exploration, retiring, parking):
+            :class:`~dapo_lightning.data.difficulty.PromptSelectionConfig`; YAML
+            ``selection: {strategy: predictive, max_skip: 0.99, ...}``.
         round_sizing: ``"kept_frac"`` (default): after the first round the next round draws
             enough prompts to fill the batch at the kept fraction observed so far (one estimate
             agreed over ranks, :data:`KEPT_FRAC_DECAY`), at most ``max_gen_batch_size``;
@@ -139,12 +135,7 @@ class DynamicSamplingConfig:
     on_exhausted: OnExhausted = "train_on_kept"
     carry_over: bool = False
     max_staleness: int | None = None
-    retire_after: int = 3
-    park_after: int = 0
-    revisit_every: int = 1
-    selection: Selection = "predictive"
-    max_skip: float = 0.99
-    revisit_within: int = 16
+    selection: PromptSelectionConfig = field(default_factory=PromptSelectionConfig)
     round_sizing: RoundSizing = "kept_frac"
     max_gen_batch_size: int | None = None
     in_flight: bool = True
@@ -171,19 +162,7 @@ class DynamicSamplingConfig:
             )
         if self.max_staleness is not None:
             _at_least(self.max_staleness, 0, "max_staleness", "policy versions, or null")
-        _at_least(self.retire_after, 0, "retire_after", "0 = never")
-        _at_least(self.park_after, 0, "park_after", "0 = never")
-        _at_least(self.revisit_every, 1, "revisit_every", "epochs")
-        if self.selection not in ("uniform", "predictive"):
-            raise ValueError(
-                f"selection must be 'uniform' or 'predictive', got {self.selection!r}."
-            )
-        if not (isinstance(self.max_skip, (int, float)) and 0.0 <= self.max_skip < 1.0):
-            raise ValueError(
-                f"max_skip must be in [0, 1) (1 - max_skip is the exploration floor), "
-                f"got {self.max_skip!r}."
-            )
-        _at_least(self.revisit_within, 1, "revisit_within", "epochs")
+        object.__setattr__(self, "selection", as_selection(self.selection))
         if self.round_sizing not in ("fixed", "kept_frac"):
             raise ValueError(
                 f"round_sizing must be 'fixed' or 'kept_frac', got {self.round_sizing!r}."
@@ -226,13 +205,56 @@ class DynamicSamplingConfig:
     @property
     def predictive(self) -> bool:
         """Predictive selection is on (and meaningful: the filter drops zero variance)."""
-        return self.selection == "predictive" and self.filter_metric is not None
+        return self.selection.strategy == "predictive" and self.filter_metric is not None
 
     def make_tracker(self) -> DifficultyTracker | None:
         """Per-prompt statistics when retiring, parking or predictive selection need them."""
-        if self.retire_after or self.park_after or self.predictive:
-            return DifficultyTracker(self.retire_after, self.park_after, self.revisit_every)
+        sel = self.selection
+        if sel.retire_after or sel.park_after or self.predictive:
+            return DifficultyTracker(sel.retire_after, sel.park_after, sel.revisit_every)
         return None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle (``torch.load`` of a checkpoint's hyper-parameters); a config saved before
+        the prompt-selection settings were grouped (flat keys, :data:`LEGACY_SELECTION_KEYS`)
+        is mapped onto ``selection``."""
+        state = dict(state)
+        if not isinstance(state.get("selection"), PromptSelectionConfig):
+            legacy = LEGACY_SELECTION_KEYS.items()
+            state["selection"] = PromptSelectionConfig(
+                **{new: state.pop(old) for old, new in legacy if old in state}
+            )
+        self.__dict__.update(state)
+
+
+#: Flat ``dynamic_sampling`` keys of configs saved before prompt selection was its own group
+#: -> their field of ``dynamic_sampling.selection`` (:class:`PromptSelectionConfig`).
+LEGACY_SELECTION_KEYS: dict[str, str] = {
+    "selection": "strategy",
+    "max_skip": "max_skip",
+    "revisit_within": "revisit_within",
+    "retire_after": "retire_after",
+    "park_after": "park_after",
+    "revisit_every": "revisit_every",
+}
+
+
+def as_selection(value: Any) -> PromptSelectionConfig:
+    """``value`` as a :class:`PromptSelectionConfig` (a mapping of its fields is built into one).
+
+    Raises:
+        ConfigError: anything else, e.g. the former ``selection: uniform`` (now
+            ``selection: {strategy: uniform}``).
+    """
+    if isinstance(value, PromptSelectionConfig):
+        return value
+    if isinstance(value, dict):
+        return PromptSelectionConfig(**value)
+    raise ConfigError(
+        f"data.dynamic_sampling.selection is a group of settings, got {value!r}: write "
+        f"selection: {{strategy: {value}}} (max_skip, revisit_within, retire_after, park_after "
+        "and revisit_every moved into it too)."
+    )
 
 
 def _at_least(value: int, low: int, name: str, what: str) -> None:
@@ -362,7 +384,10 @@ class RolloutProducer:
         self.sampler = PromptSampler(len(self.records), seed=seed, rank=group, world_size=groups)
         self.selector = (
             PredictiveSelector(
-                config.n, config.max_skip, config.revisit_within, seed=f"{seed}-{group}-select"
+                config.n,
+                config.selection.max_skip,
+                config.selection.revisit_within,
+                seed=f"{seed}-{group}-select",
             )
             if config.predictive
             else None
@@ -759,7 +784,7 @@ def solved_message(
     retired, parked = (tracker.num_retired, tracker.num_parked) if tracker is not None else (0, 0)
     return (
         f"no training prompt is left to sample: {retired} of {prompts} are retired "
-        f"(all-correct {config.retire_after} visits in a row) and {parked} parked. "
+        f"(all-correct {config.selection.retire_after} visits in a row) and {parked} parked. "
         "The training set is solved; add harder prompts to continue."
     )
 
@@ -837,6 +862,7 @@ def _add(stats: dict[str, float], key: str, value: float) -> None:
 __all__ = [
     "DynamicSamplingConfig",
     "DynamicSamplingError",
+    "LEGACY_SELECTION_KEYS",
     "RolloutProducer",
     "TrainingComplete",
     "concat_rollouts",
