@@ -34,11 +34,10 @@ def test_a_solved_training_set_stops_the_fit_with_a_final_checkpoint(tiny_checkp
         prompts=PromptConfig(max_prompt_length=64),
         sampling=SamplingConfig(max_tokens=8),
         # no filter: all-right groups are trained on (zero advantage) until they retire
-        dynamic_sampling=DynamicSamplingConfig(
-            n=2, train_batch_size=4, filter_metric=None, round_sizing="fixed"
-        ),  # fixed rounds: the step count below is 8 x 3 visits / 4
-    )
+        dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=4, filter_metric=None),
+    )  # default round sizing (kept_frac): without a filter a round is what is missing
     assert data.dynamic_sampling.selection.retire_after == 3  # the default
+    assert data.dynamic_sampling.round_sizing == "kept_frac"  # the default
     module = DAPOModule(str(tiny_checkpoint), parity_check_every=0)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True, save_top_k=0)
     trainer = Trainer(

@@ -603,6 +603,23 @@ def test_sized_rounds_follow_the_kept_fraction_and_overshoot_is_never_silent():
     assert carried > 0 and stale > 0
 
 
+def test_sized_rounds_without_a_filter_draw_exactly_what_is_missing():
+    """filter_metric None keeps every group: a sized round is the missing groups, not the
+    (k + 1) / (g + 2) estimate's overdraw (which gave 5 prompts a step for 4, dropped one and
+    retired prompts a step early: the end game's 6 steps became 5)."""
+    engine = ScriptedEngine(rate=lambda p: 1.0)
+    producer = make_producer(
+        engine, num_prompts=8, n=2, train_batch_size=4, gen_batch_size=None, filter_metric=None,
+        round_sizing="kept_frac", retire_after=3,
+    )  # fmt: skip
+    for step in range(4):
+        before = len(engine.calls)
+        batch = producer.next_batch(policy_version=step)
+        assert [p for p, _ in engine.calls[before:]] == [4]  # one round of the 4 missing
+        assert batch.stats["data/dropped_surplus_groups"] == 0 and batch.num_groups == 4
+    assert producer.kept_estimate[0] == producer.kept_estimate[1] > 0  # history was there
+
+
 def test_in_flight_round_stops_when_full_and_gives_prompts_back():
     engine = ScriptedStreamingEngine()
     producer = make_producer(engine, num_prompts=64, gen_batch_size=16, in_flight=True)

@@ -112,7 +112,8 @@ class DynamicSamplingConfig:
             ``selection: {strategy: predictive, max_skip: 0.99, ...}``.
         round_sizing: ``"kept_frac"`` (default): after the first round the next round draws
             enough prompts to fill the batch at the kept fraction observed so far (one estimate
-            agreed over ranks, :data:`KEPT_FRAC_DECAY`), at most ``max_gen_batch_size``;
+            agreed over ranks, :data:`KEPT_FRAC_DECAY`; 1 without a filter, so a round is
+            exactly what is missing), at most ``max_gen_batch_size``;
             ``"fixed"``: every round draws ``gen_batch_size``.
         max_gen_batch_size: Cap of a sized round over all ranks (None: 4 x train_batch_size;
             never more than one epoch of a rank's prompts). Kept groups beyond the batch go to
@@ -585,12 +586,13 @@ class RolloutProducer:
     def _round_size(self, missing: int, short_ranks: int) -> int:
         """Prompts this rank draws next: ``gen_batch_size / ranks`` (fixed sizing or no history
         yet), else enough for the short ranks' mean missing groups at the kept fraction
-        ``(kept + 1) / (generated + 2)`` of the agreed estimate, capped. Equal on all ranks."""
+        ``(kept + 1) / (generated + 2)`` of the agreed estimate (exactly 1 without a filter:
+        every group is kept, so the round is what is missing), capped. Equal on all ranks."""
         groups = self.world_size // self.tp_size
         kept, generated = self.kept_estimate
         if self.config.round_sizing == "fixed" or generated <= 0 or short_ranks <= 0:
             return self.local_gen
-        frac = (kept + 1.0) / (generated + 2.0)
+        frac = 1.0 if self.config.filter_metric is None else (kept + 1.0) / (generated + 2.0)
         want = math.ceil(missing / short_ranks / frac)
         cap = max(1, self.config.round_cap // groups)
         per_rank = self.sampler.num_prompts // self.sampler.world_size  # one epoch at most
