@@ -35,6 +35,7 @@ from torch import Tensor
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.data.difficulty import (
+    SELECTION_PATH,
     DifficultyTracker,
     PredictiveSelector,
     PromptSelectionConfig,
@@ -252,7 +253,7 @@ def as_selection(value: Any) -> PromptSelectionConfig:
     if isinstance(value, dict):
         return PromptSelectionConfig(**value)
     raise ConfigError(
-        f"data.dynamic_sampling.selection is a group of settings, got {value!r}: write "
+        f"{SELECTION_PATH} is a group of settings, got {value!r}: write "
         f"selection: {{strategy: {value}}} (max_skip, revisit_within, retire_after, park_after "
         "and revisit_every moved into it too)."
     )
