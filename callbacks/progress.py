@@ -12,6 +12,8 @@ The values come from ``trainer.callback_metrics``: the names DAPOModule logs eve
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -145,8 +147,29 @@ def run_summary(
         lines.append(f"  logs:        {trainer.logger.log_dir}")
     run_dir = plot_dir(trainer)
     if run_dir is not None:
-        lines.append(f"  plot:        dapo-lightning plot {run_dir}")
+        lines.append(f"  plot:        {cli_command()} plot {run_dir}")
     return "\n".join(lines)
+
+
+def cli_command(argv0: str | None = None) -> str:
+    """How to call the ``dapo-lightning`` command from here, as this process was run: the bare
+    name when it is on ``PATH`` (an activated environment), else the console script's path
+    (``.venv/bin/dapo-lightning``, relative to the working directory when below it), else
+    ``python -m dapo_lightning`` with this interpreter (a ``python -c`` process).
+
+    Args:
+        argv0: The program this process was started as (``sys.argv[0]`` when None).
+    """
+    program = Path(argv0 if argv0 is not None else sys.argv[0])
+    if program.name != "dapo-lightning":
+        program = Path(sys.executable).parent / "dapo-lightning"
+    if not program.is_file():
+        return f"{sys.executable} -m dapo_lightning"
+    found = shutil.which("dapo-lightning")
+    if found is not None and Path(found).resolve() == program.resolve():
+        return "dapo-lightning"
+    relative = os.path.relpath(program.absolute())
+    return relative if not relative.startswith("..") else str(program.absolute())
 
 
 class DAPOProgressBar(RichProgressBar):

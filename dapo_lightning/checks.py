@@ -51,6 +51,19 @@ def check_finite(name: str, value: Any, fix: str = "", *, none_ok: bool = False)
         )
 
 
+def check_count(name: str, value: Any, low: int, what: str) -> None:
+    """Raise :class:`ConfigError` naming ``name`` unless ``value`` is an integer >= ``low``.
+
+    Args:
+        name: The field as the user writes it (e.g. ``"data.dynamic_sampling.n"``).
+        value: The value given.
+        low: The least valid value.
+        what: What the number counts, or what 0 means (shown in parentheses).
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low} ({what}), got {value!r}.")
+
+
 def _numbers(value: Any) -> Iterable[Any]:
     """The numbers inside an optimizer hyper-parameter (a float, or a tuple such as ``betas``)."""
     if isinstance(value, (tuple, list)):

@@ -65,6 +65,7 @@ from typing import Any, Literal
 
 import torch
 from jsonargparse import DefaultHelpFormatter, Namespace
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
@@ -232,8 +233,12 @@ class DAPOLightningCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The configured Trainer, with a :class:`~dapo_lightning.callbacks.RunGuard` first
         among its callbacks when the config lists none (first: it takes the run directory's lock
-        before the other callbacks write into it)."""
-        trainer = super().instantiate_trainer(**kwargs)
+        before the other callbacks write into it). Lightning's own configuration errors
+        (``MisconfigurationException``) become one :class:`ConfigError` line."""
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except MisconfigurationException as error:
+            raise ConfigError(f"trainer: {error}{_trainer_fix(str(error))}") from None
         if not any(isinstance(c, RunGuard) for c in trainer.callbacks):
             trainer.callbacks.insert(0, RunGuard())
         return trainer
@@ -480,6 +485,20 @@ def _local_processes(config: Namespace) -> int:
     if isinstance(devices, str) and devices.strip().isdigit():
         devices = int(devices)
     return devices if isinstance(devices, int) and devices > 1 else 1
+
+
+#: Fixes for Lightning's Trainer errors our configs can reach: (a phrase of its message, fix).
+TRAINER_FIXES = (
+    (
+        "enable_progress_bar=False",
+        "set trainer.enable_progress_bar: true, or remove the progress bar from trainer.callbacks",
+    ),
+)
+
+
+def _trainer_fix(message: str) -> str:
+    """`` Fix: ...`` for a Lightning Trainer error of :data:`TRAINER_FIXES`, else ``""``."""
+    return next((f" Fix: {fix}." for phrase, fix in TRAINER_FIXES if phrase in message), "")
 
 
 def choose_run_threads(config: Namespace, to_create: tuple[str, Path] | None) -> None:

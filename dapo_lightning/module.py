@@ -21,6 +21,10 @@ changes (updates applied, plus rollbacks), the version every rollout is stamped 
 ``rollout_step`` counts training steps. ``update/*`` metrics are written after every update at
 ``step = global_step``; per-rollout-step metrics (``rollout/*``, ``time/*``, ``data/*``,
 ``reward/*``, ``parity/*``) once per ``training_step``.
+
+Stops: a stop request is checked before each update and between micro-batches; it undoes the
+rollout step under way (its completed updates included: :class:`~dapo_lightning.step_guard.StepStart`)
+and the step is generated again on resume (docs/design.md, "Stopping and resuming").
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, replace
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -67,7 +72,7 @@ from dapo_lightning.loss import LossInputs, PolicyLossConfig
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.policy_loss import policy_loss
 from dapo_lightning.schedules import WarmupConstantLR
-from dapo_lightning.step_guard import NonFiniteGuard, all_finite, nonfinite_step_input
+from dapo_lightning.step_guard import NonFiniteGuard, StepStart, all_finite, nonfinite_step_input
 from dapo_lightning.strategy import ShardingConfig, StrategyAdapter, shard_policy
 from dapo_lightning.update import (
     LOSS_METRIC_OPS,
@@ -296,13 +301,15 @@ class DAPOModule(LightningModule):
             self.trainer.should_stop = True
             return
         t_start, version = time.perf_counter(), self.policy_version  # the version it was drawn for
-        self._step_updates = 0  # updates of this rollout step completed (a stop drops none)
+        self._step_updates = 0  # updates of this rollout step completed (a stop undoes them)
         batch = batch.trim()
         step = self._step_tensors(batch)
+        self._take_step_start(batch)
         for _ in range(self.batching.ppo_epochs):
             for groups in self.mini_batches(batch.num_groups):
                 if self.updates_left() <= 0:  # trainer.max_steps reached inside this step
                     break
+                self._honour_stop()
                 metrics = self._update(batch, rows_of_groups(groups, batch.group_size), step)
                 self._log_update(metrics)
                 call_dapo_hook(self.trainer, "on_dapo_update", metrics)
@@ -392,7 +399,7 @@ class DAPOModule(LightningModule):
             acc.add_all(m, LOSS_METRIC_OPS, weight=float(m["token_count"]))
             acc.add("loss", float(loss.detach()), op="sum")
             if not last:
-                self._stop_between_micro_batches(optimizer)
+                self._honour_stop()
         acc.add("lr", float(optimizer.param_groups[0]["lr"]), op="max")  # the rate it uses
         optimizer.step()  # -> on_before_optimizer_step: norm, clip, skip decision
         grad_norm, skipped = self._step_outcome
@@ -408,15 +415,43 @@ class DAPOModule(LightningModule):
         self._step_updates = getattr(self, "_step_updates", 0) + 1
         return self._finish_update(acc, tokens, stepped=not skipped, grad_norm=grad_norm)
 
-    def _stop_between_micro_batches(self, optimizer: Any) -> None:
-        """A stop request (on any rank) before the rollout step's first update completed: drop
-        the partial update's gradients, put the data module back to the step's start (its
-        rollouts are regenerated on resume) and raise
-        :class:`~dapo_lightning.interrupt.StopRequested`; after an update of the step
-        completed, the step finishes (its state could not be put back)."""
-        if getattr(self, "_step_updates", 0) or not self.adapter.any_rank(should_stop()):
+    def _take_step_start(self, batch: RolloutBatch) -> None:
+        """Copy the rollout step's start (:class:`~dapo_lightning.step_guard.StepStart`) when
+        it has more than one update, so that a stop after some of them can undo them all
+        (DeepSpeed steps inside its engine: none is taken, such a step finishes)."""
+        updates = self.batching.ppo_epochs * len(self.mini_batches(batch.num_groups))
+        if updates < 2 or self.adapter.kind == "deepspeed":
+            self._step_start = None
             return
-        optimizer.zero_grad(set_to_none=True)
+        scheduler = self.lr_schedulers()
+        counters = SimpleNamespace(
+            state_dict=self._dapo_state, load_state_dict=self._load_dapo_state
+        )
+        stateful = [
+            counters,
+            self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress,
+            *([scheduler] if scheduler is not None else []),
+            *(cb for cb in self.trainer.callbacks if cb.state_dict()),
+        ]
+        self._step_start = self.__dict__.get("_step_start") or StepStart()
+        self._step_start.take(self.optimizers(use_pl_optimizer=False), stateful)
+
+    def _honour_stop(self) -> None:
+        """A stop request (on any rank) inside a rollout step, checked before each update and
+        between micro-batches: drop the partial update's gradients, undo the step's completed
+        updates (its :class:`~dapo_lightning.step_guard.StepStart`), put the data module back
+        to the step's start (its rollouts are generated again on resume) and raise
+        :class:`~dapo_lightning.interrupt.StopRequested`. Where no start was taken (DeepSpeed)
+        a step that has completed an update finishes."""
+        if not self.adapter.any_rank(should_stop()):
+            return
+        start, done = self.__dict__.get("_step_start"), getattr(self, "_step_updates", 0)
+        if done and start is None:
+            return
+        self.optimizers().zero_grad(set_to_none=True)
+        if done:
+            start.restore()
+            self._step_updates = 0
         rewind = getattr(self._trainer.datamodule, "rewind_rollout_batch", None)
         if callable(rewind):
             rewind()
@@ -562,26 +597,33 @@ class DAPOModule(LightningModule):
         self.log_dict(metrics, on_epoch=True, sync_dist=True, batch_size=len(batch))
 
     # ------------------------------------------------------------------ checkpoints
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["dapo"] = {
+    def _dapo_state(self) -> dict[str, Any]:
+        """The module's counters and the global RNGs (a checkpoint's ``"dapo"`` entry)."""
+        return {
             "policy_version": self.policy_version,
             "rollout_step": self.rollout_step,
             "skipped_updates": self.skipped_updates,
             "entropy_coef": self.entropy_coef,
             "rng": collect_rng_states(),  # global RNGs (the engine's is in the data module)
         }
-        if is_peft_model(self.policy):
-            keep_adapters_only(self, checkpoint)
 
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("dapo", {})
-        restore_adapter_checkpoint(self, checkpoint, state.get(LORA_CHECKPOINT_KEY))
+    def _load_dapo_state(self, state: dict[str, Any]) -> None:
         self.policy_version = int(state.get("policy_version", 0))
         self.rollout_step = int(state.get("rollout_step", 0))
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.entropy_coef = float(state.get("entropy_coef", self.entropy_coef))
         if "rng" in state:
             restore_rng_states(state["rng"])
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["dapo"] = self._dapo_state()
+        if is_peft_model(self.policy):
+            keep_adapters_only(self, checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("dapo", {})
+        restore_adapter_checkpoint(self, checkpoint, state.get(LORA_CHECKPOINT_KEY))
+        self._load_dapo_state(state)
 
     def save_pretrained(self, path: str) -> None:
         """Write the policy in Hugging Face format (loadable with ``from_pretrained``); with

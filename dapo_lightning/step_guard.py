@@ -27,6 +27,7 @@ engine and is not guarded here.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -38,6 +39,7 @@ __all__ = [
     "NonFiniteGuard",
     "NonFiniteUpdatesError",
     "StepSnapshot",
+    "StepStart",
     "all_finite",
     "nonfinite_step_input",
 ]
@@ -97,9 +99,15 @@ class StepSnapshot:
         self._state: dict[int, dict[str, Any]] = {}
         self._optimizer: Any = None
 
-    def take(self, optimizer: Any) -> None:
-        """Copy every parameter of ``optimizer`` that has a gradient, and its state."""
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    def take(self, optimizer: Any, *, every_param: bool = False) -> None:
+        """Copy every parameter of ``optimizer`` that has a gradient (``every_param``: every
+        parameter, as before a rollout step's first backward), and its state."""
+        params = [
+            p
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if every_param or p.grad is not None
+        ]
         local = [_local(p).detach() for p in params]
         if len(self._param_bufs) != len(local) or any(
             b.shape != t.shape or b.dtype != t.dtype for b, t in zip(self._param_bufs, local)
@@ -146,6 +154,45 @@ class StepSnapshot:
                     _local(state[key]).copy_(value)
                 else:
                     state[key] = value.clone() if isinstance(value, Tensor) else value
+
+
+class StepStart:
+    """A rollout step's start, so that a stop after some of its updates can undo them all
+    exactly: the trainable parameters and their optimizer state (:class:`StepSnapshot`), the
+    optimizer's hyper-parameters (a scheduler writes the learning rate into them), and the
+    ``state_dict()`` of everything else an update advances (the learning-rate scheduler,
+    Lightning's optimizer-step counter, callbacks, the module's counters and RNGs), each put
+    back with its own ``load_state_dict``. The partial step is then dropped as one stopped
+    before its first update is: its rollouts are generated again on resume.
+
+    Cost: one copy of the parameters and their optimizer state per rollout step with more
+    than one update (the guard's pre-step copy is another); ``benchmarks/RESULTS.md``.
+    """
+
+    def __init__(self) -> None:
+        self.params = StepSnapshot()
+        self._optimizer: Any = None
+        self._hyper: list[dict[str, Any]] = []
+        self._states: list[tuple[Any, Any]] = []
+
+    def take(self, optimizer: Any, stateful: Iterable[Any]) -> None:
+        """Copy ``optimizer``'s parameters, state and hyper-parameters, and the state dict of
+        each object of ``stateful``."""
+        self.params.take(optimizer, every_param=True)
+        self._optimizer = optimizer
+        self._hyper = [
+            copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+            for g in optimizer.param_groups
+        ]
+        self._states = [(obj, copy.deepcopy(obj.state_dict())) for obj in stateful]
+
+    def restore(self) -> None:
+        """Put back what :meth:`take` copied."""
+        self.params.restore()
+        for group, hyper in zip(self._optimizer.param_groups, self._hyper):
+            group.update(copy.deepcopy(hyper))
+        for obj, state in self._states:
+            obj.load_state_dict(copy.deepcopy(state))
 
 
 class NonFiniteGuard:

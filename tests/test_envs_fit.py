@@ -33,6 +33,7 @@ trainer:
 model:
   init_args:
     model_name_or_path: {model_dir}
+    batching: {{mini_batch_size: null}}  # train_batch_size 4: one update per rollout step
 data:
   init_args:
     sampling: {{max_tokens: 6}}

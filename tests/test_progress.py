@@ -23,7 +23,12 @@ import lightning.pytorch as pl
 import pytest
 import rich
 from dapo_lightning.callbacks import CollapseDetector, DAPOProgressBar, run_summary, stop_reason
-from dapo_lightning.callbacks.progress import STEP_FIELDS, step_fields, validation_line
+from dapo_lightning.callbacks.progress import (
+    STEP_FIELDS,
+    cli_command,
+    step_fields,
+    validation_line,
+)
 from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 
@@ -62,6 +67,7 @@ trainer:
 model:
   init_args:
     model_name_or_path: {model}
+    batching: {{mini_batch_size: null}}  # train_batch_size 4: one update per rollout step
 data:
   init_args:
     sampling: {{max_tokens: 4}}
@@ -121,7 +127,7 @@ def test_a_line_per_validation(plain_run):
     )
 
 
-def test_summary_at_the_end_of_fit(plain_run):
+def test_summary_at_the_end_of_fit(plain_run, monkeypatch):
     run_dir, proc = plain_run
     summary = proc.stdout[proc.stdout.index("DAPO fit summary") :].splitlines()
     text = "\n".join(summary)
@@ -130,8 +136,29 @@ def test_summary_at_the_end_of_fit(plain_run):
     assert re.search(r"  val/acc:     best (\d\.\d{3}) \(update 2\), last \1 \(update 2\)", text)
     assert f"  checkpoints: {run_dir / 'checkpoints'} (last: last.ckpt)" in summary
     assert f"  logs:        {run_dir / 'logs' / 'version_0'}" in summary
-    assert summary[-1] == f"  plot:        dapo-lightning plot {run_dir / 'logs'}"
+    # the fit ran as `python -c` from the repository: the console script beside the interpreter
+    monkeypatch.chdir(REPO)
+    assert summary[-1] == f"  plot:        {cli_command('-c')} plot {run_dir / 'logs'}"
     assert (run_dir / "logs" / "version_0" / "metrics.csv").is_file()
+
+
+def test_cli_command_is_the_one_this_process_was_run_by(tmp_path, monkeypatch):
+    """Issue 30: the summary said `dapo-lightning plot` where that name is not on PATH."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    script = bin_dir / "dapo-lightning"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert cli_command(str(script)) == os.path.join("venv", "bin", "dapo-lightning")
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")  # an activated environment
+    assert cli_command(str(script)) == "dapo-lightning"
+    monkeypatch.chdir(REPO)  # not below the working directory: the absolute path
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert cli_command(str(script)) == str(script)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))  # no script beside it
+    assert cli_command("-c") == f"{tmp_path / 'python'} -m dapo_lightning"
 
 
 def test_known_noise_is_gone_from_a_real_fit(plain_run):

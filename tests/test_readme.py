@@ -208,6 +208,7 @@ def _run(argv: list[str], copy: Path, env: dict[str, str], timeout: int = 600):
 TINY_RUN = """
 create_model_if_missing: {kind: tiny, path: model}
 trainer: {max_steps: 2, val_check_interval: 1}
+model: {init_args: {batching: {mini_batch_size: null}}}  # one update per rollout step of 4
 data:
   init_args:
     reward: {class_path: _length_reward.EvenLengthReward}

@@ -328,16 +328,17 @@ def _resume_and_compare(model: Path, run: Path, reference: Path) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_during_an_update_saves_and_resumes_exactly(sig, model_dir, reference, tmp_path):
-    """A real SIGTERM / SIGINT while update 9 (the first of rollout step 5) is in its optimizer
-    step: the step finishes (updates 9 and 10), the guard saves update 10 (the ModelCheckpoint
-    would next save at 12), the worker exits 128 + signum without its lock, and the resumed run
-    ends bit-identical to the uninterrupted one."""
+    """A real SIGTERM / SIGINT while update 9 (the first of rollout step 5's two) is in its
+    optimizer step: before update 10 the stop undoes update 9 (issue 29: the step used to
+    finish, unbounded for big steps), the guard saves update 8 (the ModelCheckpoint saved 6
+    and would next save at 12), the worker exits 128 + signum without its lock, and the resumed
+    run generates step 5 again and ends bit-identical to the uninterrupted one."""
     run = tmp_path / "run"
     code, err = _signal_during_pause(model_dir, run, sig, "update:8")
     assert code == 128 + sig, err[-4000:]
     assert f"{sig.name} received" in err and "Saved" in err, err[-4000:]
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
-    assert saved["global_step"] == 10 and saved["dapo"]["rollout_step"] == 5
+    assert saved["global_step"] == 8 and saved["dapo"]["rollout_step"] == 4
     assert (
         torch.load(run / "checkpoints" / "last-previous.ckpt", weights_only=True)["global_step"]
         == 6

@@ -56,6 +56,9 @@ trainer:
       init_args: {{dirpath: checkpoints, save_last: true, every_n_train_steps: 2, save_top_k: 0}}
     - class_path: dapo_lightning.callbacks.ValidateAtStart
 {extra_callbacks}
+model:
+  init_args:
+    batching: {{mini_batch_size: null}}  # train_batch_size 4: one update per rollout step
 data:
   init_args:
     sampling: {{max_tokens: 4}}
@@ -337,13 +340,16 @@ def _fit(
     *callbacks: Callback,
     steps: int = 6,
     micro_batch_size: int = 16,
-    **trainer_kw: Any,
+    mini_batch_size: int | None = None,
+    **module_kw: Any,
 ):
+    trainer_kw = {k: module_kw.pop(k) for k in ("min_steps",) if k in module_kw}
     module = DAPOModule(
         str(model),
-        optimizer=sgd,
-        batching=BatchingConfig(micro_batch_size=micro_batch_size),
+        optimizer=module_kw.pop("optimizer", sgd),
+        batching=BatchingConfig(mini_batch_size, micro_batch_size),
         parity_check_every=0,
+        **module_kw,
     )
     trainer = Trainer(
         accelerator="cpu",
@@ -413,6 +419,58 @@ def test_stop_between_micro_batches_drops_the_partial_update(tmp_path, tiny_chec
     reference = _fit(tmp_path / "b", tiny_checkpoint, steps=2, micro_batch_size=8)
     expected = reference.lightning_module.state_dict()
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in expected.items())
+
+
+def adamw_decaying(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def halving(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 0.5**update)
+
+
+@pytest.mark.parametrize(
+    ("micro_batch_size", "at"),
+    [(16, 2), (4, 2), (4, 3)],
+    ids=["before-the-second-update", "in-the-first-update", "inside-the-second-update"],
+)
+def test_stop_inside_a_multi_update_step_undoes_the_whole_step(
+    tmp_path, tiny_checkpoint, capsys, micro_batch_size, at
+):
+    """Issue 29: rollout steps of 2 updates (mini-batches of 2 groups, AdamW, a learning rate
+    halved each update); a stop in update 3 (the first of rollout step 2) or in update 4 used
+    to let the step finish. Now the step is undone and update 2 is saved: its weights, Adam
+    state, learning rate, scheduler and counters equal those of an uninterrupted 2-update run
+    (a step's rollouts are generated again on resume)."""
+    from dapo_lightning.interrupt import StopRequested, clear_stop_request
+
+    settings = dict(mini_batch_size=2, optimizer=adamw_decaying, lr_scheduler=halving)
+    try:
+        with pytest.raises(StopRequested, match="SIGTERM"):
+            _fit(tmp_path / "a", tiny_checkpoint, _StopInBackward(at), steps=6,
+                 micro_batch_size=micro_batch_size, **settings)  # fmt: skip
+    finally:
+        clear_stop_request()
+    assert "saved on SIGTERM, update 2" in capsys.readouterr().err
+    saved = torch.load(tmp_path / "a" / "ckpts" / "last.ckpt", weights_only=False)
+    _fit(tmp_path / "b", tiny_checkpoint, steps=2, micro_batch_size=micro_batch_size, **settings)
+    expected = torch.load(tmp_path / "b" / "ckpts" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == expected["global_step"] == 2
+    assert saved["dapo"]["policy_version"] == expected["dapo"]["policy_version"] == 2
+    assert saved["dapo"]["rollout_step"] == 1
+    assert saved["lr_schedulers"] == expected["lr_schedulers"]
+    assert saved["lr_schedulers"][0]["_last_lr"] == [1e-2 * 0.25]  # the value: 2 halvings
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in expected["state_dict"].items())
+    got, want = saved["optimizer_states"][0], expected["optimizer_states"][0]
+    assert got["param_groups"] == want["param_groups"]
+    assert got["param_groups"][0]["lr"] == 1e-2 * 0.25
+    assert got["state"].keys() == want["state"].keys()
+    for i, state in want["state"].items():
+        assert int(got["state"][i]["step"]) == int(state["step"]) == 2
+        assert torch.equal(got["state"][i]["exp_avg"], state["exp_avg"])
+        assert torch.equal(got["state"][i]["exp_avg_sq"], state["exp_avg_sq"])
+    loops = saved["loops"]["fit_loop"]["epoch_loop.manual_optimization.optim_step_progress"]
+    assert loops["total"]["completed"] == 2
 
 
 def test_stop_overruled_by_min_steps_still_stops(tmp_path, tiny_checkpoint, capfd):

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dapo_lightning.checks import ConfigError, check_finite
+from dapo_lightning.checks import ConfigError, check_count, check_finite
 
 SelectionStrategy = Literal["uniform", "predictive"]
 
@@ -95,18 +95,10 @@ class PromptSelectionConfig:
                 f"{SELECTION_PATH}.max_skip must be in [0, 1) (1 - max_skip is the "
                 f"exploration floor), got {self.max_skip!r}."
             )
-        _count(self.revisit_within, 1, "revisit_within", "epochs")
-        _count(self.retire_after, 0, "retire_after", "0 = never")
-        _count(self.park_after, 0, "park_after", "0 = never")
-        _count(self.revisit_every, 1, "revisit_every", "epochs")
-
-
-def _count(value: Any, low: int, name: str, what: str) -> None:
-    """Raise :class:`ConfigError` naming ``selection.name`` unless ``value`` is an int >= low."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(
-            f"{SELECTION_PATH}.{name} must be an integer >= {low} ({what}), got {value!r}."
-        )
+        check_count(f"{SELECTION_PATH}.revisit_within", self.revisit_within, 1, "epochs")
+        check_count(f"{SELECTION_PATH}.retire_after", self.retire_after, 0, "0 = never")
+        check_count(f"{SELECTION_PATH}.park_after", self.park_after, 0, "0 = never")
+        check_count(f"{SELECTION_PATH}.revisit_every", self.revisit_every, 1, "epochs")
 
 
 @dataclass

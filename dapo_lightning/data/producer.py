@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from dapo_lightning.checks import ConfigError
+from dapo_lightning.checks import ConfigError, check_count
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.data.difficulty import (
     SELECTION_PATH,
@@ -89,6 +89,10 @@ class TrainingComplete(Exception):
     """Nothing is left to train on (every prompt retired, or rounds ran out with ``stop``)."""
 
 
+#: Where :class:`DynamicSamplingConfig` sits in a run's YAML (its errors name this path).
+DYNAMIC_SAMPLING_PATH = "data.dynamic_sampling"
+
+
 @dataclass(frozen=True)
 class DynamicSamplingConfig:
     """How rollout batches are produced: group size, batch sizes, filter and end game.
@@ -143,34 +147,59 @@ class DynamicSamplingConfig:
     in_flight: bool = True
 
     def __post_init__(self) -> None:
-        _at_least(self.n, 1, "n", "responses per prompt")
-        _at_least(self.train_batch_size, 1, "train_batch_size", "groups per rollout step")
+        check_count(f"{DYNAMIC_SAMPLING_PATH}.n", self.n, 1, "responses per prompt")
+        check_count(
+            f"{DYNAMIC_SAMPLING_PATH}.train_batch_size",
+            self.train_batch_size,
+            1,
+            "groups per rollout step",
+        )
         if self.gen_batch_size is not None:
-            _at_least(self.gen_batch_size, 1, "gen_batch_size", "prompts per round, or null")
+            check_count(
+                f"{DYNAMIC_SAMPLING_PATH}.gen_batch_size",
+                self.gen_batch_size,
+                1,
+                "prompts per round, or null",
+            )
         if self.filter_metric not in ("acc", "score", "reward", None):
-            raise ValueError(
-                f"filter_metric must be 'acc', 'score', 'reward' or null, got {self.filter_metric!r}."
+            raise ConfigError(
+                f"{DYNAMIC_SAMPLING_PATH}.filter_metric must be 'acc', 'score', 'reward' or null, got {self.filter_metric!r}."
             )
         if self.filter_metric is not None and self.n < 2:
-            raise ValueError(
-                f"n={self.n} with filter_metric={self.filter_metric!r}: a group of one response "
+            raise ConfigError(
+                f"{DYNAMIC_SAMPLING_PATH}.n={self.n} with filter_metric={self.filter_metric!r}: a group of one response "
                 "never has variance; use n >= 2 or filter_metric: null."
             )
-        _at_least(self.max_num_gen_batches, 0, "max_num_gen_batches", "0 = unlimited")
+        check_count(
+            f"{DYNAMIC_SAMPLING_PATH}.max_num_gen_batches",
+            self.max_num_gen_batches,
+            0,
+            "0 = unlimited",
+        )
         if self.on_exhausted not in ("train_on_kept", "stop", "error"):
-            raise ValueError(
-                "on_exhausted must be 'train_on_kept', 'stop' or 'error', "
+            raise ConfigError(
+                f"{DYNAMIC_SAMPLING_PATH}.on_exhausted must be 'train_on_kept', 'stop' or 'error', "
                 f"got {self.on_exhausted!r}."
             )
         if self.max_staleness is not None:
-            _at_least(self.max_staleness, 0, "max_staleness", "policy versions, or null")
+            check_count(
+                f"{DYNAMIC_SAMPLING_PATH}.max_staleness",
+                self.max_staleness,
+                0,
+                "policy versions, or null",
+            )
         object.__setattr__(self, "selection", as_selection(self.selection))
         if self.round_sizing not in ("fixed", "kept_frac"):
-            raise ValueError(
-                f"round_sizing must be 'fixed' or 'kept_frac', got {self.round_sizing!r}."
+            raise ConfigError(
+                f"{DYNAMIC_SAMPLING_PATH}.round_sizing must be 'fixed' or 'kept_frac', got {self.round_sizing!r}."
             )
         if self.max_gen_batch_size is not None:
-            _at_least(self.max_gen_batch_size, 1, "max_gen_batch_size", "prompts, or null")
+            check_count(
+                f"{DYNAMIC_SAMPLING_PATH}.max_gen_batch_size",
+                self.max_gen_batch_size,
+                1,
+                "prompts, or null",
+            )
 
     @property
     def prompts_per_round(self) -> int:
@@ -257,11 +286,6 @@ def as_selection(value: Any) -> PromptSelectionConfig:
         f"selection: {{strategy: {value}}} (max_skip, revisit_within, retire_after, park_after "
         "and revisit_every moved into it too)."
     )
-
-
-def _at_least(value: int, low: int, name: str, what: str) -> None:
-    if value < low:
-        raise ValueError(f"{name} must be >= {low} ({what}), got {value}.")
 
 
 def concat_rollouts(parts: Sequence[ScoredRollouts]) -> ScoredRollouts:

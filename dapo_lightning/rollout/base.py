@@ -9,9 +9,12 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from dapo_lightning.checks import check_finite
+from dapo_lightning.checks import ConfigError, check_count, check_finite
 
 FinishReason = Literal["stop", "length"]
+
+#: Where :class:`SamplingConfig` sits in a run's YAML (its errors name this path).
+SAMPLING_PATH = "data.sampling"
 
 
 @dataclass
@@ -31,17 +34,17 @@ class SamplingConfig:
     top_k: int = -1
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}.")
-        check_finite("temperature", self.temperature, "Give a temperature > 0.")
+        path = SAMPLING_PATH
+        check_count(f"{path}.max_tokens", self.max_tokens, 1, "tokens per response")
+        check_finite(f"{path}.temperature", self.temperature, "Give a temperature > 0.")
         if not self.temperature > 0:
-            raise ValueError(
-                f"SamplingConfig.temperature must be > 0 for RL sampling, got {self.temperature}."
+            raise ConfigError(
+                f"{path}.temperature must be > 0 for RL sampling, got {self.temperature}."
             )
         if not 0 < self.top_p <= 1:  # False for NaN
-            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}.")
+            raise ConfigError(f"{path}.top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"SamplingConfig.top_k must be -1 (off) or >= 1, got {self.top_k}.")
+            raise ConfigError(f"{path}.top_k must be -1 (off) or >= 1, got {self.top_k}.")
 
 
 @dataclass
