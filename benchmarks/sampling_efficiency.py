@@ -114,6 +114,7 @@ class SimulatedEngine(RolloutEngine):
     slots: int = 64
     step: int = 0
     samples: float = 0.0  # sample-equivalents generated (finished 1, aborted partial)
+    aborted: float = 0.0  # of which: aborted samples' generated shares
     steps: int = 0  # engine steps (one token for every running sample): the time proxy
     rng: random.Random = field(default_factory=random.Random)
 
@@ -187,7 +188,9 @@ class StreamingSimulatedEngine(SimulatedEngine):
                 if finished:
                     yield finished
         finally:  # closed early: the running samples' generated share counts, queued ones not
-            self.samples += sum(t / groups[k][1][j] for (k, j), t in running.items())
+            partial = sum(t / groups[k][1][j] for (k, j), t in running.items())
+            self.samples += partial  # + the finished samples of the unfinished groups:
+            self.aborted += partial + sum(n - rest for rest in left if rest > 0)
 
 
 class MatchReward:
@@ -211,6 +214,17 @@ class Outcome:
     skipped: float
     engine_steps: float
     seconds: float
+    #: Samples (units of n per kept group) beyond the kept groups' own, by cause (CAUSES).
+    waste: dict[str, float] = field(default_factory=dict)
+
+
+#: Where the samples beyond the batch's own went (the second table's columns): zero-variance
+#: groups of first visits, of revisits forced by the floor (``revisit_within`` due or the
+#: ``1 - max_skip`` draw), of prompts predicted to vary (or drawn without prediction), partial
+#: samples aborted by in-flight rounds, kept groups dropped as surplus (or stale), kept groups
+#: still carried at the end.
+CAUSES = ("first visits", "floor revisits", "predicted wrong", "aborted", "dropped surplus",
+          "carried at end")  # fmt: skip
 
 
 def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed: int) -> Outcome:
@@ -225,6 +239,8 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
     ]
     config = recipe_config(settings)
     visits: dict[str, list[int]] = defaultdict(list)
+    waste = dict.fromkeys(CAUSES, 0.0)  # samples
+    why: dict[str, str] = {}  # uid -> the selector's reason for its last draw
     bias: list[float] = []
     producer: RolloutProducer | None = None
 
@@ -249,16 +265,51 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
     update = producer.tracker.update
 
     def record_visit(uid: str, accs: Any, epoch: int) -> None:  # every visit, in its draw epoch
+        first = not visits[uid]
         visits[uid].append(epoch)
+        if len(set(accs)) == 1:  # a zero-variance group: all its samples are waste
+            reason = why.get(uid, "predicted")
+            cause = (
+                "first visits"
+                if first
+                else "floor revisits"
+                if reason in ("due", "floor")
+                else "predicted wrong"
+            )
+            waste[cause] += len(accs)
         update(uid, accs, epoch)
 
     producer.tracker.update = record_visit
+    if producer.selector is not None:
+        decide = producer.selector.decide
+
+        def record_decision(stats: Any, epoch: int) -> str:
+            reason = decide(stats, epoch)
+            uid = current_uid[0]
+            if reason != "skip":
+                why[uid] = reason
+            return reason
+
+        producer.selector.decide = record_decision
+        current_uid = [""]
+        take = producer.sampler.take
+
+        def take_recording(k: int, eligible: Any = None, max_empty_epochs: int = 2, skip: Any = None):
+            def skip_named(i: int, epoch: int) -> bool:
+                current_uid[0] = records[i].uid
+                return skip(i, epoch)
+
+            return take(k, eligible, max_empty_epochs, skip=skip_named if skip else None)
+
+        producer.sampler.take = take_recording
     t0 = time.perf_counter()
     batch_groups, rounds, zero_var, skipped = 0.0, [], [], 0.0
     for step in range(steps):
         engine.step = step
         batch = producer.next_batch(policy_version=step)
         s = batch.stats
+        dropped = s["data/dropped_surplus_groups"] + s["data/dropped_stale_groups"]
+        waste["dropped surplus"] += dropped * config.n
         batch_groups += s["data/batch_groups"]
         rounds.append(s["data/gen_rounds"])
         zero_var.append(s["data/zero_variance_frac"])
@@ -274,7 +325,11 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
             continue
         seen = [-1, *sorted(visits.get(r.uid, [])), end_epoch]  # a given-back draw ends later
         gaps[r.uid] = max(b - a for a, b in zip(seen, seen[1:]))
+    waste["aborted"] = engine.aborted
+    waste["carried at end"] = sum(r.num_groups for r, _ in producer.carried) * config.n
+    per_kept = max(batch_groups, 1.0) * config.n
     return Outcome(
+        waste={k: v / per_kept for k, v in waste.items()},
         samples_per_group=engine.samples / max(batch_groups, 1.0) / config.n,
         rounds=statistics.median(rounds),
         zero_variance=statistics.fmean(zero_var),
@@ -351,6 +406,12 @@ def main(argv: list[str] | None = None) -> None:
             "seconds",
         ],
         rows,
+    )
+    print_table(
+        "Where the samples beyond the batch's own went (units of n per kept group; "
+        "1 + their sum = samples / kept group)",
+        ["configuration", *CAUSES],
+        [[name, *(f"{o.waste[c]:.2f}" for c in CAUSES)] for name, o in results.items()],
     )
     png = bar_chart(
         out_dir() / ("sampling_efficiency_quick.png" if args.quick else "sampling_efficiency.png"),

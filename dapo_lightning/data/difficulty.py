@@ -79,6 +79,7 @@ class PromptSelectionConfig:
     strategy: SelectionStrategy = "predictive"
     max_skip: float = 0.99
     revisit_within: int = 16
+    skip_threshold: float = 0.5
     retire_after: int = 3
     park_after: int = 0
     revisit_every: int = 1
@@ -96,6 +97,14 @@ class PromptSelectionConfig:
                 f"exploration floor), got {self.max_skip!r}."
             )
         check_count(f"{SELECTION_PATH}.revisit_within", self.revisit_within, 1, "epochs")
+        check_finite(
+            f"{SELECTION_PATH}.skip_threshold", self.skip_threshold, "Give a number in [0, 1)."
+        )
+        if not 0.0 <= self.skip_threshold < 1.0:
+            raise ConfigError(
+                f"{SELECTION_PATH}.skip_threshold must be in [0, 1) (a prompt is skipped only "
+                f"when P0 is above it), got {self.skip_threshold!r}."
+            )
         check_count(f"{SELECTION_PATH}.retire_after", self.retire_after, 0, "0 = never")
         check_count(f"{SELECTION_PATH}.park_after", self.park_after, 0, "0 = never")
         check_count(f"{SELECTION_PATH}.revisit_every", self.revisit_every, 1, "epochs")
@@ -212,45 +221,73 @@ def zero_variance_prob(
     return math.exp(lg(a + n) - lg(a) + log_norm) + math.exp(lg(b + n) - lg(b) + log_norm)
 
 
+#: Why :meth:`PredictiveSelector.decide` takes or skips a prompt (the benchmark's breakdown).
+Decision = Literal["new", "due", "predicted", "floor", "skip"]
+
+
 class PredictiveSelector:
     """Skips prompts whose next group is predicted to have zero variance (module docstring).
 
     Args:
         n: Group size of the next visit.
-        max_skip: Largest skip probability (the exploration floor is ``1 - max_skip``).
+        max_skip: Skip probability of a prompt over the threshold (the exploration floor is
+            ``1 - max_skip``).
         revisit_within: A prompt not visited for this many epochs is always taken.
+        skip_threshold: A prompt is skipped (with probability ``max_skip``) only when its
+            ``P0`` is above this.
         seed: Seeds the skip decisions (its state is in :meth:`state_dict`).
     """
 
-    def __init__(self, n: int, max_skip: float, revisit_within: int, seed: str | int = 0) -> None:
+    def __init__(
+        self,
+        n: int,
+        max_skip: float,
+        revisit_within: int,
+        skip_threshold: float = 0.5,
+        seed: str | int = 0,
+    ) -> None:
         if not 0.0 <= max_skip < 1.0:
             raise ValueError(f"max_skip must be in [0, 1), got {max_skip}.")
         if revisit_within < 1:
             raise ValueError(f"revisit_within must be >= 1 epoch, got {revisit_within}.")
+        if not 0.0 <= skip_threshold < 1.0:
+            raise ValueError(f"skip_threshold must be in [0, 1), got {skip_threshold}.")
         self.n = n
         self.max_skip = max_skip
         self.revisit_within = revisit_within
+        self.skip_threshold = skip_threshold
         self.rng = random.Random(seed)
         self.skipped = 0  # skip decisions so far (the producer reports the difference per step)
 
     def skip_prob(self, stats: PromptStats | None, epoch: int) -> float:
-        """``min(P0, max_skip)``; 0 for a prompt never visited or due (``revisit_within``)."""
+        """``max_skip`` if ``P0 > skip_threshold``, else 0; 0 for a prompt never visited or
+        due (``revisit_within``)."""
         if stats is None or stats.last_epoch is None:
             return 0.0
         if epoch - stats.last_epoch >= self.revisit_within:
             return 0.0
         p0 = zero_variance_prob(stats.recent_correct, stats.recent_wrong, self.n)
-        return min(p0, self.max_skip)
+        return self.max_skip if p0 > self.skip_threshold else 0.0
 
-    def take(self, stats: PromptStats | None, epoch: int) -> bool:
-        """Whether to draw the prompt now (one RNG draw per decision that can skip)."""
+    def decide(self, stats: PromptStats | None, epoch: int) -> Decision:
+        """``"skip"``, or why the prompt is taken: ``"new"`` (never visited), ``"due"``
+        (``revisit_within``), ``"predicted"`` (``P0 <= skip_threshold``) or ``"floor"`` (over
+        the threshold, taken with probability ``1 - max_skip``). One RNG draw per decision
+        over the threshold."""
+        if stats is None or stats.last_epoch is None:
+            return "new"
         prob = self.skip_prob(stats, epoch)
         if prob <= 0.0:
-            return True
+            due = epoch - stats.last_epoch >= self.revisit_within
+            return "due" if due else "predicted"
         if self.rng.random() < prob:
             self.skipped += 1
-            return False
-        return True
+            return "skip"
+        return "floor"
+
+    def take(self, stats: PromptStats | None, epoch: int) -> bool:
+        """Whether to draw the prompt now (:meth:`decide` is not ``"skip"``)."""
+        return self.decide(stats, epoch) != "skip"
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self.rng.getstate(), "skipped": self.skipped}

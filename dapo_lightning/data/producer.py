@@ -413,6 +413,7 @@ class RolloutProducer:
                 config.n,
                 config.selection.max_skip,
                 config.selection.revisit_within,
+                config.selection.skip_threshold,
                 seed=f"{seed}-{group}-select",
             )
             if config.predictive
