@@ -15,8 +15,10 @@ all all-wrong) that drifts as training "learns":
 
 Sample lengths are drawn per sample (1-32 tokens); the engine runs ``slots`` samples at a time
 and, in its streaming form (``stream_groups``, what the vLLM engine offers), finishes groups in
-the order their samples end, so an aborted request costs the tokens it had generated. "Samples"
-below count a finished sample as 1 and an aborted one as its generated share of its length.
+the order their samples end; sent ``DRAIN`` (the batch is full) it drops the groups not started
+and finishes the started ones, and closed early it aborts the rest, so an aborted request costs
+the tokens it had generated. "Samples" below count a finished sample as 1 and an aborted one
+as its generated share of its length.
 
 The recipe's batch shape: 256 prompts, ``n = 8``, ``train_batch_size = 8``, ``gen_batch_size =
 16``, ``selection.retire_after = 3``, ``max_num_gen_batches = 10``; 200 rollout steps per configuration:
@@ -25,12 +27,16 @@ The recipe's batch shape: 256 prompts, ``n = 8``, ``train_batch_size = 8``, ``ge
 * rounds per step (median), zero-variance share of the generated groups;
 * starved prompts: prompts eligible at the end (not retired) whose longest gap between visits
   (or from the last visit to the end) exceeds ``selection.revisit_within`` epochs; the largest gap;
+* where the samples beyond the batch's own went (second table, :data:`CAUSES`): zero-variance
+  groups of first visits, of revisits the no-starvation floor forced (due after
+  ``revisit_within`` epochs, or the ``1 - max_skip`` draw), of prompts predicted to vary;
+  aborted partial samples; kept groups dropped as surplus or still carried at the end;
 * kept acc - p: mean over kept groups of (the group's accuracy - the prompt's true pass rate)
   (the former ``adaptive_n``, which subsampled larger groups to a variance-keeping mix, was
   measured here at +0.033 against uniform's +0.023 with 5.8 n samples per kept group against
   4.3 n, and removed: benchmarks/RESULTS.md).
 
-Prints a table, writes ``benchmarks/out/sampling_efficiency.png`` and ends with the line
+Prints the two tables, writes ``benchmarks/out/sampling_efficiency.png`` and ends with the line
 ``samples per kept group: uniform X.X n, default Y.Y n``.
 
 Usage::
@@ -59,7 +65,7 @@ from _common import bar_chart, out_dir, print_table  # noqa: E402
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
 from dapo_lightning.data.sources import PromptRecord  # noqa: E402
 from dapo_lightning.rewards.base import RewardResult, RewardRunner  # noqa: E402
-from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig  # noqa: E402
+from dapo_lightning.rollout.base import DRAIN, Completion, RolloutEngine, SamplingConfig  # noqa: E402
 from dapo_lightning.rollout.session import EngineSession  # noqa: E402
 
 #: The recipe's dynamic-sampling shape (configs/smollm2_135m.yaml).
@@ -67,8 +73,11 @@ RECIPE = dict(n=8, train_batch_size=8, gen_batch_size=16, max_num_gen_batches=10
 #: The recipe's prompt selection (``dynamic_sampling.selection``; the rest: the defaults).
 RECIPE_SELECTION = dict(retire_after=3)
 
-#: Today's behaviour: uniform draws, fixed rounds, whole rounds (the HF engine's path).
-UNIFORM = dict(selection={"strategy": "uniform"}, round_sizing="fixed", in_flight=False)
+#: The former behaviour: uniform draws, fixed rounds, whole rounds (the HF engine's path), the
+#: surplus dropped.
+UNIFORM = dict(
+    selection={"strategy": "uniform"}, round_sizing="fixed", in_flight=False, carry_over=False
+)
 
 
 def recipe_config(settings: dict[str, Any]) -> DynamicSamplingConfig:
@@ -185,8 +194,9 @@ class StreamingSimulatedEngine(SimulatedEngine):
                         left[k] -= 1
                         if left[k] == 0:
                             finished.append((k, groups[k][0]))
-                if finished:
-                    yield finished
+                if finished and (yield finished) == DRAIN:  # finish the started groups only
+                    started = {k for k, _ in running} | {k for k in range(len(left)) if left[k] < n}
+                    queue = [(k, j) for k, j in queue if k in started]
         finally:  # closed early: the running samples' generated share counts, queued ones not
             partial = sum(t / groups[k][1][j] for (k, j), t in running.items())
             self.samples += partial  # + the finished samples of the unfinished groups:
@@ -219,12 +229,15 @@ class Outcome:
 
 
 #: Where the samples beyond the batch's own went (the second table's columns): zero-variance
-#: groups of first visits, of revisits forced by the floor (``revisit_within`` due or the
-#: ``1 - max_skip`` draw), of prompts predicted to vary (or drawn without prediction), partial
+#: groups of first visits, of revisits forced by the no-starvation floor (``revisit_within``
+#: epochs since the last visit: due; the ``1 - max_skip`` draw: floor), of prompts predicted to
+#: vary (or drawn without a prediction: uniform), partial
 #: samples aborted by in-flight rounds, kept groups dropped as surplus (or stale), kept groups
 #: still carried at the end.
-CAUSES = ("first visits", "floor revisits", "predicted wrong", "aborted", "dropped surplus",
-          "carried at end")  # fmt: skip
+CAUSES = ("first visits", "due revisits", "floor draws", "predicted wrong", "aborted",
+          "dropped surplus", "carried at end")  # fmt: skip
+#: The selector's reasons (``PredictiveSelector.decide``) as causes of a zero-variance group.
+CAUSE_OF = {"due": "due revisits", "floor": "floor draws", "predicted": "predicted wrong"}
 
 
 def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed: int) -> Outcome:
@@ -269,13 +282,7 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
         visits[uid].append(epoch)
         if len(set(accs)) == 1:  # a zero-variance group: all its samples are waste
             reason = why.get(uid, "predicted")
-            cause = (
-                "first visits"
-                if first
-                else "floor revisits"
-                if reason in ("due", "floor")
-                else "predicted wrong"
-            )
+            cause = "first visits" if first else CAUSE_OF.get(reason, "predicted wrong")
             waste[cause] += len(accs)
         update(uid, accs, epoch)
 
@@ -294,7 +301,9 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
         current_uid = [""]
         take = producer.sampler.take
 
-        def take_recording(k: int, eligible: Any = None, max_empty_epochs: int = 2, skip: Any = None):
+        def take_recording(
+            k: int, eligible: Any = None, max_empty_epochs: int = 2, skip: Any = None
+        ):
             def skip_named(i: int, epoch: int) -> bool:
                 current_uid[0] = records[i].uid
                 return skip(i, epoch)
@@ -342,9 +351,9 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
     )
 
 
-#: The configurations compared: today's behaviour, each part alone, all parts (the defaults).
+#: The configurations compared: the former behaviour, each part alone, all parts (the defaults).
 CONFIGS: dict[str, dict[str, Any]] = {
-    "uniform (today)": UNIFORM,
+    "uniform (former)": UNIFORM,
     "+ predictive selection": {**UNIFORM, "selection": {"strategy": "predictive"}},
     "+ right-sized rounds": {**UNIFORM, "round_sizing": "kept_frac"},
     "+ right-sized rounds, carry-over": {
@@ -353,8 +362,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "carry_over": True,
     },
     "+ in-flight refill": {**UNIFORM, "in_flight": True},
+    "all parts, no carry-over": {"carry_over": False},
+    "all parts, whole rounds": {"in_flight": False},
+    "all parts, revisit_within 24": {"selection": {"revisit_within": 24}},
     "all parts (default)": {},
-    "all parts + carry-over": {"carry_over": True},
 }
 
 
@@ -421,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
         ylabel="samples per kept group / n",
     )
     print(f"wrote {png}")
-    uniform, default = results["uniform (today)"], results["all parts (default)"]
+    uniform, default = results["uniform (former)"], results["all parts (default)"]
     print(
         f"samples per kept group: uniform {uniform.samples_per_group:.1f} n, "
         f"default {default.samples_per_group:.1f} n"

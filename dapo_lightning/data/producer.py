@@ -46,7 +46,7 @@ from dapo_lightning.envs.runner import episode_results, token_masks
 from dapo_lightning.interrupt import StopRequested, request_stop, stop_requested
 from dapo_lightning.ranks import sum_over_ranks
 from dapo_lightning.rewards.base import RewardRunner
-from dapo_lightning.rollout.base import SamplingConfig
+from dapo_lightning.rollout.base import DRAIN, SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
 
 FilterMetric = Literal["acc", "score", "reward"] | None
@@ -107,9 +107,11 @@ class DynamicSamplingConfig:
             reward), ``"reward"`` (shaped reward), or None (keep everything: GRPO baseline).
         max_num_gen_batches: Most generation rounds per batch (0: unlimited).
         on_exhausted: When rounds run out: ``"train_on_kept"``, ``"stop"`` or ``"error"``.
-        carry_over: Keep surplus kept groups for the next step instead of dropping them
-            (verl drops them). They are then ``updates per step`` updates stale; the module
-            corrects them with the engine's log-probs (``stale_tis_cap``).
+        carry_over: Keep surplus kept groups, at most one batch of them (``train_batch_size``),
+            for the next step instead of dropping them (default True; verl drops them; what is
+            over the bound is dropped and counted, ``data/dropped_surplus_groups``). They are
+            then ``updates per step`` updates stale, each response stamped with its sample
+            version; the module corrects them with the engine's log-probs (``stale_tis_cap``).
         max_staleness: Carried groups older than this many policy versions are dropped
             (``data/dropped_stale_groups``); None keeps them whatever their age.
         selection: Which prompts are drawn (strategy, exploration, retiring, parking):
@@ -125,9 +127,10 @@ class DynamicSamplingConfig:
             the carry-over with ``carry_over``, else are dropped and counted
             (``data/dropped_surplus_groups``).
         in_flight: With an engine that streams groups (``stream_groups``: the vLLM engine), a
-            round stops as soon as the batch is full: groups are scored as they finish, the
-            requests still queued or running are aborted and their prompts drawn first next
-            time. Other engines (HF) keep whole rounds.
+            round stops starting groups as soon as the batch is full: groups are scored as they
+            finish, the requests not started yet are aborted (their prompts drawn first next
+            time) and the started ones finish (:data:`~dapo_lightning.rollout.base.DRAIN`; their
+            kept groups go to the carry-over). Other engines (HF) keep whole rounds.
 
     Raises:
         ValueError: a setting out of range, named with the fix.
@@ -139,7 +142,7 @@ class DynamicSamplingConfig:
     filter_metric: FilterMetric = "acc"
     max_num_gen_batches: int = 10
     on_exhausted: OnExhausted = "train_on_kept"
-    carry_over: bool = False
+    carry_over: bool = True
     max_staleness: int | None = None
     selection: PromptSelectionConfig = field(default_factory=PromptSelectionConfig)
     round_sizing: RoundSizing = "kept_frac"
@@ -570,17 +573,20 @@ class RolloutProducer:
         stats: dict[str, float],
     ) -> ScoredRollouts | None:
         """A round through ``engine.stream_groups``: groups are scored as they finish (each
-        completion step's finished groups together) until ``need`` are kept; the requests left
-        are aborted (closing the stream) and their prompts given back to the sampler."""
+        completion step's finished groups together); once ``need`` are kept the stream is sent
+        :data:`DRAIN` (the requests not started are aborted, the started ones finish and are
+        scored too: their surplus goes to the carry-over) and the prompts never generated are
+        given back to the sampler."""
         n, t0 = self.config.n, time.perf_counter()
         stream = self.session.engine.stream_groups(
             [self.records[i].prompt_ids for i in idx], n, self.sampling
         )
         done: set[int] = set()
         parts: list[ScoredRollouts] = []
-        have = 0
+        have, draining = 0, False
         try:
-            for finished in stream:
+            finished = next(stream, None)
+            while finished is not None:
                 keys = [k for k, _ in finished]
                 if any(len(c) != n for _, c in finished):
                     raise RuntimeError(
@@ -599,8 +605,12 @@ class RolloutProducer:
                 if got is not None:
                     parts.append(got)
                     have += got.num_groups
-                if have >= need:
-                    break
+                send = DRAIN if have >= need and not draining else None
+                draining = draining or send is not None
+                try:
+                    finished = stream.send(send)
+                except StopIteration:
+                    finished = None
         finally:
             stream.close()  # aborts what is still queued or running
         _add(stats, "data/gen_seconds", time.perf_counter() - t0)
@@ -742,10 +752,13 @@ class RolloutProducer:
         allr = concat_rollouts(parts)
         versions = [v for _, vs in kept for v in vs]
         end = int((allr.group_index < self.local_train).sum())
-        if end < len(allr) and self.config.carry_over:
-            self.carried = [(allr.select(list(range(end, len(allr)))), versions[end:])]
-        elif end < len(allr):
-            surplus = allr.num_groups - self.local_train
+        # at most one batch of surplus is carried (carry_over), the rest dropped and counted
+        bound = 2 * self.local_train if self.config.carry_over else self.local_train
+        stop = int((allr.group_index < bound).sum())
+        if stop > end:
+            self.carried = [(allr.select(list(range(end, stop))), versions[end:stop])]
+        if stop < len(allr):
+            surplus = allr.num_groups - bound
             _add(stats, "data/dropped_surplus_groups", float(surplus))
         mine = member_rows(allr.group_index[:end], self.member, self.tp_size)
         batch_r = allr.select(mine)

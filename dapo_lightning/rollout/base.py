@@ -84,6 +84,11 @@ class Completion:
                 raise ValueError("Completion.loss_mask entries must be 0 or 1.")
 
 
+#: Sent into a ``stream_groups`` generator (:class:`RolloutEngine`): finish the groups already
+#: started, abort the ones not started yet.
+DRAIN = "drain"
+
+
 class RolloutEngine(abc.ABC):
     """What the library needs from a generation backend: subclass it for your own engine.
 
@@ -100,6 +105,11 @@ class RolloutEngine(abc.ABC):
       own base receives the adapter weights instead of merged ones. Default: merged weights.
     * :meth:`state_dict` / :meth:`load_state_dict`: the sampling RNG state, checkpointed to
       resume exactly. Default: no state.
+    * ``stream_groups(prompts, n, sampling)``: a generator yielding, after each engine step
+      that finished groups, ``[(prompt position, its n completions), ...]``; the producer's
+      in-flight rounds use it (the vLLM engine has it). Sending :data:`DRAIN` into it
+      (``stream.send(DRAIN)``) aborts the requests not started yet and lets the started ones
+      finish (they are yielded, then the generator ends); closing it aborts everything left.
 
     Example::
 

@@ -44,7 +44,7 @@ from dapo_lightning.interrupt import StopRequested, stop_requested
 from dapo_lightning.interrupt import should_stop as should_stop_requested
 from dapo_lightning.logging_setup import quiet_known_warnings, quiet_partial_reload
 from dapo_lightning.precision import resolve_dtype
-from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
+from dapo_lightning.rollout.base import DRAIN, Completion, RolloutEngine, SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +221,15 @@ def _llm_kwargs(
     return kwargs
 
 
+def not_started(unfinished: Sequence[str], n: int, capacity: int) -> list[str]:
+    """The requests of ``unfinished`` (oldest first) the scheduler has not started: all but the
+    first ``ceil(capacity / n)``. vLLM schedules first come, first served, ``capacity``
+    (``max_num_seqs``) sequences at a time, each request ``n`` of them, so the oldest
+    unfinished requests are the running ones (an estimate: a full KV cache runs fewer)."""
+    running = -(-capacity // n)  # ceil(capacity / n)
+    return list(unfinished[running:])
+
+
 def _completions(request: Any) -> list[Completion]:
     """The ``n`` samples of a finished vLLM ``RequestOutput``, in sample order."""
     group = []
@@ -363,9 +372,11 @@ class VLLMRolloutEngine(RolloutEngine):
         """Submit one request of ``n`` samples per prompt; after each engine step that
         finished some, yield ``(prompt position, its n completions)`` for each.
 
-        Closing the iterator early (the producer does once its batch is full) aborts every
-        request still queued or running; so does ``should_stop`` returning True, which then
-        raises :class:`~dapo_lightning.interrupt.StopRequested`.
+        Sending :data:`~dapo_lightning.rollout.base.DRAIN` (the producer does once its batch
+        is full) aborts the requests not started (:func:`not_started`) and yields the running
+        ones as they finish. Closing the iterator early aborts every request still queued or
+        running; so does ``should_stop`` returning True, which then raises
+        :class:`~dapo_lightning.interrupt.StopRequested`.
         """
         if n < 1:
             raise ValueError(f"generate(n=...) must be >= 1, got {n}.")
@@ -384,11 +395,22 @@ class VLLMRolloutEngine(RolloutEngine):
                 if self.should_stop is not None and self.should_stop():
                     raise StopRequested(stop_requested() or "should_stop")
                 done = [o for o in engine.step() if o.finished and o.request_id in where]
-                if done:
-                    yield [(where.pop(o.request_id), _completions(o)) for o in done]
+                if not done:
+                    continue
+                sent = yield [(where.pop(o.request_id), _completions(o)) for o in done]
+                if sent == DRAIN:  # finish the running requests, abort the queued ones
+                    waiting = not_started(list(where), n, self._capacity())
+                    if waiting:
+                        engine.abort_request(waiting)
+                    for rid in waiting:
+                        del where[rid]
         finally:
             if where:  # closed early, stopped or failed: nothing may stay in flight
                 engine.abort_request(list(where))
+
+    def _capacity(self) -> int:
+        """Sequences the scheduler runs at once (``max_num_seqs``)."""
+        return int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
 
     def _params(self, n: int, sampling: SamplingConfig) -> Any:
         from vllm import SamplingParams
