@@ -257,6 +257,8 @@ def test_dynamic_sampling_bad_settings(kwargs, match):
         ({"max_skip": inf}, "selection.max_skip=inf is not finite"),
         ({"max_skip": "0.5"}, "selection.max_skip must be a number"),
         ({"revisit_within": 0}, "selection.revisit_within must be an integer >= 1"),
+        ({"skip_threshold": 1.0}, r"selection.skip_threshold must be in \[0, 1\)"),
+        ({"skip_threshold": nan}, "selection.skip_threshold=nan is not finite"),
     ],
 )
 def test_prompt_selection_bad_settings(kwargs, match):

@@ -25,7 +25,7 @@ from dapo_lightning.data.producer import (
 from dapo_lightning.data.sources import FieldMap, records_from_rows, tokenize_records
 from dapo_lightning.interrupt import StopRequested, clear_stop_request, request_stop
 from dapo_lightning.rewards import RewardRunner
-from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
+from dapo_lightning.rollout.base import DRAIN, Completion, RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.tasks.arithmetic import ArithmeticReward, make_arithmetic_rows
 from dapo_lightning.testing import make_tiny_tokenizer
@@ -104,6 +104,7 @@ def make_producer(
         retire_after=0,
         strategy="uniform",
         round_sizing="fixed",
+        carry_over=False,
     )
     settings.update(config)
     return RolloutProducer(
@@ -424,10 +425,32 @@ class ScriptedStreamingEngine(ScriptedEngine):
         k = 0
         try:
             for k, group in enumerate(groups):
-                yield [(k, group)]
-            k = len(groups)
+                if (yield [(k, group)]) == DRAIN:  # only this group was started: stop
+                    break
+            else:
+                k = len(groups)
         finally:
             self.aborted.extend(range(k + 1, len(groups)) if k < len(groups) else [])
+
+
+class StartedStreamingEngine(ScriptedEngine):
+    """Streams one group per step while ``started`` more groups run: sent DRAIN, it finishes
+    those ``started`` groups (yielded one by one) and drops the rest, never started."""
+
+    def __init__(self, started, rate=pass_rate_of):
+        super().__init__(rate)
+        self.started = started
+        self.dropped: list[int] = []
+
+    def stream_groups(self, prompts, n, sampling):
+        groups = self.generate(prompts, n, sampling)
+        end = len(groups)
+        k = 0
+        while k < end:
+            if (yield [(k, groups[k])]) == DRAIN:
+                end = min(end, k + 1 + self.started)
+                self.dropped = list(range(end, len(groups)))
+            k += 1
 
 
 def test_zero_variance_prob_pins_hand_made_histories():
@@ -462,18 +485,66 @@ def test_zero_variance_prob_pins_hand_made_histories():
         zero_variance_prob(0, 0, 0)
 
 
+def test_skip_threshold_pins_hand_made_histories():
+    """A prompt is skipped (with probability max_skip) only when P0 > skip_threshold (1/2):
+    after one visit of n = 8, 8 of 8 right gives P0 0.965 (skipped), 7 of 8 gives 0.452
+    (taken: a kept group is likelier); with HISTORY_DECAY 0.9 the history [8/8, 7/8] is
+    (14.2, 1.0): 0.627 (skipped) and [7/8, 6/8] is (12.3, 2.9): 0.249 (taken)."""
+    from dapo_lightning.data.difficulty import (
+        DifficultyTracker,
+        PredictiveSelector,
+        PromptSelectionConfig,
+        zero_variance_prob,
+    )
+
+    assert PromptSelectionConfig().skip_threshold == 0.5
+    assert zero_variance_prob(8, 0, 8) == pytest.approx(0.9646286458575313, rel=1e-12)
+    assert zero_variance_prob(7, 1, 8) == pytest.approx(0.4520340645148221, rel=1e-12)
+    sel = PredictiveSelector(n=8, max_skip=0.9, revisit_within=3, seed=1)
+    histories = {
+        "8/8": ([[1.0] * 8], 0.9646286458575313, 0.9),
+        "7/8": ([[1.0] * 7 + [0.0]], 0.4520340645148221, 0.0),
+        "8/8, 7/8": ([[1.0] * 8, [1.0] * 7 + [0.0]], 0.6267478749008928, 0.9),
+        "7/8, 6/8": ([[1.0] * 7 + [0.0], [1.0] * 6 + [0.0] * 2], 0.24907444714938043, 0.0),
+    }
+    for name, (visits, p0, skip) in histories.items():
+        tracker = DifficultyTracker()
+        for epoch, accs in enumerate(visits):
+            tracker.update("u", accs, epoch)
+        s = tracker.stats["u"]
+        assert zero_variance_prob(s.recent_correct, s.recent_wrong, 8) == pytest.approx(
+            p0, rel=1e-9
+        ), name
+        assert sel.skip_prob(s, len(visits)) == skip, name
+        assert (sel.decide(s, len(visits)) == "predicted") == (skip == 0.0), name
+    # a threshold of 0.7 takes the 0.627 history too; 0.4 skips the 0.452 one
+    tracker = DifficultyTracker()
+    tracker.update("u", [1.0] * 8, 0)
+    tracker.update("u", [1.0] * 7 + [0.0], 1)
+    assert PredictiveSelector(8, 0.9, 3, skip_threshold=0.7).skip_prob(tracker.get("u"), 2) == 0
+    tracker = DifficultyTracker()
+    tracker.update("u", [1.0] * 7 + [0.0], 0)
+    assert PredictiveSelector(8, 0.9, 3, skip_threshold=0.4).skip_prob(tracker.get("u"), 1) == 0.9
+    with pytest.raises(ValueError, match="skip_threshold"):
+        PredictiveSelector(8, 0.9, 3, skip_threshold=1.0)
+
+
 def test_predictive_selector_floor_revisit_and_state():
-    from dapo_lightning.data.difficulty import PredictiveSelector, PromptStats, zero_variance_prob
+    from dapo_lightning.data.difficulty import PredictiveSelector, PromptStats
 
     sel = PredictiveSelector(n=8, max_skip=0.9, revisit_within=3, seed=1)
     assert sel.skip_prob(None, 5) == 0.0  # never visited: never skipped
+    assert sel.decide(None, 5) == "new"
     hopeless = PromptStats(visits=4, samples=32, recent_wrong=30.0, last_epoch=2)
-    assert sel.skip_prob(hopeless, 3) == 0.9  # P0 > 0.99, capped at max_skip
+    assert sel.skip_prob(hopeless, 3) == 0.9  # P0 > 1/2: skipped with max_skip
     assert sel.skip_prob(hopeless, 5) == 0.0  # 3 epochs since its last visit: due
+    assert sel.decide(hopeless, 5) == "due"
     mixed = PromptStats(visits=1, samples=8, recent_correct=4.0, recent_wrong=4.0, last_epoch=2)
-    assert sel.skip_prob(mixed, 3) == pytest.approx(zero_variance_prob(4.0, 4.0, 8))
-    assert sel.skip_prob(mixed, 3) < 0.06
+    assert sel.skip_prob(mixed, 3) == 0.0 and sel.decide(mixed, 3) == "predicted"  # P0 0.05
     state = sel.state_dict()
+    decisions = [sel.decide(hopeless, 3) for _ in range(50)]
+    assert set(decisions) == {"skip", "floor"}  # over the threshold: skipped or a floor draw
+    sel.load_state_dict(state)
     first = [sel.take(hopeless, 3) for _ in range(200)]
     assert 0 < sum(first) < 60 and sel.skipped == 200 - sum(first)  # ~10% taken
     sel.load_state_dict(state)
@@ -640,6 +711,49 @@ def test_in_flight_round_stops_when_full_and_gives_prompts_back():
     # the HF-style engine (no stream_groups) keeps whole rounds
     whole = make_producer(ScriptedEngine(), num_prompts=64, gen_batch_size=16, in_flight=True)
     assert whole.next_batch().stats["data/aborted_groups"] == 0
+
+
+def test_in_flight_round_finishes_started_groups_and_carries_their_surplus():
+    """Once the batch is full the stream is sent DRAIN: the 3 groups already started finish
+    and are scored (their kept surplus carried, stamped with its version), the groups never
+    started are aborted and given back, and the batch is exactly train_batch_size groups."""
+    engine = StartedStreamingEngine(started=3)
+    producer = make_producer(
+        engine, num_prompts=64, gen_batch_size=16, in_flight=True, carry_over=True
+    )
+    batch = producer.next_batch(policy_version=0)
+    s = batch.stats
+    assert batch.num_groups == 8 and batch.batch_size == 32 and (batch.sample_version == 0).all()
+    generated = s["data/generated_groups"]
+    assert s["data/aborted_groups"] == len(engine.dropped) == 16 - generated > 0
+    assert [i for i, _ in producer.sampler.pending] == [
+        producer.sampler.shard(0)[k] for k in engine.dropped
+    ]
+    carried = s["data/carried_groups"]
+    assert carried == s["data/kept_groups"] - 8 and 0 < carried <= 3
+    nxt = producer.next_batch(policy_version=1)
+    assert nxt.num_groups == 8 and int((nxt.sample_version == 0).sum()) == carried * 4
+
+
+def test_carry_over_is_bounded_by_one_batch():
+    """A round that keeps more than two batches' worth: one batch is trained on, one carried
+    (train_batch_size groups), the rest dropped and counted."""
+    producer = make_producer(num_prompts=64, train_batch_size=4, gen_batch_size=24, carry_over=True)
+    batch = producer.next_batch(policy_version=0)
+    s = batch.stats
+    assert s["data/kept_groups"] > 8  # 24 prompts, half of them vary
+    assert batch.num_groups == 4 and s["data/carried_groups"] == 4
+    assert s["data/dropped_surplus_groups"] == s["data/kept_groups"] - 8
+    assert producer.carried[0][0].num_groups == 4 and producer.carried[0][1] == [0] * 16
+
+
+def test_vllm_drain_keeps_the_requests_the_scheduler_runs():
+    from dapo_lightning.rollout.vllm import not_started
+
+    rids = [f"r{i}" for i in range(10)]
+    assert not_started(rids, 4, 16) == rids[4:]  # 16 sequences: 4 requests of 4 run
+    assert not_started(rids, 3, 16) == rids[6:]  # ceil(16 / 3): the 6th runs in part
+    assert not_started(rids[:2], 4, 16) == []
 
 
 def test_resume_with_the_new_defaults_gives_the_same_selections(tmp_path):

@@ -79,10 +79,10 @@ class PromptSelectionConfig:
     strategy: SelectionStrategy = "predictive"
     max_skip: float = 0.99
     revisit_within: int = 16
-    skip_threshold: float = 0.5
     retire_after: int = 3
     park_after: int = 0
     revisit_every: int = 1
+    skip_threshold: float = 0.5
 
     def __post_init__(self) -> None:
         if self.strategy not in ("uniform", "predictive"):
