@@ -22,9 +22,10 @@ changes (updates applied, plus rollbacks), the version every rollout is stamped 
 ``step = global_step``; per-rollout-step metrics (``rollout/*``, ``time/*``, ``data/*``,
 ``reward/*``, ``parity/*``) once per ``training_step``.
 
-Stops: a stop request is checked before each update and between micro-batches; it undoes the
-rollout step under way (its completed updates included: :class:`~dapo_lightning.step_guard.StepStart`)
-and the step is generated again on resume (docs/design.md, "Stopping and resuming").
+Stops: a stop request is checked between micro-batches and before each update after a step's
+first; it undoes the rollout step under way (its completed updates included:
+:class:`~dapo_lightning.step_guard.StepStart`) and the step is generated again on resume
+(docs/design.md, "Stopping and resuming"). A stop before those points lets the step finish.
 """
 
 from __future__ import annotations
@@ -309,7 +310,8 @@ class DAPOModule(LightningModule):
             for groups in self.mini_batches(batch.num_groups):
                 if self.updates_left() <= 0:  # trainer.max_steps reached inside this step
                     break
-                self._honour_stop()
+                if self._step_updates:  # before the first, a stop waits for its micro-batches
+                    self._honour_stop()
                 metrics = self._update(batch, rows_of_groups(groups, batch.group_size), step)
                 self._log_update(metrics)
                 call_dapo_hook(self.trainer, "on_dapo_update", metrics)
@@ -437,8 +439,8 @@ class DAPOModule(LightningModule):
         self._step_start.take(self.optimizers(use_pl_optimizer=False), stateful)
 
     def _honour_stop(self) -> None:
-        """A stop request (on any rank) inside a rollout step, checked before each update and
-        between micro-batches: drop the partial update's gradients, undo the step's completed
+        """A stop request (on any rank) inside a rollout step, checked before each update after
+        the first and between micro-batches: drop the partial update's gradients, undo the step's completed
         updates (its :class:`~dapo_lightning.step_guard.StepStart`), put the data module back
         to the step's start (its rollouts are generated again on resume) and raise
         :class:`~dapo_lightning.interrupt.StopRequested`. Where no start was taken (DeepSpeed)

@@ -99,8 +99,9 @@ def test_quickstart_checkpoint_rejects_bad_fractions(tmp_path):
 
 
 def test_quickstart_config_runs_two_updates(tmp_path, monkeypatch):
-    """configs/quickstart.yaml through the real CLI for 2 updates, val/acc logged at the sanity
-    check and after each update, with wall-clock times. The checkpoint is a short warm-up made
+    """configs/quickstart.yaml through the real CLI for 2 updates (one rollout step: mini-batches
+    of 8 of its 16 groups), val/acc logged at the sanity check and after the step, with
+    wall-clock times. The checkpoint is a short warm-up made
     here: short, but long enough that some samples are bare right answers (with none, every group
     is filtered and dynamic sampling gives up); the default warm-up takes ~20-40 s."""
     model_dir = make_quickstart_checkpoint(tmp_path / "model", seed=0, sums_steps=100, steps=30)
@@ -109,7 +110,7 @@ def test_quickstart_config_runs_two_updates(tmp_path, monkeypatch):
     run_dir = Path(result["run_dir"])
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
     assert result["initial"] is not None and 0.0 <= result["initial"] <= 1.0
-    assert [u for u, _, _ in result["curve"]] == [1, 2]
+    assert [u for u, _, _ in result["curve"]] == [2]
     assert all(w is not None and w > 0 for _, _, w in result["curve"])
     assert (tmp_path / "quickstart_curve_quick.png").stat().st_size > 1000
 

@@ -315,13 +315,14 @@ def test_should_stop_aborts_everything_in_flight(engine):
 
 @pytest.mark.vllm
 def test_producer_in_flight_round_with_vllm_is_exact(engine):
-    """The real engine under the producer's in-flight path: the round stops once the batch is
-    full (the first groups the scheduler ran), the requests still queued are aborted and their
+    """The real engine under the producer's in-flight path: once the batch is full (the first
+    wave of groups the scheduler ran) the round drains: the groups it runs finish (their surplus
+    dropped here: carry-over off), the 8 requests still queued behind them are aborted and their
     prompts given back; the batch is exactly train_batch_size groups of n with its version."""
     sys.path.insert(0, str(Path(__file__).parent))
     from test_producer import make_producer
 
-    groups = _engine_capacity(engine) // 2 + 8
+    groups = 2 * (_engine_capacity(engine) // 2) + 8  # groups of 2: two waves, then 8 queued
     producer = make_producer(
         engine, num_prompts=groups + 8, level=2, n=2, train_batch_size=2, gen_batch_size=groups,
         filter_metric=None, in_flight=True,
