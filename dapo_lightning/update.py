@@ -242,5 +242,7 @@ def check_data_settings(
         raise ConfigError(
             f"model.batching.mini_batch_size={mini} does not divide data.dynamic_sampling."
             f"train_batch_size={config.train_batch_size} (prompts per rollout step). Fix: choose "
-            "a divisor of train_batch_size, or null for one update per rollout step."
+            "a divisor of train_batch_size, or null for one update per rollout step (on the "
+            "command line: --model.init_args.batching '{\"mini_batch_size\": null}'; "
+            "jsonargparse refuses --model.init_args.batching.mini_batch_size null)."
         )

@@ -918,7 +918,11 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
         ),
         (
             ["--data.dynamic_sampling.train_batch_size=4", "--model.batching.mini_batch_size=3"],
-            ["model.batching.mini_batch_size=3 does not divide", "Fix:"],
+            [
+                "model.batching.mini_batch_size=3 does not divide",
+                "Fix:",
+                """--model.init_args.batching '{"mini_batch_size": null}'""",
+            ],
         ),
         (
             ["--data.prompts.max_prompt_length=500", "--data.sampling.max_tokens=100"],
