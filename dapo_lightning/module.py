@@ -433,16 +433,16 @@ class DAPOModule(LightningModule):
             counters,
             self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress,
             *([scheduler] if scheduler is not None else []),
-            *(cb for cb in self.trainer.callbacks if cb.state_dict()),
+            *self.trainer.callbacks,
         ]
         self._step_start = self.__dict__.get("_step_start") or StepStart()
         self._step_start.take(self.optimizers(use_pl_optimizer=False), stateful)
 
     def _honour_stop(self) -> None:
         """A stop request (on any rank) inside a rollout step, checked before each update after
-        the first and between micro-batches: drop the partial update's gradients, undo the step's completed
-        updates (its :class:`~dapo_lightning.step_guard.StepStart`), put the data module back
-        to the step's start (its rollouts are generated again on resume) and raise
+        the first and between micro-batches: drop the partial update's gradients, undo the
+        step's completed updates (its :class:`~dapo_lightning.step_guard.StepStart`), put the
+        data module back to the step's start (its rollouts are generated again on resume) and raise
         :class:`~dapo_lightning.interrupt.StopRequested`. Where no start was taken (DeepSpeed)
         a step that has completed an update finishes."""
         if not self.adapter.any_rank(should_stop()):

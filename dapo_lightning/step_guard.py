@@ -166,7 +166,7 @@ class StepStart:
     before its first update is: its rollouts are generated again on resume.
 
     Cost: one copy of the parameters and their optimizer state per rollout step with more
-    than one update (the guard's pre-step copy is another); ``benchmarks/RESULTS.md``.
+    than one update (the guard's pre-step copy is another; not benchmarked yet).
     """
 
     def __init__(self) -> None:
@@ -177,14 +177,14 @@ class StepStart:
 
     def take(self, optimizer: Any, stateful: Iterable[Any]) -> None:
         """Copy ``optimizer``'s parameters, state and hyper-parameters, and the state dict of
-        each object of ``stateful``."""
+        each object of ``stateful`` (those with an empty one hold nothing to put back)."""
         self.params.take(optimizer, every_param=True)
         self._optimizer = optimizer
         self._hyper = [
             copy.deepcopy({k: v for k, v in g.items() if k != "params"})
             for g in optimizer.param_groups
         ]
-        self._states = [(obj, copy.deepcopy(obj.state_dict())) for obj in stateful]
+        self._states = [(obj, copy.deepcopy(s)) for obj in stateful if (s := obj.state_dict())]
 
     def restore(self) -> None:
         """Put back what :meth:`take` copied."""

@@ -166,12 +166,13 @@ class DynamicSamplingConfig:
             )
         if self.filter_metric not in ("acc", "score", "reward", None):
             raise ConfigError(
-                f"{DYNAMIC_SAMPLING_PATH}.filter_metric must be 'acc', 'score', 'reward' or null, got {self.filter_metric!r}."
+                f"{DYNAMIC_SAMPLING_PATH}.filter_metric must be 'acc', 'score', 'reward' or null, "
+                f"got {self.filter_metric!r}."
             )
         if self.filter_metric is not None and self.n < 2:
             raise ConfigError(
-                f"{DYNAMIC_SAMPLING_PATH}.n={self.n} with filter_metric={self.filter_metric!r}: a group of one response "
-                "never has variance; use n >= 2 or filter_metric: null."
+                f"{DYNAMIC_SAMPLING_PATH}.n={self.n} with filter_metric={self.filter_metric!r}: "
+                "a group of one response never has variance; use n >= 2 or filter_metric: null."
             )
         check_count(
             f"{DYNAMIC_SAMPLING_PATH}.max_num_gen_batches",
@@ -181,8 +182,8 @@ class DynamicSamplingConfig:
         )
         if self.on_exhausted not in ("train_on_kept", "stop", "error"):
             raise ConfigError(
-                f"{DYNAMIC_SAMPLING_PATH}.on_exhausted must be 'train_on_kept', 'stop' or 'error', "
-                f"got {self.on_exhausted!r}."
+                f"{DYNAMIC_SAMPLING_PATH}.on_exhausted must be 'train_on_kept', 'stop' or "
+                f"'error', got {self.on_exhausted!r}."
             )
         if self.max_staleness is not None:
             check_count(
@@ -194,7 +195,8 @@ class DynamicSamplingConfig:
         object.__setattr__(self, "selection", as_selection(self.selection))
         if self.round_sizing not in ("fixed", "kept_frac"):
             raise ConfigError(
-                f"{DYNAMIC_SAMPLING_PATH}.round_sizing must be 'fixed' or 'kept_frac', got {self.round_sizing!r}."
+                f"{DYNAMIC_SAMPLING_PATH}.round_sizing must be 'fixed' or 'kept_frac', "
+                f"got {self.round_sizing!r}."
             )
         if self.max_gen_batch_size is not None:
             check_count(
