@@ -78,6 +78,7 @@ METHOD_OVERRIDES: dict[str, list[str]] = {
     "grpo": ["configs/smollm2_grpo_baseline.yaml"],
     "lora": ["configs/smollm2_lora.yaml"],  # DAPO with LoRA adapters (r 16)
     "calculator": [],  # DAPO on multi-turn episodes with the calculator tool (METHOD_RECIPES)
+    "dapo_paper": ["configs/paper_dynamic_sampling.yaml"],  # DAPO, the paper's dynamic sampling
 }
 #: Methods that replace the word-problem recipe by a recipe of their own (the same settings
 #: plus what the method needs; tests/test_envs_fit.py pins the difference).
@@ -90,7 +91,7 @@ METHODS: dict[str, list[str]] = {
 #: initial val/acc + x.
 TARGETS = {"word_problems": ("acc", 0.8), "reasoning_gym": ("gain", 0.35)}
 #: Line style of each method in the PNG.
-STYLES = {"dapo": "-", "grpo": "--", "lora": ":", "calculator": "-."}
+STYLES = {"dapo": "-", "grpo": "--", "lora": ":", "calculator": "-.", "dapo_paper": (0, (1, 1))}
 #: The held-out accuracy the word-problem recipe is tuned to reach.
 TARGET = TARGETS["word_problems"][1]
 #: The default training-time budget per run (minutes).
@@ -227,15 +228,24 @@ def read_run(run_dir: Path, cores: int) -> dict[str, Any]:
         for r in rows
         if r["val_acc"] is not None
     ]
-    samples, tool_calls = 0, []
+    samples, tool_calls, gen_s, batch_samples = 0, [], 0.0, 0
     try:
         series = read_metrics(find_metrics_csv(run_dir / "logs"))
+        n = _group_size(run_dir)
         groups = sum(v for _, v in series.get("data/generated_groups", []))
-        samples = int(groups) * _group_size(run_dir)
+        samples = int(groups) * n
         tool_calls = [v for _, v in series.get("env/tool_calls_mean", [])]
+        gen_s = sum(v for _, v in series.get("time/generation_s", []))
+        batch_samples = int(sum(v for _, v in series.get("data/batch_groups", []))) * n
     except (FileNotFoundError, StopIteration, KeyError):
         pass
-    return {"curve": curve, "samples": samples, "tool_calls": tool_calls}
+    return {
+        "curve": curve,
+        "samples": samples,
+        "tool_calls": tool_calls,
+        "gen_s": gen_s,
+        "batch_samples": batch_samples,
+    }
 
 
 def _group_size(run_dir: Path) -> int:
@@ -277,6 +287,10 @@ def summarize(
         "train_minutes": trained[-1][2] / 60 if trained else 0.0,
         "idle_minutes": trained[-1][3] / 60 if trained else 0.0,
         "samples": run["samples"],
+        # generation wall seconds per optimizer update, and samples generated per sample trained
+        # on (= samples per kept group in units of n)
+        "gen_s_per_update": run["gen_s"] / trained[-1][0] if trained else None,
+        "samples_per_kept": run["samples"] / run["batch_samples"] if run["batch_samples"] else None,
         # multi-turn runs: tool calls per training episode, first step and mean of the last 5
         "tool_calls_first": run["tool_calls"][0] if run["tool_calls"] else None,
         "tool_calls_last": sum(run["tool_calls"][-5:]) / len(run["tool_calls"][-5:])
@@ -500,6 +514,8 @@ def report(
             _num(r["train_minutes"]),
             _num(r["idle_minutes"]),
             r["samples"],
+            _num(r.get("gen_s_per_update"), 2),
+            "-" if r.get("samples_per_kept") is None else f"{r['samples_per_kept']:.2f} n",
             _tool_calls(r),
             f"{r['load_start'].split()[0]} / {r['load_end'].split()[0]}",
             r["exit_code"],
@@ -523,6 +539,8 @@ def report(
             "train min",
             "idle-eq min",
             "samples",
+            "gen s / update",
+            "samples / kept group",
             "tool calls/episode",
             "load start / end",
             "exit",
