@@ -79,7 +79,7 @@ from dapo_lightning.checkpoint import (
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.datamodule import DAPODataModule
 from dapo_lightning.export import atomic_folder, export_main
-from dapo_lightning.interrupt import exit_on_stop
+from dapo_lightning.interrupt import STOP_SIGNALS, exit_on_stop
 from dapo_lightning.logging_setup import quiet_known_warnings
 from dapo_lightning.models import make_model_main
 from dapo_lightning.module import DAPOModule
@@ -424,7 +424,9 @@ def write_model(config: Namespace, kind: str, target: Path) -> None:
     for stale in remove_stale_temp_folders(target):
         say(f"removed {stale}, left by an interrupted write")
     say(f"{target} does not exist: writing the {kind!r} model (seed {seed}; nothing is downloaded)")
-    with _sigterm_raises(), atomic_folder(target) as tmp:  # SIGTERM: the temp folder is removed
+    # SIGTERM / SIGINT: the temporary folder is removed, the next run writes the model again
+    stopped = f"{target} was not written (the next run writes it)"
+    with _stop_signals_exit(stopped), atomic_folder(target) as tmp:
         if kind == "tiny":
             make_tiny_checkpoint(tmp, seed=seed)
         else:
@@ -459,21 +461,27 @@ def _process_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises ``SystemExit(143)`` inside (its default would kill the process at once,
-    leaving a half-written folder behind); the previous handler is restored after."""
+def _stop_signals_exit(outcome: str) -> Iterator[None]:
+    """SIGTERM / SIGINT raise ``SystemExit(128 + signum)`` inside (143 / 130, as a stopped fit
+    exits), after one line saying ``outcome`` (what is left undone): SIGTERM's default would kill
+    the process at once, leaving a half-written folder behind, and SIGINT's
+    ``KeyboardInterrupt`` would print a traceback. The previous handlers are restored after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def _exit(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        # os.write, not print: a handler may interrupt a print to the same stream
+        os.write(2, f"\n{name} received: stopped; {outcome}.\n".encode())
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, _exit)
+    previous = {sig: signal.signal(sig, _exit) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _local_processes(config: Namespace) -> int:
