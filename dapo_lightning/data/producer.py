@@ -77,6 +77,7 @@ STAT_OPS: dict[str, Literal["sum", "max"]] = {
     "data/score_seconds": "max",
     "data/short_batch": "max",
     "env/failures": "sum",
+    "env/observation_tokens": "sum",
     "env/timeouts": "sum",
 }
 
@@ -497,7 +498,12 @@ class RolloutProducer:
         )
         _add(stats, "data/score_seconds", t2 - t1)
         _add(stats, "data/generated_samples", float(len(flat)))
-        _add(stats, "data/generated_tokens", float(sum(len(r) for r in rollouts.response_ids)))
+        # the policy's own tokens; a multi-turn episode's observations (tool output) apart
+        sampled = float(rollouts.response_length.sum())
+        _add(stats, "data/generated_tokens", sampled)
+        if rollouts.token_mask is not None:
+            episode = float(sum(len(r) for r in rollouts.response_ids))
+            _add(stats, "env/observation_tokens", episode - sampled)
         _add(stats, "data/reward_failures", float(self.reward_runner.last_failures))
         for key, values in numeric_extras(rollouts.extra).items():
             _add(stats, f"reward/{key}", sum(values))
