@@ -40,6 +40,7 @@ from dapo_lightning.rewards import (
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
 from dapo_lightning.testing import make_tiny_checkpoint
 
+REPO = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------- the CLI parser
 
 
@@ -68,6 +69,30 @@ BASE = [
 def test_cli_unknown_model_key(capsys):
     err = _cli([*BASE, "--model.loss.clip_ratio_hihg=0.3"], capsys)
     assert "clip_ratio_hihg" in err
+
+
+@pytest.mark.parametrize(
+    ("option", "refusal"),
+    [
+        # parsed by the module class's own parser
+        (
+            "--model.init_args.loss.clip_ratio_hi=0.3",
+            "unrecognized arguments: --loss.clip_ratio_hi",
+        ),
+        ("--model.loss.clip_ratio_hi=0.3", "unrecognized arguments: --loss.clip_ratio_hi"),
+        ("--model.batching.micro_batch=8", "unrecognized arguments: --batching.micro_batch="),
+        ("--data.init_args.sampling.max_tok=3", "unrecognized arguments: --sampling.max_tok="),
+        ("--trainer.max_ste=3", "unrecognized arguments: --trainer.max_ste="),  # fit's parser
+    ],
+)
+def test_cli_refuses_abbreviated_options(capfd, option, refusal):
+    """Issue 26: argparse took a prefix of an option for the option (``clip_ratio_hi`` set
+    ``clip_ratio_high`` without a word); ``dapo-lightning fit`` refuses it: one ``error:``
+    line, the option named, exit 2."""
+    code, err = fit_main(["--config", str(REPO / "configs" / "quickstart.yaml"), option], capfd)
+    assert code == 2, err[-3000:]
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1, err[-3000:]
+    assert refusal in err, err[-3000:]
 
 
 def test_cli_unknown_top_level_key(capsys):
@@ -259,6 +284,12 @@ def test_dynamic_sampling_bad_settings(kwargs, match):
         ({"revisit_within": 0}, "selection.revisit_within must be an integer >= 1"),
         ({"skip_threshold": 1.0}, r"selection.skip_threshold must be in \[0, 1\)"),
         ({"skip_threshold": nan}, "selection.skip_threshold=nan is not finite"),
+        ({"revisit_after": 0}, "selection.revisit_after must be an integer >= 1"),
+        ({"revisit_after": 2.0}, "selection.revisit_after must be an integer >= 1"),
+        ({"history_decay": 0.0}, r"selection.history_decay must be in \(0, 1\]"),
+        ({"history_decay": 1.5}, r"selection.history_decay must be in \(0, 1\]"),
+        ({"history_decay": nan}, "selection.history_decay=nan is not finite"),
+        ({"history_decay": inf}, "selection.history_decay=inf is not finite"),
     ],
 )
 def test_prompt_selection_bad_settings(kwargs, match):

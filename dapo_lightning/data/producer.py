@@ -248,7 +248,7 @@ class DynamicSamplingConfig:
         """Per-prompt statistics when retiring, parking or predictive selection need them."""
         sel = self.selection
         if sel.retire_after or sel.park_after or self.predictive:
-            return DifficultyTracker(sel.retire_after, sel.park_after, sel.revisit_every)
+            return DifficultyTracker(sel)
         return None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -415,13 +415,7 @@ class RolloutProducer:
         self.tracker = config.make_tracker()
         self.sampler = PromptSampler(len(self.records), seed=seed, rank=group, world_size=groups)
         self.selector = (
-            PredictiveSelector(
-                config.n,
-                config.selection.max_skip,
-                config.selection.revisit_within,
-                config.selection.skip_threshold,
-                seed=f"{seed}-{group}-select",
-            )
+            PredictiveSelector(config.n, config.selection, seed=f"{seed}-{group}-select")
             if config.predictive
             else None
         )
