@@ -34,6 +34,9 @@ at update 170", logged at step 169) and logs into ``<logger name>-validate`` (e.
 **Threads**: ``--threads auto`` (the default) or a count; see :mod:`dapo_lightning.threads`.
 One line on stderr says the choice.
 
+**Options are spelled out**: a prefix of an option (``--trainer.max_ste``) is refused, never
+taken for the option it begins (:class:`StrictArgumentParser`).
+
 **Exit status**: 0 when the fit finished; 143 / 130 when SIGTERM / SIGINT stopped it (after
 saving); 2 for a bad configuration (one ``error:`` line, no traceback); 1 otherwise.
 
@@ -67,7 +70,7 @@ import torch
 from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from dapo_lightning import plot
 from dapo_lightning.callbacks import RunGuard
@@ -118,6 +121,17 @@ class _HelpFormatter(DefaultHelpFormatter):
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
+class StrictArgumentParser(LightningArgumentParser):
+    """A parser that refuses abbreviated options (``allow_abbrev=False``): argparse would take
+    ``--model.init_args.loss.clip_ratio_hi 0.3`` for ``clip_ratio_high`` without a word, so a
+    typo could set another option. jsonargparse builds the parsers of subcommands and of
+    subclass arguments (``--model.init_args.*``) with the class of their parent, so one class
+    covers all of them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
 
 @dataclass
@@ -565,6 +579,7 @@ def build_cli(args: list[str] | None = None, *, run: bool = True) -> DAPOLightni
     return DAPOLightningCLI(
         DAPOModule,
         DAPODataModule,
+        parser_class=StrictArgumentParser,
         subclass_mode_model=True,
         subclass_mode_data=True,
         auto_configure_optimizers=False,

@@ -89,7 +89,9 @@ def test_cli_refuses_abbreviated_options(capfd, option, refusal):
     """Issue 26: argparse took a prefix of an option for the option (``clip_ratio_hi`` set
     ``clip_ratio_high`` without a word); ``dapo-lightning fit`` refuses it: one ``error:``
     line, the option named, exit 2."""
-    code, err = fit_main(["--config", str(REPO / "configs" / "quickstart.yaml"), option], capfd)
+    quickstart = str(REPO / "configs" / "quickstart.yaml")
+    # --print_config: an accepted option prints the config (exit 0), it never starts a fit
+    code, err = fit_main(["--config", quickstart, option, "--print_config"], capfd)
     assert code == 2, err[-3000:]
     assert len([line for line in err.splitlines() if "error:" in line]) == 1, err[-3000:]
     assert refusal in err, err[-3000:]
