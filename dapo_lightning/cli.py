@@ -239,7 +239,10 @@ class DAPOLightningCLI(LightningCLI):
             original, owner = _root_cause(error)
             if original is error:
                 raise
-            raise ConfigError(f"{owner}: {original}") from original
+            text = str(original)  # "Class.field ..." names its owner already
+            raise ConfigError(
+                text if text.startswith(f"{owner}.") else f"{owner}: {text}"
+            ) from original
         if self._model_to_create is not None:
             config = self.config[self.subcommand] if self.subcommand else self.config
             write_model(config, *self._model_to_create)

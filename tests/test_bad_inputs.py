@@ -161,8 +161,15 @@ def test_cli_eps_high_below_eps_low(capsys):
         ({"loss": {"objective_kwargs": {"cap": 2.0}}}, "'dapo' does not take; its parameters"),
         ({"loss": {"clip_ratio_high": nan}}, "loss.clip_ratio_high=nan is not finite"),
         ({"loss": {"entropy_coef": inf}}, "loss.entropy_coef=inf is not finite"),
-        ({"batching": {"micro_batch_size": 0}}, "micro_batch_size must be >= 1"),
-        ({"batching": {"mini_batch_size": 0}}, "mini_batch_size must be >= 1"),
+        (
+            {"batching": {"micro_batch_size": 0}},
+            r"model\.batching\.micro_batch_size must be an integer >= 1 \(",
+        ),
+        (
+            {"batching": {"mini_batch_size": 0}},
+            r"model\.batching\.mini_batch_size must be an integer >= 1 or null \(",
+        ),
+        ({"batching": {"ppo_epochs": 1.5}}, r"model\.batching\.ppo_epochs must be an integer"),
         (
             {"loss": {"rollout_correction": {"mode": "token_truncate", "clip_max": 0.0}}},
             "clip_max must be > 0",
@@ -172,14 +179,15 @@ def test_cli_eps_high_below_eps_low(capsys):
             {"loss": {"rollout_correction": {"stale_tis_cap": nan}}},
             "loss.rollout_correction.stale_tis_cap=nan is not finite",
         ),
-        ({"gradient_clip_val": -1.0}, "gradient_clip_val must be >= 0.*flip the gradient"),
-        ({"gradient_clip_val": nan}, "gradient_clip_val=nan is not finite"),
-        ({"gradient_clip_val": inf}, "gradient_clip_val=inf is not finite"),
+        ({"gradient_clip_val": -1.0}, "model.gradient_clip_val must be >= 0.*flip the gradient"),
+        ({"gradient_clip_val": nan}, "model.gradient_clip_val=nan is not finite"),
+        ({"gradient_clip_val": inf}, "model.gradient_clip_val=inf is not finite"),
         ({"loss": {"kl_coef": -0.1}}, "kl_coef must be >= 0"),
-        ({"warmup_steps": -1}, "warmup_steps must be >= 0"),
+        ({"warmup_steps": -1}, r"model\.warmup_steps must be an integer >= 0 \(optimizer updates"),
+        ({"parity_check_every": -1}, r"model\.parity_check_every must be an integer >= 0"),
         (
             {"batching": {"max_tokens_per_micro_batch": 0}},
-            "max_tokens_per_micro_batch must be >= 1",
+            r"model\.batching\.max_tokens_per_micro_batch must be an integer >= 1 or null",
         ),
     ],
 )
@@ -918,7 +926,21 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
 @pytest.mark.parametrize(
     ("args", "fragments"),
     [
-        (["--model.gradient_clip_val=.nan"], ["DAPOModule: gradient_clip_val=nan is not finite"]),
+        (
+            ["--model.gradient_clip_val=.nan"],
+            ["DAPOModule: model.gradient_clip_val=nan is not finite"],
+        ),
+        (
+            ["--model.batching.micro_batch_size=0"],
+            ["model.batching.micro_batch_size must be an integer >= 1"],
+        ),
+        (
+            [
+                '--trainer.callbacks=[{"class_path": "dapo_lightning.callbacks.CollapseDetector",'
+                ' "init_args": {"max_rollbacks": -1}}]'
+            ],
+            ["error: CollapseDetector.max_rollbacks must be an integer >= 0"],
+        ),  # fmt: skip
         (["--model.gradient_clip_val=.inf"], ["gradient_clip_val=inf is not finite"]),
         (["--model.loss.clip_ratio_high=.nan"], ["loss.clip_ratio_high=nan is not finite"]),
         (["--model.loss.clip_ratio_low=.nan"], ["loss.clip_ratio_low=nan is not finite"]),
@@ -1022,30 +1044,33 @@ def test_interrupted_model_write_leaves_no_temp_folder(tiny_checkpoint, tmp_path
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda: Detector(signal="entropy", threshold=nan), "threshold must be finite"),
+        (lambda: Detector(signal="entropy", threshold=nan), "Detector.threshold=nan is not finite"),
         (
             lambda: Detector(signal="entropy", threshold=0.1, min_value=nan),
-            "min_value must be finite",
+            "Detector.min_value=nan is not finite",
         ),
         (
             lambda: Detector(signal="repetition", threshold=0.5, max_repeat=inf),
-            "max_repeat must be finite",
+            "Detector.max_repeat=inf is not finite",
         ),
         (
             lambda: Detector(signal="entropy", threshold=0.1, ema_decay=nan),
-            "ema_decay must be in",
+            "Detector.ema_decay=nan is not finite",
         ),
         (lambda: CollapseDetector(rollback_lr_scale=nan), "rollback_lr_scale must"),
-        (lambda: EntropyScheduler(start=nan), "start must be a finite"),
+        (lambda: EntropyScheduler(start=nan), "EntropyScheduler.start=nan is not finite"),
         (
             lambda: EntropyScheduler(schedule="adaptive", start=1e-3, target_high=nan),
-            "target_high must be a finite number",
+            "EntropyScheduler.target_high=nan is not finite",
         ),
         (
             lambda: EntropyScheduler(schedule="adaptive", start=1e-3, coef_max=inf),
-            "coef_max must be a finite number",
+            "EntropyScheduler.coef_max=inf is not finite",
         ),
-        (lambda: OverlongRewardShaping(buffer_length=2, penalty_factor=nan), "penalty_factor"),
+        (
+            lambda: OverlongRewardShaping(buffer_length=2, penalty_factor=nan),
+            "OverlongRewardShaping.penalty_factor=nan is not finite",
+        ),
     ],
 )
 def test_callback_float_settings_must_be_finite(make, match):
