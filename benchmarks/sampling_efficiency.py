@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{o.skipped:.1f}",
             o.starved,
             o.max_gap,
-            f"{statistics.fmean(o.found_after):.0f} / {max(o.found_after)}"
+            f"{statistics.fmean(o.found_after):.0f} / {max(o.found_after)} ({o.not_found})"
             if o.found_after
             else "-",
             f"{o.bias:+.3f}",
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
             "skipped / step",
             "starved prompts",
             "max gap (epochs)",
-            "changed found after (steps, mean / max)",
+            "changed found after (steps, mean / max; not found)",
             "kept acc - p",
             "engine steps / step",
             "seconds",

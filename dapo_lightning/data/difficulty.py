@@ -78,10 +78,11 @@ class PromptSelectionConfig:
         revisit_every: Epochs a parked prompt waits before it is visited again.
         skip_threshold: Predictive selection skips only prompts whose zero-variance
             probability is above this, in [0, 1) (0.5: a zero-variance group likelier than a
-            kept one; 0.3, 0.4, 0.6, 0.7 measured 1.53-1.57 n against 1.53 n).
+            kept one; 0.3, 0.4, 0.6, 0.7 measured 1.53-1.57 n against 1.53 n, second pass).
         history_decay: Weight of a prompt's older samples at each new visit in the estimate
             of that probability, in (0, 1] (1: plain counts; 1/2: the last two visits weigh
-            3/4; 0.9 measured more mispredicted groups on a drifting simulation).
+            3/4; 0.9, the former value, left 0.17 n of mispredicted groups against 0.10 n
+            over 600 simulated steps: benchmarks/RESULTS.md, third pass).
         revisit_after: Epochs after its last visit at which predictive selection takes a
             prompt whatever its prediction (it is *due*); doubled for each further visit in a
             row with the same zero-variance outcome (all wrong again, or all right again),
@@ -192,9 +193,9 @@ class DifficultyTracker:
         s.solved_streak = s.solved_streak + 1 if accs and correct == len(accs) else 0
         s.wrong_streak = s.wrong_streak + 1 if accs and correct == 0 else 0
         s.ever_solved = s.ever_solved or correct > 0
-        decay, cfg = self.config.history_decay, self.config
-        s.recent_correct = decay * s.recent_correct + correct
-        s.recent_wrong = decay * s.recent_wrong + len(accs) - correct
+        cfg = self.config
+        s.recent_correct = cfg.history_decay * s.recent_correct + correct
+        s.recent_wrong = cfg.history_decay * s.recent_wrong + len(accs) - correct
         s.last_epoch = epoch
         if cfg.retire_after and s.solved_streak >= cfg.retire_after:
             s.retired = True
