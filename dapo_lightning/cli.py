@@ -74,6 +74,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from dapo_lightning import plot
 from dapo_lightning.callbacks import RunGuard
+from dapo_lightning.callbacks.summary import replace_default_summary
 from dapo_lightning.checkpoint import (
     CheckpointDiskFullError,
     NonFiniteCheckpointError,
@@ -250,7 +251,8 @@ class DAPOLightningCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The configured Trainer, with a :class:`~dapo_lightning.callbacks.RunGuard` first
         among its callbacks when the config lists none (first: it takes the run directory's lock
-        before the other callbacks write into it). Lightning's own configuration errors
+        before the other callbacks write into it) and Lightning's own model summary replaced by
+        :class:`~dapo_lightning.callbacks.DAPOModelSummary` (no FLOPs, never counted here). Lightning's own configuration errors
         (``MisconfigurationException``) become one :class:`ConfigError` line."""
         try:
             trainer = super().instantiate_trainer(**kwargs)
@@ -258,6 +260,7 @@ class DAPOLightningCLI(LightningCLI):
             raise ConfigError(f"trainer: {error}{_trainer_fix(str(error))}") from None
         if not any(isinstance(c, RunGuard) for c in trainer.callbacks):
             trainer.callbacks.insert(0, RunGuard())
+        replace_default_summary(trainer)  # no "Total FLOPs: 0" (DAPOModelSummary)
         return trainer
 
     def _resolve_ckpt_path(self, ckpt_path: Any) -> Any:
