@@ -27,6 +27,10 @@ The recipe's batch shape: 256 prompts, ``n = 8``, ``train_batch_size = 8``, ``ge
 * rounds per step (median), zero-variance share of the generated groups;
 * starved prompts: prompts eligible at the end (not retired) whose longest gap between visits
   (or from the last visit to the end) exceeds ``selection.revisit_within`` epochs; the largest gap;
+* changed prompts found after: for the prompts the drift made learnable (true
+  ``p^n + (1 - p)^n`` falling to 1/2 or below, :func:`found_after`), the rollout steps until
+  their next visit (mean / max; those not visited again by the end count to the end): what
+  fewer revisits cost;
 * where the samples beyond the batch's own went (second table, :data:`CAUSES`): zero-variance
   groups of first visits, of revisits the no-starvation floor forced (due after
   ``revisit_within`` epochs, or the ``1 - max_skip`` draw), of prompts predicted to vary;
@@ -41,7 +45,8 @@ Prints the two tables, writes ``benchmarks/out/sampling_efficiency.png`` and end
 
 Usage::
 
-    .venv/bin/python -m benchmarks.sampling_efficiency --simulated          # ~20 s
+    .venv/bin/python -m benchmarks.sampling_efficiency --simulated          # ~40 s
+    .venv/bin/python -m benchmarks.sampling_efficiency --simulated --steps 600 --seed 1
     .venv/bin/python -m benchmarks.sampling_efficiency --simulated --quick  # smoke test
 """
 
@@ -130,8 +135,10 @@ class SimulatedEngine(RolloutEngine):
     def __post_init__(self) -> None:
         self.rng = random.Random(f"engine-{self.seed}")
 
-    def pass_rate(self, i: int) -> float:
-        return 1.0 / (1.0 + math.exp(-(self.logits[i] + self.drift[i] * self.step)))
+    def pass_rate(self, i: int, step: int | None = None) -> float:
+        """``p_i`` at rollout ``step`` (None: the current one)."""
+        t = self.step if step is None else step
+        return 1.0 / (1.0 + math.exp(-(self.logits[i] + self.drift[i] * t)))
 
     def _group(self, prompt: Sequence[int], n: int) -> tuple[list[Completion], list[int]]:
         p = self.pass_rate(int(prompt[0]))
@@ -224,6 +231,10 @@ class Outcome:
     skipped: float
     engine_steps: float
     seconds: float
+    #: Rollout steps from a prompt's becoming learnable to its next visit (found_after).
+    found_after: list[int] = field(default_factory=list)
+    #: Of those, prompts not visited again by the end (their wait counted to the end).
+    not_found: int = 0
     #: Samples (units of n per kept group) beyond the kept groups' own, by cause (CAUSES).
     waste: dict[str, float] = field(default_factory=dict)
 
@@ -240,6 +251,32 @@ CAUSES = ("first visits", "due revisits", "floor draws", "predicted wrong", "abo
 CAUSE_OF = {"due": "due revisits", "floor": "floor draws", "predicted": "predicted wrong"}
 
 
+def found_after(
+    engine: SimulatedEngine, visit_steps: dict[int, list[int]], steps: int, n: int
+) -> tuple[list[int], int]:
+    """Rollout steps until a prompt that became learnable is visited, and how many never were.
+
+    Prompt ``i`` becomes learnable at the first step ``s`` at which its true zero-variance
+    probability ``P0(s) = p_i(s)^n + (1 - p_i(s))^n`` is at most 1/2, having been above 1/2
+    at step 0 (a hopeless or solved prompt the drift made mixed). Its wait is ``v - s``, ``v``
+    the first step ``>= s`` at which it was visited, or ``steps - s`` when it was not visited
+    again by the end (counted in the second value). Prompts learnable from the start, or
+    never, have no wait.
+    """
+    waits, not_found = [], 0
+    for i in range(len(engine.logits)):
+        p0 = [engine.pass_rate(i, t) ** n + (1 - engine.pass_rate(i, t)) ** n for t in range(steps)]
+        if p0[0] <= 0.5:
+            continue
+        became = next((t for t in range(steps) if p0[t] <= 0.5), None)
+        if became is None:
+            continue
+        seen = [v for v in visit_steps.get(i, []) if v >= became]
+        waits.append((min(seen) if seen else steps) - became)
+        not_found += not seen
+    return waits, not_found
+
+
 def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed: int) -> Outcome:
     """Run ``steps`` rollout steps of the real producer on the simulated engine."""
     logits, drift, _ = make_pass_rates(prompts, seed)
@@ -252,6 +289,7 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
     ]
     config = recipe_config(settings)
     visits: dict[str, list[int]] = defaultdict(list)
+    visit_steps: dict[int, list[int]] = defaultdict(list)  # prompt -> rollout steps visited
     waste = dict.fromkeys(CAUSES, 0.0)  # samples
     why: dict[str, str] = {}  # uid -> the selector's reason for its last draw
     bias: list[float] = []
@@ -280,6 +318,7 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
     def record_visit(uid: str, accs: Any, epoch: int) -> None:  # every visit, in its draw epoch
         first = not visits[uid]
         visits[uid].append(epoch)
+        visit_steps[int(uid[1:])].append(engine.step)
         if len(set(accs)) == 1:  # a zero-variance group: all its samples are waste
             reason = why.get(uid, "predicted")
             cause = "first visits" if first else CAUSE_OF.get(reason, "predicted wrong")
@@ -337,7 +376,10 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
     waste["aborted"] = engine.aborted
     waste["carried at end"] = sum(r.num_groups for r, _ in producer.carried) * config.n
     per_kept = max(batch_groups, 1.0) * config.n
+    waits, not_found = found_after(engine, visit_steps, steps, config.n)
     return Outcome(
+        found_after=waits,
+        not_found=not_found,
         waste={k: v / per_kept for k, v in waste.items()},
         samples_per_group=engine.samples / max(batch_groups, 1.0) / config.n,
         rounds=statistics.median(rounds),
@@ -350,6 +392,10 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
         seconds=time.perf_counter() - t0,
     )
 
+
+#: The second pass's prompt selection (2026-12-02): every skipped prompt due after 16 epochs
+#: (no back-off), history weighed 0.9 per visit.
+SECOND_PASS = {"revisit_after": 16, "revisit_within": 16, "history_decay": 0.9}
 
 #: The configurations compared: the former behaviour, each part alone, all parts (the defaults).
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -364,7 +410,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "+ in-flight refill": {**UNIFORM, "in_flight": True},
     "all parts, no carry-over": {"carry_over": False},
     "all parts, whole rounds": {"in_flight": False},
-    "all parts, revisit_within 24": {"selection": {"revisit_within": 24}},
+    "all parts, second-pass selection": {"selection": SECOND_PASS},
+    "second pass + history_decay 0.5": {"selection": {**SECOND_PASS, "history_decay": 0.5}},
+    "second pass + back-off 16-32": {"selection": {**SECOND_PASS, "revisit_within": 32}},
     "all parts (default)": {},
 }
 
@@ -395,6 +443,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{o.skipped:.1f}",
             o.starved,
             o.max_gap,
+            f"{statistics.fmean(o.found_after):.0f} / {max(o.found_after)} ({o.not_found})"
+            if o.found_after
+            else "-",
             f"{o.bias:+.3f}",
             f"{o.engine_steps:.0f}",
             f"{o.seconds:.1f}",
@@ -403,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     print_table(
         f"Simulated dynamic sampling: {args.prompts} prompts, n={RECIPE['n']}, "
-        f"train_batch_size={RECIPE['train_batch_size']}, {steps} rollout steps",
+        f"train_batch_size={RECIPE['train_batch_size']}, {steps} rollout steps, seed {args.seed}",
         [
             "configuration",
             "samples / kept group (n)",
@@ -412,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
             "skipped / step",
             "starved prompts",
             "max gap (epochs)",
+            "changed found after (steps, mean / max; not found)",
             "kept acc - p",
             "engine steps / step",
             "seconds",

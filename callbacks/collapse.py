@@ -31,6 +31,7 @@ from dapo_lightning.callbacks.snapshot import TrainingSnapshot
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from dapo_lightning.checks import ConfigError, check_count, check_finite
 from dapo_lightning.data.batch import ScoredRollouts
 from dapo_lightning.hooks import DAPOCallback
 
@@ -195,22 +196,21 @@ class Detector:
     max_repeat: float = 0.5
 
     def __post_init__(self) -> None:
+        which = f"detector {self.signal!r}"
+        for field in ("threshold", "min_value", "max_repeat", "ema_decay"):
+            check_finite(f"Detector.{field}", getattr(self, field), f"Give a number ({which}).")
+        check_count("Detector.patience", self.patience, 1, f"bad values in a row; {which}")
+        check_count("Detector.warmup", self.warmup, 0, f"observations before judging; {which}")
+        check_count("Detector.ngram", self.ngram, 1, f"n-gram size; {which}")
         checks = (
             ("signal", self.signal in SIGNALS, f"one of {tuple(SIGNALS)}"),
             ("action", self.action in ("warn", "stop", "rollback"), "'warn', 'stop' or 'rollback'"),
-            ("threshold", math.isfinite(self.threshold), "finite"),
-            ("min_value", math.isfinite(self.min_value), "finite"),
-            ("max_repeat", math.isfinite(self.max_repeat), "finite"),
-            ("patience", self.patience >= 1, ">= 1"),
             ("ema_decay", 0 <= self.ema_decay < 1, "in [0, 1)"),
-            ("warmup", self.warmup >= 0, ">= 0"),
-            ("ngram", self.ngram >= 1, ">= 1"),
         )
         for field, ok, must in checks:
             if not ok:
-                raise ValueError(
-                    f"Detector.{field} must be {must}, got {getattr(self, field)!r} "
-                    f"(detector {self.signal!r})."
+                raise ConfigError(
+                    f"Detector.{field} must be {must}, got {getattr(self, field)!r} ({which})."
                 )
         if self.name is None:
             self.name = self.signal
@@ -669,12 +669,12 @@ def _checked(
             f"CollapseDetector: detector names must be unique, got {duplicates} twice; "
             "give each detector of the same signal its own `name`."
         )
-    if snapshot_every < 1:
-        raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}.")
-    if not 0 < rollback_lr_scale <= 1:
-        raise ValueError(f"rollback_lr_scale must be in (0, 1], got {rollback_lr_scale}.")
-    if max_rollbacks < 0:
-        raise ValueError(f"max_rollbacks must be >= 0, got {max_rollbacks}.")
+    check_count("CollapseDetector.snapshot_every", snapshot_every, 1, "healthy updates")
+    if not 0 < rollback_lr_scale <= 1:  # NaN fails it too
+        raise ConfigError(
+            f"CollapseDetector.rollback_lr_scale must be in (0, 1], got {rollback_lr_scale}."
+        )
+    check_count("CollapseDetector.max_rollbacks", max_rollbacks, 0, "rollbacks before stopping")
     return dets
 
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from dapo_lightning.checks import ConfigError, check_count, check_finite
 from dapo_lightning.hooks import DAPOCallback
 
 Schedule = Literal["constant", "linear", "cosine", "exponential", "adaptive"]
@@ -22,19 +23,23 @@ _ALL = (*_FIXED, "adaptive")
 
 
 def _check_schedule(
-    schedule: str, start: float, end: float, total_updates: int | None, warmup_updates: int
+    schedule: str,
+    start: float,
+    end: float,
+    total_updates: int | None,
+    warmup_updates: int,
+    where: str = "",
 ) -> None:
+    """The fixed-schedule settings; errors name ``where.field`` (``EntropyScheduler.start``),
+    or the bare argument for a function's (``where=""``)."""
+    prefix = f"{where}." if where else ""
     if schedule not in _ALL:
-        raise ValueError(f"schedule must be one of {_ALL}, got {schedule!r}.")
+        raise ConfigError(f"{prefix}schedule must be one of {_ALL}, got {schedule!r}.")
     for name, value in (("start", start), ("end", end)):
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be a finite coefficient >= 0, got {value}.")
-    if (
-        isinstance(warmup_updates, bool)
-        or not isinstance(warmup_updates, int)
-        or warmup_updates < 0
-    ):
-        raise ValueError(f"warmup_updates must be an int >= 0, got {warmup_updates!r}.")
+        check_finite(f"{prefix}{name}", value, "Give a coefficient >= 0.")
+        if not value >= 0:
+            raise ConfigError(f"{prefix}{name} must be a finite coefficient >= 0, got {value}.")
+    check_count(f"{prefix}warmup_updates", warmup_updates, 0, "updates of warm-up from 0")
     if schedule in ("linear", "cosine", "exponential"):
         if total_updates is None or total_updates <= warmup_updates:
             raise ValueError(
@@ -192,33 +197,37 @@ class EntropyScheduler(DAPOCallback):
         coef_max: float = 0.1,
     ) -> None:
         super().__init__()
-        _check_schedule(schedule, start, end, total_updates, warmup_updates)
+        where = type(self).__name__
+        _check_schedule(schedule, start, end, total_updates, warmup_updates, where)
         if schedule == "adaptive":
             for name, value in (
                 ("target_low", target_low),
                 ("target_high", target_high),
                 ("coef_min", coef_min),
                 ("coef_max", coef_max),
+                ("adapt_rate", adapt_rate),
+                ("max_rel_change", max_rel_change),
             ):
-                if not math.isfinite(value):
-                    raise ValueError(f"{name} must be a finite number, got {value}.")
+                check_finite(f"{where}.{name}", value)
             if not 0 < target_low <= target_high:
-                raise ValueError(
-                    f"adaptive schedule needs 0 < target_low <= target_high, got "
+                raise ConfigError(
+                    f"{where}: the adaptive schedule needs 0 < target_low <= target_high, got "
                     f"target_low={target_low}, target_high={target_high}."
                 )
-            if not (math.isfinite(adapt_rate) and adapt_rate > 0):
-                raise ValueError(f"adapt_rate must be > 0, got {adapt_rate}.")
+            if not adapt_rate > 0:
+                raise ConfigError(f"{where}.adapt_rate must be > 0, got {adapt_rate}.")
             if not 0 < max_rel_change < 1:
-                raise ValueError(f"max_rel_change must be in (0, 1), got {max_rel_change}.")
+                raise ConfigError(
+                    f"{where}.max_rel_change must be in (0, 1), got {max_rel_change}."
+                )
             if not 0 < coef_min <= coef_max:
-                raise ValueError(
-                    f"adaptive schedule needs 0 < coef_min <= coef_max, got coef_min={coef_min}, "
-                    f"coef_max={coef_max}."
+                raise ConfigError(
+                    f"{where}: the adaptive schedule needs 0 < coef_min <= coef_max, got "
+                    f"coef_min={coef_min}, coef_max={coef_max}."
                 )
             if not coef_min <= start <= coef_max:
-                raise ValueError(
-                    f"start={start} must lie in [coef_min={coef_min}, coef_max={coef_max}] "
+                raise ConfigError(
+                    f"{where}.start={start} must lie in [coef_min={coef_min}, coef_max={coef_max}] "
                     "for the adaptive schedule."
                 )
         self.schedule = schedule

@@ -11,7 +11,6 @@ two ways:
 
 from __future__ import annotations
 
-import math
 from typing import Any, overload
 
 import lightning.pytorch as pl
@@ -19,32 +18,36 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from dapo_lightning.checks import ConfigError, check_count, check_finite
 from dapo_lightning.data.batch import ScoredRollouts
 from dapo_lightning.hooks import DAPOCallback
 
 
-def _check_buffer(buffer_length: int, penalty_factor: float) -> None:
-    if isinstance(buffer_length, bool) or not isinstance(buffer_length, int):
-        raise TypeError(f"buffer_length must be an int, got {type(buffer_length).__name__}.")
-    if buffer_length < 0:
-        raise ValueError(f"buffer_length must be >= 0, got {buffer_length}.")
-    if not (math.isfinite(penalty_factor) and penalty_factor >= 0):
-        raise ValueError(f"penalty_factor must be finite and >= 0, got {penalty_factor}.")
+def _field(where: str, name: str) -> str:
+    """``where.name`` (``OverlongRewardShaping.buffer_length``), or ``name`` for a function's
+    argument."""
+    return f"{where}.{name}" if where else name
 
 
-def _check_lengths(max_response_length: int, buffer_length: int, penalty_factor: float) -> None:
-    _check_buffer(buffer_length, penalty_factor)
-    if isinstance(max_response_length, bool) or not isinstance(max_response_length, int):
-        raise TypeError(
-            f"max_response_length must be an int, got {type(max_response_length).__name__}."
-        )
-    if max_response_length < 1:
-        raise ValueError(f"max_response_length must be >= 1, got {max_response_length}.")
+def _check_buffer(buffer_length: int, penalty_factor: float, where: str = "") -> None:
+    check_count(_field(where, "buffer_length"), buffer_length, 0, "tokens punished, L_cache")
+    name = _field(where, "penalty_factor")
+    check_finite(name, penalty_factor, "Give a scale >= 0 (1.0: -1 at the maximum length).")
+    if not penalty_factor >= 0:
+        raise ConfigError(f"{name} must be >= 0, got {penalty_factor}.")
+
+
+def _check_lengths(
+    max_response_length: int, buffer_length: int, penalty_factor: float, where: str = ""
+) -> None:
+    _check_buffer(buffer_length, penalty_factor, where)
+    check_count(_field(where, "max_response_length"), max_response_length, 1, "tokens, L_max")
     if buffer_length >= max_response_length:
-        raise ValueError(
-            f"buffer_length must be in [0, max_response_length={max_response_length}), got "
-            f"{buffer_length}. Set buffer_length (L_cache) below the maximum response length, "
-            "e.g. 4096 for max_response_length 20480 as in the DAPO paper."
+        raise ConfigError(
+            f"{_field(where, 'buffer_length')} must be in [0, max_response_length="
+            f"{max_response_length}), got {buffer_length}. Set buffer_length (L_cache) below the "
+            "maximum response length, e.g. 4096 for max_response_length 20480 as in the DAPO "
+            "paper."
         )
 
 
@@ -147,10 +150,11 @@ class OverlongRewardShaping(DAPOCallback):
         apply_penalty: bool = True,
     ) -> None:
         super().__init__()
+        where = type(self).__name__
         if max_response_length is not None:
-            _check_lengths(max_response_length, buffer_length, penalty_factor)
+            _check_lengths(max_response_length, buffer_length, penalty_factor, where)
         else:  # the maximum comes with the rollouts; check the rest now
-            _check_buffer(buffer_length, penalty_factor)
+            _check_buffer(buffer_length, penalty_factor, where)
         self.buffer_length = buffer_length
         self.penalty_factor = float(penalty_factor)
         self.max_response_length = max_response_length
@@ -179,8 +183,8 @@ class OverlongRewardShaping(DAPOCallback):
             else rollouts.max_response_length
         )
         if not 0 <= self.buffer_length < max_len:
-            raise ValueError(
-                f"OverlongRewardShaping(buffer_length={self.buffer_length}) must be below the "
+            raise ConfigError(
+                f"OverlongRewardShaping.buffer_length={self.buffer_length} must be below the "
                 f"maximum response length {max_len} (from "
                 f"{'max_response_length' if self.max_response_length is not None else 'the sampling config max_tokens'}). "
                 "Lower buffer_length or raise the maximum response length."

@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
+from dapo_lightning.checks import check_count
 from dapo_lightning.interrupt import StopRequested, stop_requested
 
 #: What the bar and the plain lines show: (label, metric name, format).
@@ -209,10 +210,9 @@ class DAPOProgressBar(RichProgressBar):
             raise ValueError(
                 f"DAPOProgressBar.mode must be 'auto', 'rich' or 'plain', got {mode!r}."
             )
-        if plain_every_n_steps < 1:
-            raise ValueError(
-                f"DAPOProgressBar.plain_every_n_steps must be >= 1, got {plain_every_n_steps}."
-            )
+        check_count(
+            "DAPOProgressBar.plain_every_n_steps", plain_every_n_steps, 1, "rollout steps per line"
+        )
         super().__init__(refresh_rate=refresh_rate, leave=True, console_kwargs=console_kwargs)
         self.mode = mode
         self.plain_every_n_steps = plain_every_n_steps

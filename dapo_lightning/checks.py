@@ -16,7 +16,13 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["ConfigError", "check_finite", "check_optimizer_settings", "optimizer_error"]
+__all__ = [
+    "ConfigError",
+    "check_count",
+    "check_finite",
+    "check_optimizer_settings",
+    "optimizer_error",
+]
 
 #: Words of torch's optimizer argument errors -> the argument they are about.
 _TORCH_ARGUMENT_WORDS = {
@@ -51,7 +57,7 @@ def check_finite(name: str, value: Any, fix: str = "", *, none_ok: bool = False)
         )
 
 
-def check_count(name: str, value: Any, low: int, what: str) -> None:
+def check_count(name: str, value: Any, low: int, what: str, *, none_ok: bool = False) -> None:
     """Raise :class:`ConfigError` naming ``name`` unless ``value`` is an integer >= ``low``.
 
     Args:
@@ -59,9 +65,13 @@ def check_count(name: str, value: Any, low: int, what: str) -> None:
         value: The value given.
         low: The least valid value.
         what: What the number counts, or what 0 means (shown in parentheses).
+        none_ok: None is a valid value (the setting is optional; the message says "or null").
     """
+    if value is None and none_ok:
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low} ({what}), got {value!r}.")
+        null = " or null" if none_ok else ""
+        raise ConfigError(f"{name} must be an integer >= {low}{null} ({what}), got {value!r}.")
 
 
 def _numbers(value: Any) -> Iterable[Any]:

@@ -34,6 +34,9 @@ at update 170", logged at step 169) and logs into ``<logger name>-validate`` (e.
 **Threads**: ``--threads auto`` (the default) or a count; see :mod:`dapo_lightning.threads`.
 One line on stderr says the choice.
 
+**Options are spelled out**: a prefix of an option (``--trainer.max_ste``) is refused, never
+taken for the option it begins (:class:`StrictArgumentParser`).
+
 **Exit status**: 0 when the fit finished; 143 / 130 when SIGTERM / SIGINT stopped it (after
 saving); 2 for a bad configuration (one ``error:`` line, no traceback); 1 otherwise.
 
@@ -67,10 +70,11 @@ import torch
 from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from dapo_lightning import plot
 from dapo_lightning.callbacks import RunGuard
+from dapo_lightning.callbacks.summary import replace_default_summary
 from dapo_lightning.checkpoint import (
     CheckpointDiskFullError,
     NonFiniteCheckpointError,
@@ -79,7 +83,7 @@ from dapo_lightning.checkpoint import (
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.datamodule import DAPODataModule
 from dapo_lightning.export import atomic_folder, export_main
-from dapo_lightning.interrupt import exit_on_stop
+from dapo_lightning.interrupt import STOP_SIGNALS, exit_on_stop
 from dapo_lightning.logging_setup import quiet_known_warnings
 from dapo_lightning.models import make_model_main
 from dapo_lightning.module import DAPOModule
@@ -118,6 +122,17 @@ class _HelpFormatter(DefaultHelpFormatter):
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
+class StrictArgumentParser(LightningArgumentParser):
+    """A parser that refuses abbreviated options (``allow_abbrev=False``): argparse would take
+    ``--model.init_args.loss.clip_ratio_hi 0.3`` for ``clip_ratio_high`` without a word, so a
+    typo could set another option. jsonargparse builds the parsers of subcommands and of
+    subclass arguments (``--model.init_args.*``) with the class of their parent, so one class
+    covers all of them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
 
 @dataclass
@@ -225,7 +240,10 @@ class DAPOLightningCLI(LightningCLI):
             original, owner = _root_cause(error)
             if original is error:
                 raise
-            raise ConfigError(f"{owner}: {original}") from original
+            text = str(original)  # "Class.field ..." names its owner already
+            raise ConfigError(
+                text if text.startswith(f"{owner}.") else f"{owner}: {text}"
+            ) from original
         if self._model_to_create is not None:
             config = self.config[self.subcommand] if self.subcommand else self.config
             write_model(config, *self._model_to_create)
@@ -233,7 +251,8 @@ class DAPOLightningCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The configured Trainer, with a :class:`~dapo_lightning.callbacks.RunGuard` first
         among its callbacks when the config lists none (first: it takes the run directory's lock
-        before the other callbacks write into it). Lightning's own configuration errors
+        before the other callbacks write into it) and Lightning's own model summary replaced by
+        :class:`~dapo_lightning.callbacks.DAPOModelSummary` (no FLOPs, never counted here). Lightning's own configuration errors
         (``MisconfigurationException``) become one :class:`ConfigError` line."""
         try:
             trainer = super().instantiate_trainer(**kwargs)
@@ -241,6 +260,7 @@ class DAPOLightningCLI(LightningCLI):
             raise ConfigError(f"trainer: {error}{_trainer_fix(str(error))}") from None
         if not any(isinstance(c, RunGuard) for c in trainer.callbacks):
             trainer.callbacks.insert(0, RunGuard())
+        replace_default_summary(trainer)  # no "Total FLOPs: 0" (DAPOModelSummary)
         return trainer
 
     def _resolve_ckpt_path(self, ckpt_path: Any) -> Any:
@@ -424,7 +444,9 @@ def write_model(config: Namespace, kind: str, target: Path) -> None:
     for stale in remove_stale_temp_folders(target):
         say(f"removed {stale}, left by an interrupted write")
     say(f"{target} does not exist: writing the {kind!r} model (seed {seed}; nothing is downloaded)")
-    with _sigterm_raises(), atomic_folder(target) as tmp:  # SIGTERM: the temp folder is removed
+    # SIGTERM / SIGINT: the temporary folder is removed, the next run writes the model again
+    stopped = f"{target} was not written (the next run writes it)"
+    with _stop_signals_exit(stopped), atomic_folder(target) as tmp:
         if kind == "tiny":
             make_tiny_checkpoint(tmp, seed=seed)
         else:
@@ -459,21 +481,27 @@ def _process_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises ``SystemExit(143)`` inside (its default would kill the process at once,
-    leaving a half-written folder behind); the previous handler is restored after."""
+def _stop_signals_exit(outcome: str) -> Iterator[None]:
+    """SIGTERM / SIGINT raise ``SystemExit(128 + signum)`` inside (143 / 130, as a stopped fit
+    exits), after one line saying ``outcome`` (what is left undone): SIGTERM's default would kill
+    the process at once, leaving a half-written folder behind, and SIGINT's
+    ``KeyboardInterrupt`` would print a traceback. The previous handlers are restored after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def _exit(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        # os.write, not print: a handler may interrupt a print to the same stream
+        os.write(2, f"\n{name} received: stopped; {outcome}.\n".encode())
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, _exit)
+    previous = {sig: signal.signal(sig, _exit) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _local_processes(config: Namespace) -> int:
@@ -557,6 +585,7 @@ def build_cli(args: list[str] | None = None, *, run: bool = True) -> DAPOLightni
     return DAPOLightningCLI(
         DAPOModule,
         DAPODataModule,
+        parser_class=StrictArgumentParser,
         subclass_mode_model=True,
         subclass_mode_data=True,
         auto_configure_optimizers=False,

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from dapo_lightning.advantages import advantage_estimator
-from dapo_lightning.checks import ConfigError, check_finite
+from dapo_lightning.checks import ConfigError, check_count, check_finite
 from dapo_lightning.data.batch import RolloutBatch
 from dapo_lightning.loss import PolicyLossConfig
 from dapo_lightning.metrics import ReduceOp
@@ -29,6 +29,12 @@ LOSS_METRIC_OPS: dict[str, ReduceOp] = {
     TRL_METRICS[2]: "min",
     TRL_METRICS[4]: "max",
 }
+
+
+#: Where the module's settings are in a config: ``model.init_args.*`` (``model.*`` on the
+#: command line too), named ``model.*`` in errors as the data's are ``data.*``.
+MODEL_PATH = "model"
+BATCHING_PATH = f"{MODEL_PATH}.batching"
 
 
 @dataclass(frozen=True)
@@ -52,13 +58,19 @@ class BatchingConfig:
     ppo_epochs: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "ppo_epochs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"batching.{name} must be >= 1, got {getattr(self, name)}.")
-        for name in ("mini_batch_size", "max_tokens_per_micro_batch"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"batching.{name} must be >= 1 (or null), got {value}.")
+        path = BATCHING_PATH
+        check_count(
+            f"{path}.mini_batch_size", self.mini_batch_size, 1,
+            "prompts per optimizer update; null: one update per rollout step", none_ok=True,
+        )  # fmt: skip
+        check_count(
+            f"{path}.micro_batch_size", self.micro_batch_size, 1, "sequences per forward/backward"
+        )
+        check_count(
+            f"{path}.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1,
+            "padded tokens per micro-batch; null: no cap", none_ok=True,
+        )  # fmt: skip
+        check_count(f"{path}.ppo_epochs", self.ppo_epochs, 1, "passes over each rollout batch")
 
 
 def split_groups(num_groups: int, parts: int) -> list[range]:
@@ -117,13 +129,13 @@ def mini_batch_ranges(
         return [range(num_local_groups)]
     if mini_batch_size % world_size:
         raise ValueError(
-            f"model.batching.mini_batch_size={mini_batch_size} prompts must be divisible by the world "
-            f"size ({world_size}): each rank takes mini_batch_size / world_size per update."
+            f"{BATCHING_PATH}.mini_batch_size={mini_batch_size} prompts must be divisible by the "
+            f"world size ({world_size}): each rank takes mini_batch_size / world_size per update."
         )
     local = mini_batch_size // world_size
     if full_groups % local:
         raise ValueError(
-            f"model.batching.mini_batch_size={mini_batch_size} does not divide the rollout batch "
+            f"{BATCHING_PATH}.mini_batch_size={mini_batch_size} does not divide the rollout batch "
             f"({full_groups * world_size} prompts): choose a divisor of train_batch_size."
         )
     return split_groups(num_local_groups, full_groups // local)
@@ -202,16 +214,17 @@ def check_module_settings(hp: Any, loss: PolicyLossConfig, *, has_policy: bool) 
         )
     objective_params(policy_objective(loss.objective), loss.objective_kwargs)
     advantage_estimator(loss.advantage_estimator)
-    check_finite("gradient_clip_val", hp.gradient_clip_val, _CLIP_FIX, none_ok=True)
-    if hp.gradient_clip_val is not None and not hp.gradient_clip_val >= 0:
-        raise ValueError(
-            f"gradient_clip_val must be >= 0 (0 or null: no clipping), got {hp.gradient_clip_val}; "
+    clip = hp.gradient_clip_val
+    check_finite(f"{MODEL_PATH}.gradient_clip_val", clip, _CLIP_FIX, none_ok=True)
+    if clip is not None and not clip >= 0:
+        raise ConfigError(
+            f"{MODEL_PATH}.gradient_clip_val must be >= 0 (0 or null: no clipping), got {clip}; "
             "a negative norm bound would flip the gradient."
         )
-    if hp.warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be >= 0 optimizer updates, got {hp.warmup_steps}.")
-    if hp.parity_check_every < 0:
-        raise ValueError(f"parity_check_every must be >= 0 (0: off), got {hp.parity_check_every}.")
+    check_count(f"{MODEL_PATH}.warmup_steps", hp.warmup_steps, 0, "optimizer updates")
+    check_count(
+        f"{MODEL_PATH}.parity_check_every", hp.parity_check_every, 0, "rollout steps; 0: off"
+    )
 
 
 def check_data_settings(
@@ -240,7 +253,7 @@ def check_data_settings(
     mini = batching.mini_batch_size
     if mini is not None and config.train_batch_size % mini:
         raise ConfigError(
-            f"model.batching.mini_batch_size={mini} does not divide data.dynamic_sampling."
+            f"{BATCHING_PATH}.mini_batch_size={mini} does not divide data.dynamic_sampling."
             f"train_batch_size={config.train_batch_size} (prompts per rollout step). Fix: choose "
             "a divisor of train_batch_size, or null for one update per rollout step (on the "
             "command line: --model.init_args.batching '{\"mini_batch_size\": null}'; "

@@ -40,6 +40,7 @@ from dapo_lightning.rewards import (
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
 from dapo_lightning.testing import make_tiny_checkpoint
 
+REPO = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------- the CLI parser
 
 
@@ -68,6 +69,32 @@ BASE = [
 def test_cli_unknown_model_key(capsys):
     err = _cli([*BASE, "--model.loss.clip_ratio_hihg=0.3"], capsys)
     assert "clip_ratio_hihg" in err
+
+
+@pytest.mark.parametrize(
+    ("option", "refusal"),
+    [
+        # parsed by the module class's own parser
+        (
+            "--model.init_args.loss.clip_ratio_hi=0.3",
+            "unrecognized arguments: --loss.clip_ratio_hi",
+        ),
+        ("--model.loss.clip_ratio_hi=0.3", "unrecognized arguments: --loss.clip_ratio_hi"),
+        ("--model.batching.micro_batch=8", "unrecognized arguments: --batching.micro_batch="),
+        ("--data.init_args.sampling.max_tok=3", "unrecognized arguments: --sampling.max_tok="),
+        ("--trainer.max_ste=3", "unrecognized arguments: --trainer.max_ste="),  # fit's parser
+    ],
+)
+def test_cli_refuses_abbreviated_options(capfd, option, refusal):
+    """Issue 26: argparse took a prefix of an option for the option (``clip_ratio_hi`` set
+    ``clip_ratio_high`` without a word); ``dapo-lightning fit`` refuses it: one ``error:``
+    line, the option named, exit 2."""
+    quickstart = str(REPO / "configs" / "quickstart.yaml")
+    # --print_config: an accepted option prints the config (exit 0), it never starts a fit
+    code, err = fit_main(["--config", quickstart, option, "--print_config"], capfd)
+    assert code == 2, err[-3000:]
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1, err[-3000:]
+    assert refusal in err, err[-3000:]
 
 
 def test_cli_unknown_top_level_key(capsys):
@@ -134,8 +161,15 @@ def test_cli_eps_high_below_eps_low(capsys):
         ({"loss": {"objective_kwargs": {"cap": 2.0}}}, "'dapo' does not take; its parameters"),
         ({"loss": {"clip_ratio_high": nan}}, "loss.clip_ratio_high=nan is not finite"),
         ({"loss": {"entropy_coef": inf}}, "loss.entropy_coef=inf is not finite"),
-        ({"batching": {"micro_batch_size": 0}}, "micro_batch_size must be >= 1"),
-        ({"batching": {"mini_batch_size": 0}}, "mini_batch_size must be >= 1"),
+        (
+            {"batching": {"micro_batch_size": 0}},
+            r"model\.batching\.micro_batch_size must be an integer >= 1 \(",
+        ),
+        (
+            {"batching": {"mini_batch_size": 0}},
+            r"model\.batching\.mini_batch_size must be an integer >= 1 or null \(",
+        ),
+        ({"batching": {"ppo_epochs": 1.5}}, r"model\.batching\.ppo_epochs must be an integer"),
         (
             {"loss": {"rollout_correction": {"mode": "token_truncate", "clip_max": 0.0}}},
             "clip_max must be > 0",
@@ -145,14 +179,15 @@ def test_cli_eps_high_below_eps_low(capsys):
             {"loss": {"rollout_correction": {"stale_tis_cap": nan}}},
             "loss.rollout_correction.stale_tis_cap=nan is not finite",
         ),
-        ({"gradient_clip_val": -1.0}, "gradient_clip_val must be >= 0.*flip the gradient"),
-        ({"gradient_clip_val": nan}, "gradient_clip_val=nan is not finite"),
-        ({"gradient_clip_val": inf}, "gradient_clip_val=inf is not finite"),
+        ({"gradient_clip_val": -1.0}, "model.gradient_clip_val must be >= 0.*flip the gradient"),
+        ({"gradient_clip_val": nan}, "model.gradient_clip_val=nan is not finite"),
+        ({"gradient_clip_val": inf}, "model.gradient_clip_val=inf is not finite"),
         ({"loss": {"kl_coef": -0.1}}, "kl_coef must be >= 0"),
-        ({"warmup_steps": -1}, "warmup_steps must be >= 0"),
+        ({"warmup_steps": -1}, r"model\.warmup_steps must be an integer >= 0 \(optimizer updates"),
+        ({"parity_check_every": -1}, r"model\.parity_check_every must be an integer >= 0"),
         (
             {"batching": {"max_tokens_per_micro_batch": 0}},
-            "max_tokens_per_micro_batch must be >= 1",
+            r"model\.batching\.max_tokens_per_micro_batch must be an integer >= 1 or null",
         ),
     ],
 )
@@ -259,6 +294,12 @@ def test_dynamic_sampling_bad_settings(kwargs, match):
         ({"revisit_within": 0}, "selection.revisit_within must be an integer >= 1"),
         ({"skip_threshold": 1.0}, r"selection.skip_threshold must be in \[0, 1\)"),
         ({"skip_threshold": nan}, "selection.skip_threshold=nan is not finite"),
+        ({"revisit_after": 0}, "selection.revisit_after must be an integer >= 1"),
+        ({"revisit_after": 2.0}, "selection.revisit_after must be an integer >= 1"),
+        ({"history_decay": 0.0}, r"selection.history_decay must be in \(0, 1\]"),
+        ({"history_decay": 1.5}, r"selection.history_decay must be in \(0, 1\]"),
+        ({"history_decay": nan}, "selection.history_decay=nan is not finite"),
+        ({"history_decay": inf}, "selection.history_decay=inf is not finite"),
     ],
 )
 def test_prompt_selection_bad_settings(kwargs, match):
@@ -885,7 +926,21 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
 @pytest.mark.parametrize(
     ("args", "fragments"),
     [
-        (["--model.gradient_clip_val=.nan"], ["DAPOModule: gradient_clip_val=nan is not finite"]),
+        (
+            ["--model.gradient_clip_val=.nan"],
+            ["DAPOModule: model.gradient_clip_val=nan is not finite"],
+        ),
+        (
+            ["--model.batching.micro_batch_size=0"],
+            ["model.batching.micro_batch_size must be an integer >= 1"],
+        ),
+        (
+            [
+                '--trainer.callbacks=[{"class_path": "dapo_lightning.callbacks.CollapseDetector",'
+                ' "init_args": {"max_rollbacks": -1}}]'
+            ],
+            ["error: CollapseDetector.max_rollbacks must be an integer >= 0"],
+        ),  # fmt: skip
         (["--model.gradient_clip_val=.inf"], ["gradient_clip_val=inf is not finite"]),
         (["--model.loss.clip_ratio_high=.nan"], ["loss.clip_ratio_high=nan is not finite"]),
         (["--model.loss.clip_ratio_low=.nan"], ["loss.clip_ratio_low=nan is not finite"]),
@@ -989,30 +1044,33 @@ def test_interrupted_model_write_leaves_no_temp_folder(tiny_checkpoint, tmp_path
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda: Detector(signal="entropy", threshold=nan), "threshold must be finite"),
+        (lambda: Detector(signal="entropy", threshold=nan), "Detector.threshold=nan is not finite"),
         (
             lambda: Detector(signal="entropy", threshold=0.1, min_value=nan),
-            "min_value must be finite",
+            "Detector.min_value=nan is not finite",
         ),
         (
             lambda: Detector(signal="repetition", threshold=0.5, max_repeat=inf),
-            "max_repeat must be finite",
+            "Detector.max_repeat=inf is not finite",
         ),
         (
             lambda: Detector(signal="entropy", threshold=0.1, ema_decay=nan),
-            "ema_decay must be in",
+            "Detector.ema_decay=nan is not finite",
         ),
         (lambda: CollapseDetector(rollback_lr_scale=nan), "rollback_lr_scale must"),
-        (lambda: EntropyScheduler(start=nan), "start must be a finite"),
+        (lambda: EntropyScheduler(start=nan), "EntropyScheduler.start=nan is not finite"),
         (
             lambda: EntropyScheduler(schedule="adaptive", start=1e-3, target_high=nan),
-            "target_high must be a finite number",
+            "EntropyScheduler.target_high=nan is not finite",
         ),
         (
             lambda: EntropyScheduler(schedule="adaptive", start=1e-3, coef_max=inf),
-            "coef_max must be a finite number",
+            "EntropyScheduler.coef_max=inf is not finite",
         ),
-        (lambda: OverlongRewardShaping(buffer_length=2, penalty_factor=nan), "penalty_factor"),
+        (
+            lambda: OverlongRewardShaping(buffer_length=2, penalty_factor=nan),
+            "OverlongRewardShaping.penalty_factor=nan is not finite",
+        ),
     ],
 )
 def test_callback_float_settings_must_be_finite(make, match):

@@ -91,6 +91,12 @@ def check_episodes(run_dir: Path) -> list[dict[str, str]]:
         assert tokens == step["loss_tokens"] == step["sampled_tokens"]
     rows = read_csv(run_dir)
     assert [v for _, v in series(rows, "rollout/step")] == [1.0, 2.0]
+    # issue 28: one round per step, every group kept: the producer's token count is the
+    # policy's own tokens; the observations it interleaved are counted on their own
+    generated = [v for _, v in series(rows, "data/generated_tokens")]
+    observed = [v for _, v in series(rows, "env/observation_tokens")]
+    assert generated == [step["sampled_tokens"] for step in steps]
+    assert observed == [step["response_tokens"] - step["sampled_tokens"] for step in steps]
     assert all(1.5 <= v <= 2.0 for _, v in series(rows, "env/turns_mean"))
     assert all(v == 0 for _, v in series(rows, "env/tool_calls_mean"))
     assert all(v == 0 for _, v in series(rows, "env/failures"))

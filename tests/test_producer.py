@@ -14,7 +14,12 @@ import zlib
 import pytest
 import torch
 
-from dapo_lightning.data.difficulty import PromptSelectionConfig
+from dapo_lightning.data.difficulty import (
+    DifficultyTracker,
+    PredictiveSelector,
+    PromptSelectionConfig,
+    PromptStats,
+)
 from dapo_lightning.data.producer import (
     STAT_OPS,
     DynamicSamplingConfig,
@@ -472,15 +477,23 @@ def test_zero_variance_prob_pins_hand_made_histories():
     assert zero_variance_prob(2, 6, 3, prior=(1, 1)) == pytest.approx(564 / 1320, rel=1e-12)
     assert PRIOR == (0.05, 0.05)
     assert zero_variance_prob(0, 8, 8) == pytest.approx(exact(0.05, 8.05, 8), rel=1e-12)
-    # a visit history: [1,0,0,0] then [0,0,0,0]; the older visit weighs HISTORY_DECAY (0.9)
+    # a visit history: [1,0,0,0] then [0,0,0,0]; the older visit weighs history_decay (1/2):
+    # correct 1/2 * 1 + 0, wrong 1/2 * 3 + 4
+    assert PromptSelectionConfig().history_decay == 0.5
     tracker = DifficultyTracker()
     tracker.update("u", [1.0, 0.0, 0.0, 0.0], epoch=0)
     tracker.update("u", [0.0] * 4, epoch=1)
     s = tracker.stats["u"]
-    assert (s.recent_correct, s.recent_wrong, s.last_epoch) == pytest.approx((0.9, 6.7, 1))
+    assert (s.recent_correct, s.recent_wrong, s.last_epoch) == (0.5, 5.5, 1)
     assert zero_variance_prob(s.recent_correct, s.recent_wrong, 4) == pytest.approx(
-        exact(Fraction(95, 100), Fraction(675, 100), 4), rel=1e-12
+        exact(Fraction(55, 100), Fraction(555, 100), 4), rel=1e-12
     )
+    # history_decay 0.9: correct 0.9, wrong 0.9 * 3 + 4 = 6.7
+    tracker = DifficultyTracker(PromptSelectionConfig(history_decay=0.9))
+    tracker.update("u", [1.0, 0.0, 0.0, 0.0], epoch=0)
+    tracker.update("u", [0.0] * 4, epoch=1)
+    s = tracker.stats["u"]
+    assert (s.recent_correct, s.recent_wrong) == pytest.approx((0.9, 6.7), rel=1e-12)
     with pytest.raises(ValueError, match="n >= 1"):
         zero_variance_prob(0, 0, 0)
 
@@ -488,8 +501,9 @@ def test_zero_variance_prob_pins_hand_made_histories():
 def test_skip_threshold_pins_hand_made_histories():
     """A prompt is skipped (with probability max_skip) only when P0 > skip_threshold (1/2):
     after one visit of n = 8, 8 of 8 right gives P0 0.965 (skipped), 7 of 8 gives 0.452
-    (taken: a kept group is likelier); with HISTORY_DECAY 0.9 the history [8/8, 7/8] is
-    (14.2, 1.0): 0.627 (skipped) and [7/8, 6/8] is (12.3, 2.9): 0.249 (taken)."""
+    (taken: a kept group is likelier); with history_decay 1/2 the history [8/8, 7/8] is
+    (4 + 7, 0 + 1) = (11, 1): 0.565 (skipped) and [7/8, 6/8] is (3.5 + 6, 0.5 + 2) = (9.5,
+    2.5): 0.231 (taken)."""
     from dapo_lightning.data.difficulty import (
         DifficultyTracker,
         PredictiveSelector,
@@ -500,12 +514,13 @@ def test_skip_threshold_pins_hand_made_histories():
     assert PromptSelectionConfig().skip_threshold == 0.5
     assert zero_variance_prob(8, 0, 8) == pytest.approx(0.9646286458575313, rel=1e-12)
     assert zero_variance_prob(7, 1, 8) == pytest.approx(0.4520340645148221, rel=1e-12)
-    sel = PredictiveSelector(n=8, max_skip=0.9, revisit_within=3, seed=1)
-    histories = {
+    config = PromptSelectionConfig(max_skip=0.9, revisit_within=3)
+    sel = PredictiveSelector(8, config, seed=1)
+    histories = {  # P0 by the Beta products in exact fractions (a = 0.05 + correct, ...)
         "8/8": ([[1.0] * 8], 0.9646286458575313, 0.9),
         "7/8": ([[1.0] * 7 + [0.0]], 0.4520340645148221, 0.0),
-        "8/8, 7/8": ([[1.0] * 8, [1.0] * 7 + [0.0]], 0.6267478749008928, 0.9),
-        "7/8, 6/8": ([[1.0] * 7 + [0.0], [1.0] * 6 + [0.0] * 2], 0.24907444714938043, 0.0),
+        "8/8, 7/8": ([[1.0] * 8, [1.0] * 7 + [0.0]], 0.5650328071907219, 0.9),
+        "7/8, 6/8": ([[1.0] * 7 + [0.0], [1.0] * 6 + [0.0] * 2], 0.23097567073469832, 0.0),
     }
     for name, (visits, p0, skip) in histories.items():
         tracker = DifficultyTracker()
@@ -517,22 +532,23 @@ def test_skip_threshold_pins_hand_made_histories():
         ), name
         assert sel.skip_prob(s, len(visits)) == skip, name
         assert (sel.decide(s, len(visits)) == "predicted") == (skip == 0.0), name
-    # a threshold of 0.7 takes the 0.627 history too; 0.4 skips the 0.452 one
+    # a threshold of 0.6 takes the 0.565 history too; 0.4 skips the 0.452 one
     tracker = DifficultyTracker()
     tracker.update("u", [1.0] * 8, 0)
     tracker.update("u", [1.0] * 7 + [0.0], 1)
-    assert PredictiveSelector(8, 0.9, 3, skip_threshold=0.7).skip_prob(tracker.get("u"), 2) == 0
+    at = dataclasses.replace
+    assert PredictiveSelector(8, at(config, skip_threshold=0.6)).skip_prob(tracker.get("u"), 2) == 0
     tracker = DifficultyTracker()
     tracker.update("u", [1.0] * 7 + [0.0], 0)
-    assert PredictiveSelector(8, 0.9, 3, skip_threshold=0.4).skip_prob(tracker.get("u"), 1) == 0.9
-    with pytest.raises(ValueError, match="skip_threshold"):
-        PredictiveSelector(8, 0.9, 3, skip_threshold=1.0)
+    assert (
+        PredictiveSelector(8, at(config, skip_threshold=0.4)).skip_prob(tracker.get("u"), 1) == 0.9
+    )
 
 
 def test_predictive_selector_floor_revisit_and_state():
     from dapo_lightning.data.difficulty import PredictiveSelector, PromptStats
 
-    sel = PredictiveSelector(n=8, max_skip=0.9, revisit_within=3, seed=1)
+    sel = PredictiveSelector(8, PromptSelectionConfig(max_skip=0.9, revisit_within=3), seed=1)
     assert sel.skip_prob(None, 5) == 0.0  # never visited: never skipped
     assert sel.decide(None, 5) == "new"
     hopeless = PromptStats(visits=4, samples=32, recent_wrong=30.0, last_epoch=2)
@@ -549,8 +565,40 @@ def test_predictive_selector_floor_revisit_and_state():
     assert 0 < sum(first) < 60 and sel.skipped == 200 - sum(first)  # ~10% taken
     sel.load_state_dict(state)
     assert [sel.take(hopeless, 3) for _ in range(200)] == first
-    with pytest.raises(ValueError, match="max_skip"):
-        PredictiveSelector(8, 1.0, 3)
+
+
+def test_revisit_interval_backs_off_to_revisit_within_and_resets_on_a_new_outcome():
+    """revisit_after 2, revisit_within 8: a prompt all wrong at 1, 2, 3, 4, 9 visits in a row is
+    due 2, 4, 8, 8, 8 epochs after its last visit (2 * 2^(k - 1), capped); an all-right visit
+    starts over at 2 (a new outcome), then 4; a group with variance: 2. The defaults: 16, 32."""
+    config = PromptSelectionConfig(max_skip=0.9, revisit_after=2, revisit_within=8)
+    sel, tracker = PredictiveSelector(8, config, seed=0), DifficultyTracker(config)
+    intervals = []
+    for epoch in range(9):
+        tracker.update("u", [0.0] * 8, epoch)
+        intervals.append(sel.revisit_interval(tracker.get("u")))
+    assert intervals == [2, 4, 8, 8, 8, 8, 8, 8, 8]
+    s = tracker.get("u")
+    assert (s.wrong_streak, s.solved_streak, s.still_streak) == (9, 0, 9)
+    # due exactly revisit_interval epochs after the last visit (epoch 8), skippable before
+    assert sel.decide(s, 8 + 8) == "due" and sel.skip_prob(s, 8 + 7) == 0.9
+    tracker.update("u", [1.0] * 8, 9)
+    assert sel.revisit_interval(s) == 2 and (s.wrong_streak, s.solved_streak) == (0, 1)
+    tracker.update("u", [1.0] * 8, 10)
+    assert sel.revisit_interval(s) == 4
+    tracker.update("u", [1.0] * 4 + [0.0] * 4, 11)
+    assert sel.revisit_interval(s) == 2 and s.still_streak == 0
+    # revisit_after at or over revisit_within: no back-off
+    flat = PredictiveSelector(8, PromptSelectionConfig(revisit_after=16, revisit_within=3))
+    assert flat.revisit_interval(tracker.get("v")) == 3
+    tracker.update("v", [0.0] * 8, 0)
+    tracker.update("v", [0.0] * 8, 3)
+    assert flat.revisit_interval(tracker.get("v")) == 3
+    default = PromptSelectionConfig()
+    assert (default.revisit_after, default.revisit_within) == (16, 32)
+    sel = PredictiveSelector(8, default)
+    streaks = [PromptStats(wrong_streak=k) for k in (0, 1, 2, 3)]
+    assert [sel.revisit_interval(s) for s in streaks] == [16, 16, 32, 32]
 
 
 def test_sampler_gives_back_prompts_first_with_their_epochs():
@@ -606,9 +654,55 @@ def test_predictive_selection_skips_zero_variance_prompts_and_starves_none():
         assert max(b - a for a, b in zip(seen, seen[1:])) <= 3, (uid, epochs)
 
 
-def test_a_prompt_whose_skill_changed_is_seen_again_and_kept():
+def test_revisits_back_off_for_prompts_that_never_vary_and_stay_within_the_bound():
+    """Scripted pass rates 0 or 1 never vary. With revisit_after 2 and revisit_within 8 the
+    j-th gap between visits of such a prompt is at most min(2 * 2^(j - 1), 8) epochs (equal
+    when due, shorter after a 1 - max_skip floor draw), and the cap 8 is reached; they are
+    visited less often than with a fixed 2-epoch interval; the mixed prompts every epoch."""
+    kw = dict(num_prompts=32, train_batch_size=4, gen_batch_size=4, max_num_gen_batches=0)
+    runs = {}
+    for within in (8, 2):
+        producer = make_producer(
+            **kw, strategy="predictive", max_skip=0.9, revisit_after=2, revisit_within=within
+        )
+        visits: dict[str, list[int]] = {}
+        update = producer.tracker.update
+
+        def record(uid, accs, epoch, update=update, visits=visits):
+            visits.setdefault(uid, []).append(epoch)
+            update(uid, accs, epoch)
+
+        producer.tracker.update = record
+        for step in range(120):
+            producer.next_batch(policy_version=step)
+        runs[within] = (visits, producer.sampler.epoch, producer.records)
+    visits, end, records = runs[8]
+    assert end >= 30
+    still = [r.uid for r in records if pass_rate_of(r.prompt) in (0.0, 1.0)]
+    assert len(still) >= 8
+    reached_cap = 0
+    for uid in still:
+        seen = [*visits[uid], end]
+        gaps = [b - a for a, b in zip(seen, seen[1:])]
+        assert all(g <= min(2 << j, 8) for j, g in enumerate(gaps)), (uid, seen)
+        reached_cap += 8 in gaps
+    assert reached_cap >= len(still) // 2
+    for r in records:  # 1 or 2 right of 4: P0 <= 1/2, taken every epoch
+        if r.uid not in still:
+            seen = [*visits[r.uid], end]
+            assert max(b - a for a, b in zip(seen, seen[1:])) <= 1, (r.uid, seen)
+    fixed_visits, fixed_end, _ = runs[2]
+    per_epoch = sum(len(visits[u]) for u in still) / end
+    # per epoch and prompt: 1/2 + 0.1 floor draws fixed; 1/8 + 0.1 at the cap (0.40 of that)
+    assert per_epoch < 0.6 * sum(len(fixed_visits[u]) for u in still) / fixed_end
+
+
+@pytest.mark.parametrize("revisit_after", [16, 1])
+def test_a_prompt_whose_skill_changed_is_seen_again_and_kept(revisit_after):
     """Prompts ``1+b`` are hopeless for 10 steps (predictive selection learns to skip them),
-    then half right: each is drawn again within revisit_within epochs and found mixed."""
+    then half right: each is drawn again within revisit_within epochs and found mixed, with a
+    fixed revisit interval (revisit_after 16 >= revisit_within 4) and with the back-off 1, 2,
+    4 (the cap is the bound)."""
     step = {"now": 0}
 
     def rate(expr):
@@ -619,6 +713,7 @@ def test_a_prompt_whose_skill_changed_is_seen_again_and_kept():
     producer = make_producer(
         ScriptedEngine(rate=rate), num_prompts=32, train_batch_size=2, gen_batch_size=2,
         max_num_gen_batches=0, strategy="predictive", max_skip=0.95, revisit_within=4,
+        revisit_after=revisit_after,
     )  # fmt: skip
     changed = [r.uid for r in producer.records if r.prompt.startswith("1+")]
     assert changed
@@ -765,8 +860,8 @@ def test_resume_with_the_new_defaults_gives_the_same_selections(tmp_path):
         return out
 
     kw = dict(
-        engine=None, num_prompts=48, strategy="predictive", round_sizing="kept_frac",
-        retire_after=3, max_skip=0.9, revisit_within=3,
+        engine=None, num_prompts=16, strategy="predictive", round_sizing="kept_frac",
+        retire_after=3, max_skip=0.9, revisit_after=1, revisit_within=4,
     )  # fmt: skip
 
     def fresh():
@@ -774,11 +869,13 @@ def test_resume_with_the_new_defaults_gives_the_same_selections(tmp_path):
             ScriptedStreamingEngine(), **{k: v for k, v in kw.items() if k != "engine"}
         )
 
-    full = run(fresh(), 12)
+    full = run(fresh(), 20)
     producer = fresh()
-    first = run(producer, 5)
+    first = run(producer, 8)
     torch.save(producer.state_dict(), tmp_path / "producer.pt")
     resumed = fresh()
     resumed.load_state_dict(torch.load(tmp_path / "producer.pt", weights_only=True))
-    assert first + run(resumed, 7, start=5) == full
+    assert first + run(resumed, 12, start=8) == full
     assert producer.selector.skipped > 0
+    # the back-off's state (streaks of 2 and more: intervals 2, 4) is in the checkpoint
+    assert max(s.wrong_streak for s in producer.tracker.stats.values()) >= 2

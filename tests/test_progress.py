@@ -22,14 +22,22 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import rich
-from dapo_lightning.callbacks import CollapseDetector, DAPOProgressBar, run_summary, stop_reason
+import torch
+from dapo_lightning.callbacks import (
+    CollapseDetector,
+    DAPOModelSummary,
+    DAPOProgressBar,
+    run_summary,
+    stop_reason,
+)
 from dapo_lightning.callbacks.progress import (
     STEP_FIELDS,
     cli_command,
     step_fields,
     validation_line,
 )
-from lightning.pytorch.callbacks import EarlyStopping
+from dapo_lightning.callbacks.summary import replace_default_summary
+from lightning.pytorch.callbacks import EarlyStopping, ModelSummary
 from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 
 from dapo_lightning import interrupt
@@ -170,6 +178,33 @@ def test_known_noise_is_gone_from_a_real_fit(plain_run):
     assert "max_steps=3" in out  # what Lightning says about the stop is kept
 
 
+def test_model_summary_counts_parameters_without_flops(plain_run):
+    """Issue 30: every fit printed a FLOPs column of zeros and "Total FLOPs: 0" (Lightning counts
+    FLOPs only from an example_input_array); the CLI's summary keeps the table and the counts."""
+    _, proc = plain_run
+    out = proc.stdout + proc.stderr
+    assert "Qwen2ForCausalLM" in out and "Total params" in out and "Trainable params" in out
+    assert "flops" not in out.lower(), out[:3000]
+
+
+def test_plain_model_summary_without_flops(caplog):
+    """Without rich, the Trainer's ``ModelSummary`` is replaced by the plain DAPOModelSummary:
+    Lightning's text table, less its FLOPs column and total."""
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         callbacks=[ModelSummary(max_depth=2)])  # fmt: skip
+    replace_default_summary(trainer)
+    (summary,) = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
+    assert isinstance(summary, DAPOModelSummary) and not summary.rich
+    assert summary._max_depth == 2
+    module = pl.LightningModule()
+    module.layer = torch.nn.Linear(3, 2)
+    with caplog.at_level(logging.INFO):
+        summary.on_fit_start(trainer, module)
+    text = caplog.text
+    assert "layer | Linear" in text and "8         Total params" in text
+    assert "flops" not in text.lower(), text
+
+
 # ------------------------------------------------------- a real fit, rich bar, ended by an error
 
 
@@ -276,7 +311,8 @@ def test_fields_and_validation_line():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"mode": "tqdm"}, "mode must be 'auto', 'rich' or 'plain', got 'tqdm'"),
-     ({"plain_every_n_steps": 0}, "plain_every_n_steps must be >= 1, got 0")],
+     ({"plain_every_n_steps": 0},
+      r"DAPOProgressBar.plain_every_n_steps must be an integer >= 1 \(.*\), got 0")],
 )  # fmt: skip
 def test_bar_rejects_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):

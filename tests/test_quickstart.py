@@ -5,8 +5,12 @@ issue 8 for one seed.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,9 @@ from dapo_lightning.tasks.arithmetic_warmup import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+CLI = str(Path(sys.executable).parent / "dapo-lightning")
+QUICKSTART_FIT = [CLI, "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
+                  "--trainer.default_root_dir", "run", "--trainer.max_steps", "0"]  # fmt: skip
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import quickstart_curve  # noqa: E402
@@ -125,3 +132,62 @@ def test_quickstart_reaches_target_within_budget(tmp_path, monkeypatch):
     assert result["initial"] <= 0.2
     assert result["seconds_to_target"] is not None, result["curve"]
     assert result["seconds_to_target"] <= quickstart_curve.BUDGET_S
+
+
+# ----------------------------------------------------------------------------- stopping the warm-up
+def _signal_during_warmup(cwd: Path, sig: signal.Signals) -> tuple[int, str, float]:
+    """Run the quickstart's first fit (it writes run/model, warming it up) and send ``sig`` at
+    its first warm-up progress line. Returns the exit status, stderr and the seconds from the
+    signal to the exit."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2"}
+    proc = subprocess.Popen(
+        QUICKSTART_FIT, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    lines = []
+    for line in proc.stderr:  # lines as they come (they end at the exit)
+        lines.append(line)
+        if "create_model_if_missing: warm-up step" in line:
+            assert list(cwd.glob("run/.model.tmp-*"))  # the warm-up writes into its temp folder
+            proc.send_signal(sig)
+            break
+    t0 = time.monotonic()
+    rest = proc.communicate(timeout=240)[1]
+    stopped_s = time.monotonic() - t0
+    return proc.returncode, "".join(lines) + rest, stopped_s
+
+
+def _nothing_left(cwd: Path, err: str, sig: signal.Signals) -> None:
+    assert (
+        f"{sig.name} received: stopped; run/model was not written (the next run writes it)." in err
+    )
+    assert "Traceback" not in err, err[-4000:]
+    assert sorted(p.name for p in (cwd / "run").iterdir()) == []  # no temp folder, no model
+
+
+def test_sigint_during_the_warmup_exits_130_and_leaves_nothing(tmp_path):
+    """Issue 29: Ctrl-C during the quickstart model's warm-up: exit 130 within seconds with one
+    line and no traceback; the temporary model folder is removed."""
+    code, err, stopped_s = _signal_during_warmup(tmp_path, signal.SIGINT)
+    assert code == 130, err[-4000:]
+    assert stopped_s < 20, stopped_s  # 10 s promised; the cores are shared
+    _nothing_left(tmp_path, err, signal.SIGINT)
+
+
+@pytest.mark.slow  # the warm-up runs to its end in the second fit (~30-90 s)
+@pytest.mark.timeout(900)
+def test_sigterm_during_the_warmup_exits_143_and_the_next_run_writes_the_model(tmp_path):
+    """Issue 29: SIGTERM during the warm-up: exit 143 within seconds, nothing left behind; the
+    same command then warms the model up in full and writes run/model."""
+    code, err, stopped_s = _signal_during_warmup(tmp_path, signal.SIGTERM)
+    assert code == 143, err[-4000:]
+    assert stopped_s < 20, stopped_s  # 10 s promised; the cores are shared
+    _nothing_left(tmp_path, err, signal.SIGTERM)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2"}
+    again = subprocess.run(
+        QUICKSTART_FIT, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=800
+    )
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "warm-up step 450/450" in again.stderr and "removed" not in again.stderr
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
+    assert not list(tmp_path.glob("run/.model.tmp-*"))

@@ -77,8 +77,19 @@ def tiny_config(path: Path, max_steps: int = 10, early_stop: bool = True) -> Pat
     return path
 
 
+def cli_env() -> dict[str, str]:
+    """The console script's environment: 2 threads, ``tests/`` importable (test callbacks)."""
+    path = os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
+    return {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "2",
+        "PYTHONPATH": path,
+    }
+
+
 def cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2"}
+    env = cli_env()
     return subprocess.run(
         [CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -592,3 +603,90 @@ trainer:
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 1, text[-4000:]
     assert "Saved" in text and "update 1" in text
+
+
+# ----------------------------------------------------------------------------- during validation
+#: Validation made long (20 held-out prompts x 4096 samples, one prompt per batch: seconds per
+#: batch) and marked: tests/_phase_marker.py appends "<update> <batch>" per validation batch.
+VALIDATING = """
+trainer:
+  max_steps: 200
+  val_check_interval: 1
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{dirpath: checkpoints, save_last: true, every_n_train_steps: 100, save_top_k: 0}}
+    - class_path: dapo_lightning.callbacks.ValidateAtStart
+    - class_path: _phase_marker.ValidationMarker
+      init_args: {{marker: {marker}}}
+model:
+  init_args:
+    batching: {{mini_batch_size: null}}  # train_batch_size 4: one update per rollout step
+data:
+  init_args:
+    sampling: {{max_tokens: 4}}
+    validation: {{n: 4096, batch_size: 1}}
+    dynamic_sampling: {{n: 4, train_batch_size: 4, gen_batch_size: 4, filter_metric: null}}
+"""
+
+
+def _sigterm_while_validating(tmp_path: Path, at: str) -> tuple[int, str, float]:
+    """Start a fit of the random tiny model whose validations are long; SIGTERM it once the
+    validation marker shows batch ``at`` (``"<update> <batch>"``) under way. Returns the exit
+    status, stderr and the seconds from the signal to the exit."""
+    marker = tmp_path / "validating.txt"
+    override = tmp_path / "validating.yaml"
+    override.write_text(VALIDATING.format(marker=marker))
+    proc = subprocess.Popen(
+        [CLI, "fit", "--config", QUICKSTART, "--config", str(override),
+         "--trainer.default_root_dir", "run", "--create_model_if_missing.kind", "tiny"],
+        cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not (marker.exists() and at in marker.read_text().splitlines()):
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, f"validation batch {at!r} not reached in 240 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=240)
+    stopped_s = time.monotonic() - t0
+    assert marker.read_text().splitlines()[-1] == at  # stopped inside that batch
+    return proc.returncode, err, stopped_s
+
+
+def test_sigterm_during_the_initial_validation_exits_at_once(tmp_path):
+    """Issue 29: SIGTERM while ValidateAtStart validates (update 0, second of 20 validation
+    batches of seconds each): the engine stops inside the batch and the command exits 143
+    within seconds, with nothing to save and no lock left."""
+    code, err, stopped_s = _sigterm_while_validating(tmp_path, "0 1")
+    assert code == 143, err[-4000:]
+    assert stopped_s < 20, stopped_s  # 10 s promised; the cores are shared
+    assert "SIGTERM: nothing to save yet (no update was made)." in err, err[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
+
+
+@pytest.mark.slow  # two console-script fits (~40 s idle): pytest -m slow -k during_a_validation
+def test_sigterm_during_a_validation_saves_the_update_and_resumes(tmp_path):
+    """Issue 29: SIGTERM while the validation after update 1 runs (its second batch): exit 143
+    within seconds with update 1 saved; ``--ckpt_path auto`` resumes at update 1 and trains
+    on to update 2 (the interrupted validation is not repeated)."""
+    code, err, stopped_s = _sigterm_while_validating(tmp_path, "1 1")
+    assert code == 143, err[-4000:]
+    assert stopped_s < 20, stopped_s  # 10 s promised; the cores are shared
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert re.search(r"Saved \S+ \(saved on SIGTERM, update 1\b", err), err[-3000:]
+    assert step_of(last) == 1
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
+    proc = ok(
+        cli(
+            "fit", "--config", QUICKSTART, "--config", str(tmp_path / "validating.yaml"),
+            "--trainer.default_root_dir", "run", "--create_model_if_missing.kind", "tiny",
+            "--ckpt_path", "auto", "--trainer.max_steps", "2",
+            "--data.init_args.validation.n", "2",
+            cwd=tmp_path,
+        )
+    )  # fmt: skip
+    assert re.search(r"Resuming from \S*/run/checkpoints/last\.ckpt at update 1", proc.stderr)
+    assert [v for _, v in series(metrics(tmp_path / "run", version=1), "rollout/step")] == [2.0]
+    assert step_of(last) == 2

@@ -3,8 +3,8 @@ predictive selection (beyond the paper). Their settings are one group,
 :class:`PromptSelectionConfig` (``data.dynamic_sampling.selection``).
 
 A *visit* is one generation of a group for a prompt. After each visit the prompt's statistics
-(visits, samples, correct samples, streak of all-correct visits, ever solved) are updated with the
-``acc`` of its samples.
+(visits, samples, correct samples, streaks of all-correct and all-wrong visits, ever solved) are
+updated with the ``acc`` of its samples.
 
 - Retire: a prompt whose last ``retire_after`` visits in a row were all-correct is retired and
   never drawn again (its groups would have zero variance: pure waste).
@@ -15,7 +15,7 @@ A *visit* is one generation of a group for a prompt. After each visit the prompt
   a prompt whose history predicts a zero-variance group likelier than a kept one is skipped. The
   history is a Beta posterior on the prompt's pass rate ``p``: prior ``Beta(a0, b0)``
   (:data:`PRIOR`, U-shaped) plus the correct and wrong sample counts, each visit's counts added
-  to the older ones multiplied by :data:`HISTORY_DECAY` (recent visits weigh more, so a prompt
+  to the older ones multiplied by ``history_decay`` (1/2: recent visits weigh more, so a prompt
   whose skill changed is believed again quickly). The probability that the next group of ``n``
   has zero variance is the posterior expectation (:func:`zero_variance_prob`)::
 
@@ -24,9 +24,12 @@ A *visit* is one generation of a group for a prompt. After each visit the prompt
   The prompt is skipped with probability ``max_skip`` when ``P0 > skip_threshold`` (1/2),
   never otherwise (on benchmarks/sampling_efficiency.py, with in-flight aborts and no
   carry-over, skipping with probability ``min(P0, max_skip)`` measured 1.89 n samples per kept
-  group, the threshold 1.77 n); a prompt never visited is
-  never skipped, and one not visited for ``revisit_within`` epochs is always taken (no prompt is
-  starved: the epochs between two visits of an eligible prompt are at most ``revisit_within``).
+  group, the threshold 1.77 n). A prompt never visited is never skipped, and one is always
+  taken once it is *due* (:meth:`PredictiveSelector.revisit_interval`): ``revisit_after`` epochs
+  after its last visit, doubled for each further visit in a row with the same zero-variance
+  outcome, back to ``revisit_after`` once the outcome changes, at most ``revisit_within``. No
+  prompt is starved: the epochs between two visits of an eligible prompt are at most
+  ``revisit_within``, and a prompt whose skill changed is visited again within that bound.
 """
 
 from __future__ import annotations
@@ -50,9 +53,6 @@ SELECTION_PATH = "data.dynamic_sampling.selection"
 #: Jeffreys prior Beta(1/2, 1/2) (see RESULTS.md, "Sampling efficiency").
 PRIOR: tuple[float, float] = (0.05, 0.05)
 
-#: Weight of the older history at each new visit (1.0: plain counts; the predictive estimate).
-HISTORY_DECAY = 0.9
-
 
 @dataclass(frozen=True)
 class PromptSelectionConfig:
@@ -70,14 +70,24 @@ class PromptSelectionConfig:
             uniform.
         max_skip: Skip probability of a prompt over ``skip_threshold``, in [0, 1) (the
             exploration floor is ``1 - max_skip``).
-        revisit_within: Predictive selection never skips a prompt not visited for this many
-            epochs, so the epochs between two visits of an eligible prompt are at most this.
+        revisit_within: The no-starvation bound: predictive selection never skips a prompt not
+            visited for this many epochs, so the epochs between two visits of an eligible
+            prompt are at most this (the cap of the back-off from ``revisit_after``).
         retire_after: Retire prompts all-correct in this many visits in a row (0: never).
         park_after: Park prompts never solved after this many visits (0: never).
         revisit_every: Epochs a parked prompt waits before it is visited again.
         skip_threshold: Predictive selection skips only prompts whose zero-variance
             probability is above this, in [0, 1) (0.5: a zero-variance group likelier than a
-            kept one; 0.3, 0.4, 0.6, 0.7 measured 1.53-1.57 n against 1.53 n).
+            kept one; 0.3, 0.4, 0.6, 0.7 measured 1.53-1.57 n against 1.53 n, second pass).
+        history_decay: Weight of a prompt's older samples at each new visit in the estimate
+            of that probability, in (0, 1] (1: plain counts; 1/2: the last two visits weigh
+            3/4; 0.9, the former value, left 0.17 n of mispredicted groups against 0.10 n
+            over 600 simulated steps: benchmarks/RESULTS.md, third pass).
+        revisit_after: Epochs after its last visit at which predictive selection takes a
+            prompt whatever its prediction (it is *due*); doubled for each further visit in a
+            row with the same zero-variance outcome (all wrong again, or all right again),
+            back to this once the outcome changes, never over ``revisit_within``
+            (:meth:`PredictiveSelector.revisit_interval`; ``>= revisit_within``: no back-off).
 
     Raises:
         ConfigError: a setting out of range, named by its YAML path.
@@ -85,11 +95,13 @@ class PromptSelectionConfig:
 
     strategy: SelectionStrategy = "predictive"
     max_skip: float = 0.99
-    revisit_within: int = 16
+    revisit_within: int = 32
     retire_after: int = 3
     park_after: int = 0
     revisit_every: int = 1
     skip_threshold: float = 0.5
+    history_decay: float = 0.5
+    revisit_after: int = 16
 
     def __post_init__(self) -> None:
         if self.strategy not in ("uniform", "predictive"):
@@ -103,6 +115,7 @@ class PromptSelectionConfig:
                 f"{SELECTION_PATH}.max_skip must be in [0, 1) (1 - max_skip is the "
                 f"exploration floor), got {self.max_skip!r}."
             )
+        check_count(f"{SELECTION_PATH}.revisit_after", self.revisit_after, 1, "epochs")
         check_count(f"{SELECTION_PATH}.revisit_within", self.revisit_within, 1, "epochs")
         check_finite(
             f"{SELECTION_PATH}.skip_threshold", self.skip_threshold, "Give a number in [0, 1)."
@@ -111,6 +124,14 @@ class PromptSelectionConfig:
             raise ConfigError(
                 f"{SELECTION_PATH}.skip_threshold must be in [0, 1) (a prompt is skipped only "
                 f"when P0 is above it), got {self.skip_threshold!r}."
+            )
+        check_finite(
+            f"{SELECTION_PATH}.history_decay", self.history_decay, "Give a number in (0, 1]."
+        )
+        if not 0.0 < self.history_decay <= 1.0:
+            raise ConfigError(
+                f"{SELECTION_PATH}.history_decay must be in (0, 1] (the weight of the older "
+                f"samples at each visit), got {self.history_decay!r}."
             )
         check_count(f"{SELECTION_PATH}.retire_after", self.retire_after, 0, "0 = never")
         check_count(f"{SELECTION_PATH}.park_after", self.park_after, 0, "0 = never")
@@ -125,10 +146,12 @@ class PromptStats:
     samples: int = 0
     correct: int = 0
     solved_streak: int = 0
+    #: All-wrong visits in a row (with ``solved_streak``: the same zero-variance outcome).
+    wrong_streak: int = 0
     ever_solved: bool = False
     retired: bool = False
     parked_epoch: int | None = None
-    #: Decayed correct / wrong sample counts (:data:`HISTORY_DECAY`), the posterior's evidence.
+    #: Decayed correct / wrong sample counts (``history_decay``), the posterior's evidence.
     recent_correct: float = 0.0
     recent_wrong: float = 0.0
     #: Epoch of the last visit (None: never visited).
@@ -138,24 +161,23 @@ class PromptStats:
     def pass_rate(self) -> float | None:
         return self.correct / self.samples if self.samples else None
 
+    @property
+    def still_streak(self) -> int:
+        """Visits in a row, up to the last, with the same zero-variance outcome (all right,
+        or all wrong); 0 after a group with variance."""
+        return max(self.solved_streak, self.wrong_streak)
+
 
 class DifficultyTracker:
     """Per-prompt statistics keyed by prompt uid.
 
     Args:
-        retire_after: Retire a prompt after this many all-correct visits in a row; 0 never retires.
-        park_after: Park a prompt never solved after this many visits; 0 never parks.
-        revisit_every: Epochs a parked prompt waits before its next visit (>= 1).
+        selection: Its ``retire_after``, ``park_after``, ``revisit_every`` and
+            ``history_decay`` (checked there); None: the defaults.
     """
 
-    def __init__(self, retire_after: int = 0, park_after: int = 0, revisit_every: int = 1) -> None:
-        if retire_after < 0 or park_after < 0:
-            raise ValueError("retire_after and park_after must be >= 0 (0 disables them).")
-        if revisit_every < 1:
-            raise ValueError(f"revisit_every must be >= 1 epoch, got {revisit_every}.")
-        self.retire_after = retire_after
-        self.park_after = park_after
-        self.revisit_every = revisit_every
+    def __init__(self, selection: PromptSelectionConfig | None = None) -> None:
+        self.config = selection if selection is not None else PromptSelectionConfig()
         self.stats: dict[str, PromptStats] = {}
 
     def get(self, uid: str) -> PromptStats:
@@ -169,15 +191,17 @@ class DifficultyTracker:
         s.samples += len(accs)
         s.correct += correct
         s.solved_streak = s.solved_streak + 1 if accs and correct == len(accs) else 0
+        s.wrong_streak = s.wrong_streak + 1 if accs and correct == 0 else 0
         s.ever_solved = s.ever_solved or correct > 0
-        s.recent_correct = HISTORY_DECAY * s.recent_correct + correct
-        s.recent_wrong = HISTORY_DECAY * s.recent_wrong + len(accs) - correct
+        cfg = self.config
+        s.recent_correct = cfg.history_decay * s.recent_correct + correct
+        s.recent_wrong = cfg.history_decay * s.recent_wrong + len(accs) - correct
         s.last_epoch = epoch
-        if self.retire_after and s.solved_streak >= self.retire_after:
+        if cfg.retire_after and s.solved_streak >= cfg.retire_after:
             s.retired = True
         if s.ever_solved:
             s.parked_epoch = None
-        elif self.park_after and s.visits >= self.park_after:
+        elif cfg.park_after and s.visits >= cfg.park_after:
             s.parked_epoch = epoch
 
     def eligible(self, uid: str, epoch: int) -> bool:
@@ -188,7 +212,7 @@ class DifficultyTracker:
         if s.retired:
             return False
         if s.parked_epoch is not None:
-            return epoch - s.parked_epoch >= self.revisit_every
+            return epoch - s.parked_epoch >= self.config.revisit_every
         return True
 
     @property
@@ -237,56 +261,53 @@ class PredictiveSelector:
 
     Args:
         n: Group size of the next visit.
-        max_skip: Skip probability of a prompt over the threshold (the exploration floor is
-            ``1 - max_skip``).
-        revisit_within: A prompt not visited for this many epochs is always taken.
-        skip_threshold: A prompt is skipped (with probability ``max_skip``) only when its
-            ``P0`` is above this.
+        selection: Its ``max_skip``, ``skip_threshold``, ``revisit_after`` and
+            ``revisit_within`` (checked there).
         seed: Seeds the skip decisions (its state is in :meth:`state_dict`).
     """
 
-    def __init__(
-        self,
-        n: int,
-        max_skip: float,
-        revisit_within: int,
-        skip_threshold: float = 0.5,
-        seed: str | int = 0,
-    ) -> None:
-        if not 0.0 <= max_skip < 1.0:
-            raise ValueError(f"max_skip must be in [0, 1), got {max_skip}.")
-        if revisit_within < 1:
-            raise ValueError(f"revisit_within must be >= 1 epoch, got {revisit_within}.")
-        if not 0.0 <= skip_threshold < 1.0:
-            raise ValueError(f"skip_threshold must be in [0, 1), got {skip_threshold}.")
+    def __init__(self, n: int, selection: PromptSelectionConfig, seed: str | int = 0) -> None:
         self.n = n
-        self.max_skip = max_skip
-        self.revisit_within = revisit_within
-        self.skip_threshold = skip_threshold
+        self.config = selection
         self.rng = random.Random(seed)
         self.skipped = 0  # skip decisions so far (the producer reports the difference per step)
 
+    def revisit_interval(self, stats: PromptStats) -> int:
+        """Epochs after its last visit at which a prompt is due (never skipped)::
+
+            min(revisit_after * 2^(k - 1), revisit_within),  k = max(1, still_streak)
+
+        ``still_streak``: visits in a row with the same zero-variance outcome. A prompt all
+        wrong at its first visit is due after ``revisit_after`` epochs; all wrong again there,
+        after twice that; and so on up to ``revisit_within``, the no-starvation bound. A group
+        with variance or the other outcome starts over from ``revisit_after``."""
+        cfg = self.config
+        doublings = min(max(1, stats.still_streak) - 1, cfg.revisit_within.bit_length())
+        return min(cfg.revisit_after << doublings, cfg.revisit_within)
+
+    def is_due(self, stats: PromptStats, epoch: int) -> bool:
+        """Whether ``revisit_interval`` epochs have passed since the prompt's last visit."""
+        last = stats.last_epoch if stats.last_epoch is not None else epoch
+        return epoch - last >= self.revisit_interval(stats)
+
     def skip_prob(self, stats: PromptStats | None, epoch: int) -> float:
         """``max_skip`` if ``P0 > skip_threshold``, else 0; 0 for a prompt never visited or
-        due (``revisit_within``)."""
-        if stats is None or stats.last_epoch is None:
-            return 0.0
-        if epoch - stats.last_epoch >= self.revisit_within:
+        due (:meth:`revisit_interval`)."""
+        if stats is None or stats.last_epoch is None or self.is_due(stats, epoch):
             return 0.0
         p0 = zero_variance_prob(stats.recent_correct, stats.recent_wrong, self.n)
-        return self.max_skip if p0 > self.skip_threshold else 0.0
+        return self.config.max_skip if p0 > self.config.skip_threshold else 0.0
 
     def decide(self, stats: PromptStats | None, epoch: int) -> Decision:
         """``"skip"``, or why the prompt is taken: ``"new"`` (never visited), ``"due"``
-        (``revisit_within``), ``"predicted"`` (``P0 <= skip_threshold``) or ``"floor"`` (over
-        the threshold, taken with probability ``1 - max_skip``). One RNG draw per decision
-        over the threshold."""
+        (:meth:`revisit_interval`), ``"predicted"`` (``P0 <= skip_threshold``) or ``"floor"``
+        (over the threshold, taken with probability ``1 - max_skip``). One RNG draw per
+        decision over the threshold."""
         if stats is None or stats.last_epoch is None:
             return "new"
         prob = self.skip_prob(stats, epoch)
         if prob <= 0.0:
-            due = epoch - stats.last_epoch >= self.revisit_within
-            return "due" if due else "predicted"
+            return "due" if self.is_due(stats, epoch) else "predicted"
         if self.rng.random() < prob:
             self.skipped += 1
             return "skip"

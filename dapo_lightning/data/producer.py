@@ -77,6 +77,7 @@ STAT_OPS: dict[str, Literal["sum", "max"]] = {
     "data/score_seconds": "max",
     "data/short_batch": "max",
     "env/failures": "sum",
+    "env/observation_tokens": "sum",
     "env/timeouts": "sum",
 }
 
@@ -247,7 +248,7 @@ class DynamicSamplingConfig:
         """Per-prompt statistics when retiring, parking or predictive selection need them."""
         sel = self.selection
         if sel.retire_after or sel.park_after or self.predictive:
-            return DifficultyTracker(sel.retire_after, sel.park_after, sel.revisit_every)
+            return DifficultyTracker(sel)
         return None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -414,13 +415,7 @@ class RolloutProducer:
         self.tracker = config.make_tracker()
         self.sampler = PromptSampler(len(self.records), seed=seed, rank=group, world_size=groups)
         self.selector = (
-            PredictiveSelector(
-                config.n,
-                config.selection.max_skip,
-                config.selection.revisit_within,
-                config.selection.skip_threshold,
-                seed=f"{seed}-{group}-select",
-            )
+            PredictiveSelector(config.n, config.selection, seed=f"{seed}-{group}-select")
             if config.predictive
             else None
         )
@@ -497,7 +492,12 @@ class RolloutProducer:
         )
         _add(stats, "data/score_seconds", t2 - t1)
         _add(stats, "data/generated_samples", float(len(flat)))
-        _add(stats, "data/generated_tokens", float(sum(len(r) for r in rollouts.response_ids)))
+        # the policy's own tokens; a multi-turn episode's observations (tool output) apart
+        sampled = float(rollouts.response_length.sum())
+        _add(stats, "data/generated_tokens", sampled)
+        if rollouts.token_mask is not None:
+            episode = float(sum(len(r) for r in rollouts.response_ids))
+            _add(stats, "env/observation_tokens", episode - sampled)
         _add(stats, "data/reward_failures", float(self.reward_runner.last_failures))
         for key, values in numeric_extras(rollouts.extra).items():
             _add(stats, f"reward/{key}", sum(values))
