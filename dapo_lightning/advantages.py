@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dapo_lightning.loss import LOSS_PATH
 from dapo_lightning.registry import Entry, Registry
 
 
@@ -56,7 +57,7 @@ class GroupStats:
 AdvantageEstimator = Callable[[Tensor, GroupStats, float, "Tensor | None"], Tensor]
 
 ADVANTAGE_ESTIMATOR_REGISTRY: Registry[AdvantageEstimator] = Registry(
-    "advantage estimator", "loss.advantage_estimator", "register_advantage_estimator"
+    "advantage estimator", f"{LOSS_PATH}.advantage_estimator", "register_advantage_estimator"
 )
 """The registered advantage estimators."""
 

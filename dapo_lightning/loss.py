@@ -51,6 +51,10 @@ from torch import Tensor
 from dapo_lightning.checks import check_finite
 from dapo_lightning.rollout_correction import RolloutCorrection
 
+#: Where :class:`PolicyLossConfig` sits in a run's YAML (``model.init_args.loss``), named as the
+#: module's other settings are in errors (``update.MODEL_PATH``: ``model.*``).
+LOSS_PATH = "model.loss"
+
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
     "seq-mean-token-mean",
@@ -65,12 +69,10 @@ LOG_RATIO_CLAMP: float = 20.0
 Count = int | float | Tensor
 
 
-def check_loss_agg_mode(mode: str) -> None:
-    """Raise a ValueError unless ``mode`` is one of :data:`LOSS_AGG_MODES`."""
+def check_loss_agg_mode(mode: str, name: str = "loss_agg_mode") -> None:
+    """Raise a ValueError naming ``name`` unless ``mode`` is one of :data:`LOSS_AGG_MODES`."""
     if mode not in LOSS_AGG_MODES:
-        raise ValueError(
-            f"loss_agg_mode={mode!r} is not known; valid modes: {', '.join(LOSS_AGG_MODES)}."
-        )
+        raise ValueError(f"{name}={mode!r} is not known; valid modes: {', '.join(LOSS_AGG_MODES)}.")
 
 
 def _normaliser(count: Count | None, default: Tensor, like: Tensor, name: str) -> Tensor:
@@ -167,7 +169,7 @@ LossAggMode = Literal[
 
 
 def _finite(name: str, value: float | None) -> None:
-    check_finite(f"loss.{name}", value, none_ok=True)
+    check_finite(f"{LOSS_PATH}.{name}", value, none_ok=True)
 
 
 @dataclass(frozen=True)
@@ -240,24 +242,24 @@ class PolicyLossConfig:
         for name in ("objective", "advantage_estimator"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(
-                    f"loss.{name} must be a non-empty name, got {getattr(self, name)!r}."
+                    f"{LOSS_PATH}.{name} must be a non-empty name, got {getattr(self, name)!r}."
                 )
         check_loss_settings(
             self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c, self.loss_agg_mode
         )
         if self.clip_ratio_high < self.clip_ratio_low:
             raise ValueError(
-                f"loss.clip_ratio_high ({self.clip_ratio_high}) < loss.clip_ratio_low "
+                f"{LOSS_PATH}.clip_ratio_high ({self.clip_ratio_high}) < {LOSS_PATH}.clip_ratio_low "
                 f"({self.clip_ratio_low}): clip-higher needs eps_high >= eps_low (paper: 0.28 and 0.2)."
             )
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ValueError(
-                f"loss.importance_sampling_level must be 'token' or 'sequence', got "
+                f"{LOSS_PATH}.importance_sampling_level must be 'token' or 'sequence', got "
                 f"{self.importance_sampling_level!r}."
             )
         if self.kl_coef < 0:
             raise ValueError(
-                f"loss.kl_coef must be >= 0 (0: no KL penalty, no reference model), got {self.kl_coef}."
+                f"{LOSS_PATH}.kl_coef must be >= 0 (0: no KL penalty, no reference model), got {self.kl_coef}."
             )
 
 
@@ -265,16 +267,18 @@ def check_loss_settings(
     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None, loss_agg_mode: str
 ) -> None:
     """Raise a ValueError naming the setting when a clip ratio or the aggregation mode is invalid."""
-    check_loss_agg_mode(loss_agg_mode)
+    check_loss_agg_mode(loss_agg_mode, f"{LOSS_PATH}.loss_agg_mode")
     if not 0.0 <= clip_ratio_low < 1.0:
         raise ValueError(
-            f"loss.clip_ratio_low (eps_low) must be in [0, 1) so that 1 - eps_low > 0; got {clip_ratio_low}."
+            f"{LOSS_PATH}.clip_ratio_low (eps_low) must be in [0, 1) so that 1 - eps_low > 0; got {clip_ratio_low}."
         )
     if clip_ratio_high < 0.0:
-        raise ValueError(f"loss.clip_ratio_high (eps_high) must be >= 0; got {clip_ratio_high}.")
+        raise ValueError(
+            f"{LOSS_PATH}.clip_ratio_high (eps_high) must be >= 0; got {clip_ratio_high}."
+        )
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(
-            f"loss.clip_ratio_c (dual clip) must be > 1, or None to disable it; got {clip_ratio_c}."
+            f"{LOSS_PATH}.clip_ratio_c (dual clip) must be > 1, or None to disable it; got {clip_ratio_c}."
         )
 
 

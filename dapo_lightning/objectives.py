@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from dapo_lightning.loss import LossInputs, PolicyLossConfig, importance_log_ratio
+from dapo_lightning.loss import LOSS_PATH, LossInputs, PolicyLossConfig, importance_log_ratio
 from dapo_lightning.registry import Entry, Registry
 
 PolicyObjective = Callable[
@@ -44,7 +44,7 @@ PolicyObjective = Callable[
 ]
 
 POLICY_OBJECTIVES: Registry[PolicyObjective] = Registry(
-    "policy objective", "loss.objective", "register_policy_objective"
+    "policy objective", f"{LOSS_PATH}.objective", "register_policy_objective"
 )
 """The registered policy objectives."""
 
@@ -72,14 +72,14 @@ def objective_params(
     if unknown:
         known = ", ".join(entry.params) or "none"
         raise ValueError(
-            f"loss.objective_kwargs has {', '.join(unknown)}, which objective {entry.name!r} does "
+            f"{LOSS_PATH}.objective_kwargs has {', '.join(unknown)}, which objective {entry.name!r} does "
             f"not take; its parameters: {known}."
         )
     params = {**entry.params, **{k: float(v) for k, v in kwargs.items()}}
     for key in entry.traits.get("positive", ()):
         if not params[key] > 0:
             raise ValueError(
-                f"loss.objective_kwargs.{key} of objective {entry.name!r} must be > 0, got {params[key]}."
+                f"{LOSS_PATH}.objective_kwargs.{key} of objective {entry.name!r} must be > 0, got {params[key]}."
             )
     return params
 

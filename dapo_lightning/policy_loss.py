@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from dapo_lightning.loss import (
+    LOSS_PATH,
     Count,
     LossInputs,
     PolicyLossConfig,
@@ -26,24 +27,28 @@ from dapo_lightning.loss import (
     k3_kl,
 )
 from dapo_lightning.objectives import objective_params, policy_objective
-from dapo_lightning.rollout_correction import RolloutCorrection, correction_weights
+from dapo_lightning.rollout_correction import (
+    ROLLOUT_CORRECTION_PATH,
+    RolloutCorrection,
+    correction_weights,
+)
 
 
 def _check_inputs(inputs: LossInputs, config: PolicyLossConfig) -> None:
     mode = config.rollout_correction.mode
     if config.rollout_correction.enabled and inputs.rollout_log_probs is None:
         raise ValueError(
-            f"loss.rollout_correction.mode={mode!r} needs the engine's log-probs: pass "
+            f"{ROLLOUT_CORRECTION_PATH}.mode={mode!r} needs the engine's log-probs: pass "
             "rollout_log_probs=[B, T], or set the mode to 'off'."
         )
     if config.entropy_coef != 0.0 and inputs.entropy is None:
         raise ValueError(
-            f"entropy_coef={config.entropy_coef} needs the token entropies: pass entropy=[B, T] "
+            f"{LOSS_PATH}.entropy_coef={config.entropy_coef} needs the token entropies: pass entropy=[B, T] "
             "(response_log_probs(..., with_entropy=True)) or set entropy_coef=0."
         )
     if config.kl_coef != 0.0 and inputs.ref_log_probs is None:
         raise ValueError(
-            f"kl_coef={config.kl_coef} needs the reference policy: pass ref_log_probs=[B, T] or "
+            f"{LOSS_PATH}.kl_coef={config.kl_coef} needs the reference policy: pass ref_log_probs=[B, T] or "
             "set kl_coef=0."
         )
 

@@ -44,6 +44,11 @@ from torch import Tensor
 
 from dapo_lightning.checks import check_finite
 
+#: Where :class:`RolloutCorrection` sits in a run's YAML (``model.init_args.loss.rollout_correction``),
+#: named as its errors name it: ``loss.LOSS_PATH`` + ``.rollout_correction`` (written out:
+#: ``loss`` imports this module).
+ROLLOUT_CORRECTION_PATH = "model.loss.rollout_correction"
+
 CorrectionMode = Literal[
     "off",
     "token_truncate",
@@ -111,7 +116,7 @@ class RolloutCorrection:
     stale_tis_cap: float | None = 2.0
 
     def __post_init__(self) -> None:
-        prefix = "loss.rollout_correction"
+        prefix = ROLLOUT_CORRECTION_PATH
         if self.mode not in MODES and self.mode not in PRESETS:
             raise ValueError(
                 f"{prefix}.mode={self.mode!r} is not known; valid: "
@@ -249,6 +254,7 @@ def _correction_metrics(
 __all__ = [
     "MODES",
     "PRESETS",
+    "ROLLOUT_CORRECTION_PATH",
     "TRL_METRICS",
     "RolloutCorrection",
     "bounded_weights",

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from dapo_lightning.advantages import advantage_estimator
 from dapo_lightning.checks import ConfigError, check_count, check_finite
 from dapo_lightning.data.batch import RolloutBatch
-from dapo_lightning.loss import PolicyLossConfig
+from dapo_lightning.loss import LOSS_PATH, PolicyLossConfig
 from dapo_lightning.metrics import ReduceOp
 from dapo_lightning.objectives import objective_params, policy_objective
 from dapo_lightning.rollout_correction import TRL_METRICS, RolloutCorrection, token_truncation
@@ -32,7 +32,8 @@ LOSS_METRIC_OPS: dict[str, ReduceOp] = {
 
 
 #: Where the module's settings are in a config: ``model.init_args.*`` (``model.*`` on the
-#: command line too), named ``model.*`` in errors as the data's are ``data.*``.
+#: command line too), named ``model.*`` in errors as the data's are ``data.*`` (the loss's:
+#: ``loss.LOSS_PATH``, ``model.loss``).
 MODEL_PATH = "model"
 BATCHING_PATH = f"{MODEL_PATH}.batching"
 
@@ -245,7 +246,7 @@ def check_data_settings(
     least = advantage_estimator(loss.advantage_estimator).traits["min_group_size"]
     if config.n < least:
         raise ConfigError(
-            f"data.dynamic_sampling.n={config.n} with model.loss.advantage_estimator="
+            f"data.dynamic_sampling.n={config.n} with {LOSS_PATH}.advantage_estimator="
             f"{loss.advantage_estimator!r}, which needs {least} responses per prompt (a group of "
             "one has no std / no other responses to compare with). Fix: n >= 2 (paper 16), or "
             "advantage_estimator 'dr_grpo' / 'reinforce_baseline'."

@@ -130,7 +130,9 @@ def test_cli_bad_choice_torch_dtype(capsys):
 
 
 def test_cli_eps_high_below_eps_low(capsys):
-    with pytest.raises(ValueError, match="clip_ratio_high .* < loss.clip_ratio_low"):
+    with pytest.raises(
+        ValueError, match=r"model\.loss\.clip_ratio_high .* < model\.loss\.clip_ratio_low"
+    ):
         build_cli(
             [*BASE, "--model.loss.clip_ratio_low=0.3", "--model.loss.clip_ratio_high=0.2"],
             run=False,
@@ -145,22 +147,34 @@ def test_cli_eps_high_below_eps_low(capsys):
     [
         (
             {"loss": {"clip_ratio_low": 0.3, "clip_ratio_high": 0.2}},
-            "clip_ratio_high .*0.28 and 0.2",
+            r"^model\.loss\.clip_ratio_high .*0.28 and 0.2",
         ),
-        ({"loss": {"clip_ratio_low": 1.5}}, r"clip_ratio_low \(eps_low\) must be in"),
-        ({"loss": {"clip_ratio_c": 0.5}}, r"clip_ratio_c \(dual clip\) must be > 1"),
+        ({"loss": {"clip_ratio_low": 1.5}}, r"^model\.loss\.clip_ratio_low \(eps_low\) must be"),
+        ({"loss": {"clip_ratio_c": 0.5}}, r"^model\.loss\.clip_ratio_c \(dual clip\) must be > 1"),
         (
             {"loss": {"loss_agg_mode": "token-sum"}},
-            "loss_agg_mode='token-sum' is not known; valid modes",
+            r"^model\.loss\.loss_agg_mode='token-sum' is not known; valid modes",
         ),
         (
             {"loss": {"advantage_estimator": "ppo"}},
-            "advantage_estimator='ppo' is not a registered advantage estimator; valid: grpo",
+            r"^model\.loss\.advantage_estimator='ppo' is not a registered advantage estimator; "
+            "valid: grpo",
         ),
-        ({"loss": {"objective": "ppo"}}, "objective='ppo' is not a registered policy objective"),
-        ({"loss": {"objective_kwargs": {"cap": 2.0}}}, "'dapo' does not take; its parameters"),
-        ({"loss": {"clip_ratio_high": nan}}, "loss.clip_ratio_high=nan is not finite"),
-        ({"loss": {"entropy_coef": inf}}, "loss.entropy_coef=inf is not finite"),
+        (
+            {"loss": {"objective": "ppo"}},
+            r"^model\.loss\.objective='ppo' is not a registered policy objective",
+        ),
+        (
+            {"loss": {"objective_kwargs": {"cap": 2.0}}},
+            r"^model\.loss\.objective_kwargs has cap, which objective 'dapo' does not take",
+        ),
+        ({"loss": {"clip_ratio_high": nan}}, r"^model\.loss\.clip_ratio_high=nan is not finite"),
+        ({"loss": {"entropy_coef": inf}}, r"^model\.loss\.entropy_coef=inf is not finite"),
+        (
+            {"loss": {"importance_sampling_level": "batch"}},
+            r"^model\.loss\.importance_sampling_level must be 'token' or 'sequence'",
+        ),
+        ({"loss": {"objective": ""}}, r"^model\.loss\.objective must be a non-empty name"),
         (
             {"batching": {"micro_batch_size": 0}},
             r"model\.batching\.micro_batch_size must be an integer >= 1 \(",
@@ -172,17 +186,20 @@ def test_cli_eps_high_below_eps_low(capsys):
         ({"batching": {"ppo_epochs": 1.5}}, r"model\.batching\.ppo_epochs must be an integer"),
         (
             {"loss": {"rollout_correction": {"mode": "token_truncate", "clip_max": 0.0}}},
-            "clip_max must be > 0",
+            r"^model\.loss\.rollout_correction\.clip_max must be > 0",
         ),
-        ({"loss": {"rollout_correction": {"stale_tis_cap": -1.0}}}, "stale_tis_cap must be > 0"),
+        (
+            {"loss": {"rollout_correction": {"stale_tis_cap": -1.0}}},
+            r"^model\.loss\.rollout_correction\.stale_tis_cap must be > 0",
+        ),
         (
             {"loss": {"rollout_correction": {"stale_tis_cap": nan}}},
-            "loss.rollout_correction.stale_tis_cap=nan is not finite",
+            r"^model\.loss\.rollout_correction\.stale_tis_cap=nan is not finite",
         ),
         ({"gradient_clip_val": -1.0}, "model.gradient_clip_val must be >= 0.*flip the gradient"),
         ({"gradient_clip_val": nan}, "model.gradient_clip_val=nan is not finite"),
         ({"gradient_clip_val": inf}, "model.gradient_clip_val=inf is not finite"),
-        ({"loss": {"kl_coef": -0.1}}, "kl_coef must be >= 0"),
+        ({"loss": {"kl_coef": -0.1}}, r"^model\.loss\.kl_coef must be >= 0"),
         ({"warmup_steps": -1}, r"model\.warmup_steps must be an integer >= 0 \(optimizer updates"),
         ({"parity_check_every": -1}, r"model\.parity_check_every must be an integer >= 0"),
         (
@@ -806,7 +823,7 @@ def test_cli_init_error_is_the_class_own_message(capsys):
         )
     message = str(info.value)
     assert message.startswith(
-        "PolicyLossConfig: loss.clip_ratio_high (0.2) < loss.clip_ratio_low (0.3)"
+        "PolicyLossConfig: model.loss.clip_ratio_high (0.2) < model.loss.clip_ratio_low (0.3)"
     ), message
     assert "Union" not in message and "Given value" not in message
 
@@ -942,8 +959,23 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
             ["error: CollapseDetector.max_rollbacks must be an integer >= 0"],
         ),  # fmt: skip
         (["--model.gradient_clip_val=.inf"], ["gradient_clip_val=inf is not finite"]),
-        (["--model.loss.clip_ratio_high=.nan"], ["loss.clip_ratio_high=nan is not finite"]),
-        (["--model.loss.clip_ratio_low=.nan"], ["loss.clip_ratio_low=nan is not finite"]),
+        (
+            ["--model.init_args.loss.clip_ratio_high=.nan"],
+            ["error: PolicyLossConfig: model.loss.clip_ratio_high=nan is not finite"],
+        ),
+        (["--model.loss.clip_ratio_low=.nan"], ["model.loss.clip_ratio_low=nan is not finite"]),
+        (
+            ["--model.loss.clip_ratio_low=0.3", "--model.loss.clip_ratio_high=0.2"],
+            ["model.loss.clip_ratio_high (0.2) < model.loss.clip_ratio_low (0.3)"],
+        ),
+        (
+            ["--model.loss.objective=ppo"],
+            ["error: DAPOModule: model.loss.objective='ppo' is not a registered policy objective"],
+        ),
+        (
+            ["--model.loss.rollout_correction.stale_tis_cap=.nan"],
+            ["model.loss.rollout_correction.stale_tis_cap=nan is not finite"],
+        ),
         (["--data.sampling.temperature=.nan"], ["data.sampling.temperature=nan is not finite"]),
         (["--data.sampling.temperature=.inf"], ["data.sampling.temperature=inf is not finite"]),
         (["--data.sampling.top_p=.nan"], ["data.sampling.top_p must be in (0, 1], got nan"]),

@@ -380,7 +380,7 @@ def test_init_error_reaches_the_user_unwrapped(tmp_path):
     assert not (tmp_path / "model").exists()  # checked before the first-use model is written
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(
-        "dapo-lightning: error: PolicyLossConfig: loss.clip_ratio_high (0.2) < "
+        "dapo-lightning: error: PolicyLossConfig: model.loss.clip_ratio_high (0.2) < "
     ), last
     assert "Union" not in proc.stderr and "Traceback" not in proc.stderr
 

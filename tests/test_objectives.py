@@ -213,7 +213,9 @@ def test_module_update_equals_sgd_on_the_objective(tiny_checkpoint, start, name)
 
 
 def test_unknown_objective_names_the_valid_ones():
-    with pytest.raises(ValueError, match=r"objective='ppo' .* valid: dapo, gspo, cispo, sapo"):
+    with pytest.raises(
+        ValueError, match=r"^model\.loss\.objective='ppo' .* valid: dapo, gspo, cispo, sapo"
+    ):
         DAPOModule("unused", loss=PolicyLossConfig(objective="ppo"))
     with pytest.raises(ValueError, match="module 'no_such_pkg' cannot be imported"):
         DAPOModule("unused", loss=PolicyLossConfig(objective="no_such_pkg.fn"))
@@ -230,12 +232,15 @@ def test_objective_parameters_are_declared_and_checked():
     }
     with pytest.raises(
         ValueError,
-        match=r"has temperature, which objective 'cispo' does not take; its parameters: cap",
+        match=r"^model\.loss\.objective_kwargs has temperature, which objective 'cispo' does "
+        "not take; its parameters: cap",
     ):
         objective_params(cispo, {"temperature": 1.0})
-    with pytest.raises(ValueError, match="cap of objective 'cispo' must be > 0"):
+    with pytest.raises(
+        ValueError, match=r"^model\.loss\.objective_kwargs\.cap of objective 'cispo' must be > 0"
+    ):
         DAPOModule("unused", loss=PolicyLossConfig(objective="cispo", objective_kwargs={"cap": 0}))
-    with pytest.raises(ValueError, match=r"loss.objective_kwargs.cap=inf is not finite"):
+    with pytest.raises(ValueError, match=r"^model\.loss\.objective_kwargs\.cap=inf is not finite"):
         PolicyLossConfig(objective="cispo", objective_kwargs={"cap": math.inf})
 
 

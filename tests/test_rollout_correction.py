@@ -16,14 +16,16 @@ import math
 import pytest
 import torch
 
-from dapo_lightning.loss import PolicyLossConfig
+from dapo_lightning.loss import LOSS_PATH, PolicyLossConfig
 from dapo_lightning.policy_loss import compute_policy_loss
 from dapo_lightning.rollout_correction import (
     PRESETS,
+    ROLLOUT_CORRECTION_PATH,
     TRL_METRICS,
     RolloutCorrection,
     correction_weights,
 )
+from dapo_lightning.update import MODEL_PATH
 from tests.test_objectives import _fixed_tensors, ours, trl_loss
 
 TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -204,12 +206,22 @@ def test_empty_micro_batch_has_neutral_metrics():
     ],
 )
 def test_bad_settings_name_the_field(kwargs, match):
-    with pytest.raises(ValueError, match="loss.rollout_correction.*" + match):
+    with pytest.raises(ValueError, match=r"^model\.loss\.rollout_correction\..*" + match):
         RolloutCorrection(**kwargs)
+
+
+def test_the_loss_settings_paths_agree():
+    """The errors of the loss settings name them as the module's others are named (``model.*``);
+    ``rollout_correction`` writes its path out (``loss`` imports it), so it must not drift."""
+    assert LOSS_PATH == f"{MODEL_PATH}.loss"
+    assert ROLLOUT_CORRECTION_PATH == f"{LOSS_PATH}.rollout_correction"
 
 
 def test_a_correction_without_engine_log_probs_is_an_error():
     logp, old, adv, mask = _fixed_tensors()
     cfg = PolicyLossConfig(rollout_correction=RolloutCorrection("trl"))
-    with pytest.raises(ValueError, match="mode='trl' needs the engine's log-probs"):
+    with pytest.raises(
+        ValueError,
+        match=r"^model\.loss\.rollout_correction\.mode='trl' needs the engine's log-probs",
+    ):
         compute_policy_loss(logp, old, adv, mask, config=cfg)
