@@ -184,8 +184,12 @@ def test_calculator_recipe_differs_from_the_single_turn_one_only_where_it_must(c
 @pytest.mark.timeout(3600)
 def test_kill_and_resume_mid_run_with_episodes_is_exact(tiny_checkpoint, tmp_path, monkeypatch):
     """tests/test_resume_kill.py's worker on calculator episodes: SIGKILLed at a random moment
-    and during a checkpoint write, resumed from last.ckpt, it ends with the uninterrupted run's
-    weights and draws the same prompts at every step."""
+    of a random rollout step and during a checkpoint write, resumed from last.ckpt, it ends with
+    the uninterrupted run's weights and draws the same prompts at every step.
+
+    The random kill is timed from the step records, not from the start: a delay from the start
+    (a fraction of the reference fit's time) outlasted the whole fit when the reference ran on
+    busier cores, and the next start then restored the final checkpoint and never trained."""
     import random
     import time
 
@@ -204,14 +208,16 @@ def test_kill_and_resume_mid_run_with_episodes_is_exact(tiny_checkpoint, tmp_pat
     for mode in ("random", "write"):  # a random moment of the fit, then a checkpoint write
         proc = kill._start(tiny_checkpoint, run)
         assert kill._wait_training(proc, run, timeout=900), proc.communicate()[1].decode()[-4000:]
-        if mode == "random":
-            delay = rng.uniform(0.2, 0.6) * fit_s
-            events.append(f"random {delay:.1f}s: {kill._kill_after(proc, delay)}")
+        if mode == "random":  # steps 2..STEPS-2: the write kill and the finish still have steps
+            # up to half the reference's mean step: mostly inside the step, at its record at most
+            step, delay = rng.randint(2, kill.STEPS - 2), rng.uniform(0, 0.5 * fit_s / kill.STEPS)
+            how = kill._kill_during_step(proc, run, step, delay, timeout=fit_s * 4 + 60)
         else:
             how = kill._kill_during_checkpoint_write(proc, run / "checkpoints", fit_s * 4 + 60)
-            events.append(f"write: {how}")
+        events.append(f"{mode}: {how}")
     print("kill events:", events, "steps recorded before the last start:", kill._steps_done(run))
-    assert events[0].endswith("True") and not events[1].endswith("None"), events
+    assert not any(e.endswith("None") for e in events), events
+    assert 0 < kill._steps_done(run) < kill.STEPS  # both kills landed mid-run
     proc = kill._start(tiny_checkpoint, run)
     kill._finish(proc, timeout=1800)
     kill._check_equal(run, ref)

@@ -107,6 +107,31 @@ def _kill_after(proc: subprocess.Popen, delay: float) -> bool:
         return True
 
 
+def _kill_during_step(
+    proc: subprocess.Popen, run: Path, step: int, delay: float, timeout: float
+) -> str | None:
+    """SIGKILL ``proc`` during rollout step ``step``: ``delay`` seconds after step ``step - 1``
+    is recorded, or as soon as step ``step`` is recorded if that comes first, so the kill always
+    lands before any later step (unlike a delay from the start, which may outlast a fit that
+    runs faster than the reference did). Returns where it landed, or None when the worker
+    exited (or ``timeout`` passed) before step ``step - 1`` was recorded."""
+    deadline = time.monotonic() + timeout
+    started = None
+    while proc.poll() is None and time.monotonic() < deadline:
+        done = _steps_done(run)
+        if started is None and done >= step - 1:
+            started = time.monotonic()
+        if done >= step or (started is not None and time.monotonic() - started >= delay):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return f"step {step} after {time.monotonic() - started:.2f}s ({done} recorded)"
+        time.sleep(0.002)
+    if proc.poll() is None:  # timed out: stop it so the run directory is free
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    return None
+
+
 def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
 
