@@ -301,6 +301,7 @@ def summarize(
         "load_end": load_end,
         "exit_code": exit_code,
         "run_dir": str(run_dir),
+        "cores": cores,
     }
     return result
 
@@ -382,9 +383,10 @@ def plot(results: list[dict[str, Any]], path: Path, budget_min: float, clock: st
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    cores = results[0].get("cores", 2)
     xs = (
         (lambda p: p[2] / 60, "training wall minutes (under the load of the run)"),
-        (lambda p: p[3] / 60, "idle-equivalent minutes (process CPU-min / 2)"),
+        (lambda p: p[3] / 60, f"idle-equivalent minutes (process CPU-min / {cores})"),
         (lambda p: p[0], "optimizer updates"),
     )
     colors: dict[int, str] = {}
@@ -496,6 +498,30 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     return report(results, name, args.budget_min, args.clock)
 
 
+def mean_over_budget(curve: list[Any], budget_min: float, clock: str) -> float | None:
+    """val/acc averaged over the training budget: the area under the curve of val/acc against
+    minutes (wall or idle-equivalent, by ``clock``), linear between validations, cut at the
+    budget, divided by the minutes covered (the budget, or less if the run ended sooner)::
+
+        (1 / T) * integral_0^T acc(t) dt,  T = min(budget, last validation)
+
+    Equal for two runs at every instant means equal; one run ahead of the other at every
+    instant has the larger value (None: fewer than two validations)."""
+    column = 2 if clock == "wall" else 3
+    points = [(p[column] / 60, p[1]) for p in curve]
+    if len(points) < 2:
+        return None
+    area, covered = 0.0, 0.0
+    for (t0, a0), (t1, a1) in zip(points, points[1:]):
+        if t0 >= budget_min or t1 <= t0:
+            continue
+        end = min(t1, budget_min)
+        a_end = a0 + (a1 - a0) * (end - t0) / (t1 - t0)
+        area += (a0 + a_end) / 2 * (end - t0)
+        covered = end
+    return area / covered if covered else None
+
+
 def report(
     results: list[dict[str, Any]], name: str, budget_min: float, clock: str
 ) -> list[dict[str, Any]]:
@@ -510,6 +536,7 @@ def report(
             _num(r["idle_minutes_to_target"]),
             r["best"],
             r["final"],
+            _num(mean_over_budget(r["curve"], budget_min, clock), 3),
             r["updates"],
             _num(r["train_minutes"]),
             _num(r["idle_minutes"]),
@@ -535,6 +562,7 @@ def report(
             f"idle-eq min to {target}",
             "best",
             "final",
+            "mean in budget",
             "updates",
             "train min",
             "idle-eq min",

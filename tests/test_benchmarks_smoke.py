@@ -99,3 +99,18 @@ def test_sampling_efficiency_simulated_quick() -> None:
     uniform = float(last.split("uniform ")[1].split(" n")[0])
     default = float(last.split("default ")[1].split(" n")[0])
     assert default < uniform  # predictive selection already helps within 20 steps
+
+
+def test_mean_over_budget_is_the_area_under_the_curve() -> None:
+    """smollm2_curve's "mean in budget": trapezoids of val/acc over minutes, cut at the budget."""
+    from benchmarks.smollm2_curve import mean_over_budget
+
+    # (updates, val/acc, wall s, idle-equivalent s, load): 0.2 -> 0.4 in minute 1, -> 0.6 by 3
+    curve = [(0, 0.2, 0, 0, 0), (8, 0.4, 60, 120, 0), (16, 0.6, 180, 240, 0)]
+    assert mean_over_budget(curve, 3, "wall") == pytest.approx((0.3 * 1 + 0.5 * 2) / 3)
+    # cut at 1.5 wall minutes: 0.4 -> 0.45 over the last half minute
+    assert mean_over_budget(curve, 1.5, "wall") == pytest.approx((0.3 + 0.425 * 0.5) / 1.5)
+    # the cpu clock reads the idle-equivalent column; a run shorter than the budget is averaged
+    # over what it covered
+    assert mean_over_budget(curve, 10, "cpu") == pytest.approx((0.3 * 2 + 0.5 * 2) / 4)
+    assert mean_over_budget(curve[:1], 3, "wall") is None
