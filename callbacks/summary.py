@@ -14,13 +14,16 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.callbacks.model_summary import log as lightning_summary_log
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.model_summary.model_summary import (
     _format_summary_table,
     get_formatted_model_size,
     get_human_readable_count,
 )
-from rich import get_console
-from rich.table import Table
+
+if _RICH_AVAILABLE:  # an optional dependency, as in Lightning's own rich callbacks
+    from rich import get_console
+    from rich.table import Table
 
 #: The column Lightning fills from the FLOP counter.
 FLOPS_COLUMN = "FLOPs"
@@ -34,7 +37,8 @@ class DAPOModelSummary(ModelSummary):
     Args:
         max_depth: Depth of nested layers shown (0: no summary), as Lightning's.
         rich: Draw the table with rich, as Lightning does when rich is installed (its
-            ``RichModelSummary``); False: plain text through Lightning's logger.
+            ``RichModelSummary``); False, or rich not installed: plain text through
+            Lightning's logger.
         **summarize_kwargs: ``header_style`` of the rich table.
 
     Example::
@@ -44,7 +48,7 @@ class DAPOModelSummary(ModelSummary):
 
     def __init__(self, max_depth: int = 1, rich: bool = True, **summarize_kwargs: Any) -> None:
         super().__init__(max_depth, **summarize_kwargs)
-        self.rich = rich
+        self.rich = rich and bool(_RICH_AVAILABLE)
 
     def summarize(  # type: ignore[override]  # Lightning's is a staticmethod called on self
         self,
