@@ -395,8 +395,8 @@ def plot(results: list[dict[str, Any]], path: Path, budget_min: float, clock: st
         style = STYLES[r["method"]]
         label = f"{r['method'].upper()} seed {r['seed']}"
         for ax, (x, _) in zip(axes, xs):
-            ax.plot([x(p) for p in r["curve"]], [p[1] for p in r["curve"]], style, color=color,
-                    marker="o", ms=3, label=label)  # fmt: skip
+            ax.plot([x(p) for p in r["curve"]], [p[1] for p in r["curve"]], linestyle=style,
+                    color=color, marker="o", ms=3, label=label)  # fmt: skip
     recipe = results[0].get("recipe", "word_problems")
     kind, value = TARGETS[recipe]
     initials = [r["initial"] for r in results if r["initial"] is not None]
