@@ -437,6 +437,9 @@ class RewardRunner:
                 try:
                     msg = w.conn.recv()
                 except (EOFError, OSError):
+                    if not w.ready:  # it died before it started: the run fails, naming the fix
+                        w.proc.join(5)  # (its pipe can close before is_alive turns False)
+                        w.check_started(now)
                     msg = (None, "error", "worker process died")
                     w.kill()
                     self._workers.remove(w)
