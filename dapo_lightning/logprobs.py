@@ -116,8 +116,8 @@ def _reduced_input_float32_gemm(device_type: str, compute_dtype: torch.dtype) ->
     """While active, float32 matmuls on ``device_type`` round their inputs (CPU, for a bf16
     ``compute_dtype``: to bf16 through oneDNN, ``torch.backends.mkldnn.matmul.fp32_precision =
     "bf16"``, kept float32 on a CPU without bf16 instructions; CUDA, for bf16 / fp16: to TF32 on
-    tensor cores) and return float32 (sums in float32 on this AVX512-bf16 CPU; on CI's CPU the error
-    reaches a bf16 GEMM's). Any other case: no change. Used for ``dL/dW`` under autocast: its
+    tensor cores) and return float32 (sums in float32 on this AVX512-bf16 CPU; on CI's CPU the
+    error reaches a bf16 GEMM's). Any other case: no change. Used for ``dL/dW`` under autocast: its
     error is no worse than the autocast head's own bf16 GEMM, the chunks accumulate in float32,
     and it runs at the reduced-precision rate (measured here: 17 ms instead of 32 ms per
     170-row chunk, V = 49152; the CUDA branch is not run on these machines)."""

@@ -247,9 +247,9 @@ def test_reduced_input_float32_gemm_is_no_coarser_than_a_bf16_gemm_and_restores(
     """Inside the context the CPU float32 GEMM runs in oneDNN's bf16 mode (the flag is set) and
     its error against the float64 product is within a bf16 GEMM's (what the autocast head's own
     GEMM gives): bf16-rounded inputs, then float32 sums (this AVX512-bf16 EPYC: 1e-7 from the
-    product of the rounded inputs) or, on CI's CPU, 2.6e-3 from it (oneDNN's kernel differs), no worse
-    than the bf16 GEMM's 4e-3; outside it is the plain float32 GEMM; the flag is restored, also
-    after an exception."""
+    product of the rounded inputs) or, on CI's CPU, 2.6e-3 from it (oneDNN's kernel differs),
+    no worse than the bf16 GEMM's 4e-3; outside it is the plain float32 GEMM; the flag is
+    restored, also after an exception."""
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 300, generator=gen), torch.randn(300, 48, generator=gen)
     exact = a.double() @ b.double()
