@@ -414,8 +414,10 @@ class RewardRunner:
 
     def _fill_pool(self) -> None:
         """Drop dead workers and start new ones up to ``num_workers`` (without waiting: a fresh
-        worker's import time is outside every sample's limit)."""
+        worker's import time is outside every sample's limit); a worker that died before it
+        started fails the run (:meth:`_Worker.check_started`), it is not replaced."""
         for w in [w for w in self._workers if not w.proc.is_alive() and w.job is None]:
+            w.check_started(time.monotonic())
             w.kill()
             self._workers.remove(w)
         while len(self._workers) < self.num_workers:
