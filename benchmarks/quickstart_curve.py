@@ -14,7 +14,8 @@ The override keeps quickstart.yaml's ``EarlyStopping`` (the run ends at the firs
 A run that exits with an error is still reported (its exit code is a column).
 
 It prints one row per seed (initial val/acc, optimizer updates and seconds to reach the
-target, final val/acc, total seconds) and writes ``benchmarks/out/quickstart_curve.png``:
+target, best and final val/acc, the share of updates where clip-higher clipped
+(``update/clipfrac_high`` > 0) and its largest value, total seconds) and writes ``benchmarks/out/quickstart_curve.png``:
 val/acc against optimizer updates and against wall-clock seconds.
 
 Usage::
@@ -30,6 +31,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -132,6 +134,16 @@ def read_val_curve(run_dir: Path) -> list[tuple[int, float]]:
     return [(int(step) + 1, acc) for step, acc in sorted(series.get("val/acc", []))]
 
 
+def read_clipfrac_high(run_dir: Path) -> tuple[float, float]:
+    """``(share of the updates with update/clipfrac_high > 0, its largest value)`` of a run:
+    the evidence that clip-higher acts (0, 0 when nothing was logged)."""
+    series = read_metrics(find_metrics_csv(run_dir / "logs")).get("update/clipfrac_high", [])
+    values = [v for _, v in series]
+    if not values:
+        return 0.0, 0.0
+    return sum(v > 0 for v in values) / len(values), max(values)
+
+
 def read_wall_clock(run_dir: Path) -> list[dict[str, Any]]:
     """The :class:`WallClock` rows of a run (empty if it wrote none)."""
     path = run_dir / "wall_clock.jsonl"
@@ -156,8 +168,6 @@ def run_seed(
         out_dir() / ("quickstart_curve_quick" if quick else "quickstart_curve") / f"seed{seed}"
     )
     if run_dir.exists():
-        import shutil
-
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     override = write_override(run_dir, quick=quick, model_dir=model_dir)
@@ -197,6 +207,7 @@ def run_seed(
     ]
     timed = [t for t in timed if t[0] > 0]
     hit = next(((u, w) for u, acc, w in timed if acc >= TARGET), (None, None))
+    clip_share, clip_max = read_clipfrac_high(run_dir) if curve else (0.0, 0.0)
     return {
         "seed": seed,
         "initial": start[0][0] if start else None,
@@ -205,6 +216,9 @@ def run_seed(
         "updates_to_target": hit[0],
         "seconds_to_target": hit[1],
         "final": curve[-1][1] if curve else None,
+        "best": max((acc for _, acc, _ in timed), default=None),
+        "clipfrac_high_share": clip_share,
+        "clipfrac_high_max": clip_max,
         "total_s": total_s,
         "exit_code": proc.returncode,
         "run_dir": str(run_dir),
@@ -221,7 +235,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig, (ax_u, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
         pts = [(0, r["initial"], r["initial_wall_s"])] if r["initial"] is not None else []
-        pts += [p for p in r["curve"] if p[2] is not None or True]
+        pts += r["curve"]
         ax_u.plot(
             [p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=f"seed {r['seed']}"
         )
@@ -273,7 +287,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
             r["initial"],
             r["updates_to_target"] if r["updates_to_target"] is not None else "not reached",
             r["seconds_to_target"] if r["seconds_to_target"] is not None else "-",
+            r["best"],
             r["final"],
+            f"{r['clipfrac_high_share']:.0%} ({r['clipfrac_high_max']:.2f})",
             r["total_s"],
             r["exit_code"],
         ]
@@ -286,7 +302,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
             "initial val/acc",
             f"updates to {TARGET}",
             f"seconds to {TARGET}",
+            "best val/acc",
             "final val/acc",
+            "updates with clipfrac_high > 0 (max)",
             "total s",
             "exit",
         ],

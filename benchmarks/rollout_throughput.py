@@ -3,6 +3,9 @@
 Both engines sample from the same checkpoint, prompts, ``n`` and ``max_tokens``; each cell is
 the median over repeats of ``response tokens generated / wall seconds`` (after one warm-up
 call per engine). Prints a rich table and writes ``benchmarks/out/rollout_throughput.png``.
+Several ``--prompts`` values measure how a call's rate depends on its size (a generation
+round's prompt count: dynamic sampling's sized rounds can be small); the table then adds each
+size's rate relative to the largest.
 
 Usage::
 
@@ -11,6 +14,9 @@ Usage::
     # SmolLM2-135M-Instruct on the recipe's chat prompts (folder from make-model):
     python -m benchmarks.rollout_throughput --model-path benchmarks/out/smollm2-135m-instruct \
         --dtype bfloat16 --word-problems --prompts 16 --n 8 16 --max-tokens 128 512
+    # rate against round size, vLLM only, the reasoning-gym recipe's n and max_tokens:
+    python -m benchmarks.rollout_throughput --model-path runs/smollm2/model --dtype bfloat16 \
+        --word-problems --engines vllm --prompts 2 4 8 16 32 --n 8 --max-tokens 32
 
 The HF engine is measured first, before vLLM's CPU worker binds threads and memory in this
 process (its log says it reduces torch threads to 1), so vLLM's start cannot handicap it.
@@ -68,12 +74,15 @@ def measure(
     return statistics.median(rates), statistics.median(secs)
 
 
-def main(argv: list[str] | None = None) -> dict[tuple[str, int, int], tuple[float, float]]:
+Cell = tuple[str, int, int, int]  # engine, prompts per call, n, max_tokens
+
+
+def main(argv: list[str] | None = None) -> dict[Cell, tuple[float, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small grid, finishes in < 1 min")
     parser.add_argument("--model-path", default=None, help="checkpoint (default: tiny one)")
     parser.add_argument("--dtype", default="float32", help="vLLM dtype (HF model: same)")
-    parser.add_argument("--prompts", type=int, default=None, help="prompts per call")
+    parser.add_argument("--prompts", type=int, nargs="+", default=None, help="prompts per call")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per cell")
     parser.add_argument("--max-tokens", type=int, nargs="+", default=None)
     parser.add_argument("--n", type=int, nargs="+", default=[8, 16])
@@ -85,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int, int], tuple[floa
     )
     parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="vLLM CPU KV cache, GiB")
     args = parser.parse_args(argv)
-    num_prompts = args.prompts or (4 if args.quick else 16)
+    sizes = args.prompts or ([4] if args.quick else [16])
+    num_prompts = max(sizes)
     repeats = args.repeats or (2 if args.quick else 3)
     lengths = args.max_tokens or ([32] if args.quick else [64, 256])
 
@@ -105,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int, int], tuple[floa
         prompts = make_prompts(num_prompts)
     dtype = getattr(torch, args.dtype)
     print(f"load average at start: {os.getloadavg()}", flush=True)
-    results: dict[tuple[str, int, int], tuple[float, float]] = {}
+    results: dict[Cell, tuple[float, float]] = {}
     threads: dict[str, int] = {}
     for kind in args.engines:
         if kind == "hf":
@@ -121,36 +131,43 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int, int], tuple[floa
             )
         threads[kind] = torch.get_num_threads()
         engine.generate(prompts[:2], 2, SamplingConfig(max_tokens=8))  # warm-up
-        for n in args.n:
-            for length in lengths:
-                results[(kind, n, length)] = measure(engine, prompts, n, length, repeats)
+        for size in sizes:
+            for n in args.n:
+                for length in lengths:
+                    cell = (kind, size, n, length)
+                    results[cell] = measure(engine, prompts[:size], n, length, repeats)
         del engine
 
     print(f"load average at end: {os.getloadavg()}", flush=True)
-    _print_table(results, args, num_prompts, repeats, threads)
+    _print_table(results, args, repeats, threads)
     _plot(results, args, lengths)
     if tmp is not None:
         tmp.cleanup()
     return results
 
 
-def _print_table(results, args, num_prompts, repeats, threads) -> None:
+def _print_table(results, args, repeats, threads) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(
-        title=f"Rollout throughput: {num_prompts} prompts x n, median of {repeats}, "
+        title=f"Rollout throughput: prompts x n per call, median of {repeats}, "
         f"dtype {args.dtype}, torch threads {threads}"
     )
-    for col in ("n", "max_tokens", "engine", "response tok/s", "s / call", "vLLM / HF"):
+    cols = ("prompts", "n", "max_tokens", "engine", "response tok/s", "s / call", "vLLM / HF")
+    for col in (*cols, "vs largest call"):
         table.add_column(col, justify="right")
-    keys = sorted({(n, length) for _, n, length in results})
-    for n, length in keys:
-        hf = results.get(("hf", n, length))
+    largest = max(size for _, size, _, _ in results)
+    for size, n, length in sorted({cell[1:] for cell in results}):
+        hf = results.get(("hf", size, n, length))
         for kind in args.engines:
-            rate, sec = results[(kind, n, length)]
+            rate, sec = results[(kind, size, n, length)]
             speedup = f"{rate / hf[0]:.2f}x" if kind == "vllm" and hf else ""
-            table.add_row(str(n), str(length), kind, f"{rate:,.0f}", f"{sec:.2f}", speedup)
+            top = results[(kind, largest, n, length)][0]
+            table.add_row(
+                str(size), str(n), str(length), kind, f"{rate:,.0f}", f"{sec:.2f}", speedup,
+                f"{rate / top:.2f}x",
+            )  # fmt: skip
     Console().print(table)
 
 
@@ -161,13 +178,14 @@ def _plot(results, args, lengths) -> None:
     import matplotlib.pyplot as plt
 
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    cells = sorted({(n, length) for _, n, length in results})
-    labels = [f"n={n}\nT={length}" for n, length in cells]
+    cells = sorted({cell[1:] for cell in results})
+    many = len({size for size, _, _ in cells}) > 1
+    labels = [(f"{size} prompts\n" if many else "") + f"n={n}\nT={t}" for size, n, t in cells]
     width = 0.8 / len(args.engines)
     fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(cells)), 3.5))
     for i, kind in enumerate(args.engines):
         xs = [j + i * width for j in range(len(cells))]
-        ax.bar(xs, [results[(kind, n, t)][0] for n, t in cells], width, label=kind)
+        ax.bar(xs, [results[(kind, *cell)][0] for cell in cells], width, label=kind)
     ax.set_xticks([j + width * (len(args.engines) - 1) / 2 for j in range(len(cells))], labels)
     ax.set_ylabel("response tokens / s")
     ax.set_title("Rollout throughput (median)")
