@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -484,7 +485,21 @@ def test_stop_inside_a_multi_update_step_undoes_the_whole_step(
     assert loops["total"]["completed"] == 2
 
 
-def test_stop_overruled_by_min_steps_still_stops(tmp_path, tiny_checkpoint, capfd):
+@pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """SIGINT handled as a fresh Python process does (KeyboardInterrupt) during the test, the
+    worker's handler put back after. An earlier test in the same pytest worker may have left
+    another one (Lightning sets SIGINT to SIG_IGN when a fit ends in KeyboardInterrupt and does
+    not put it back), and the stop handlers rightly restore whatever was there before the fit:
+    the full suite failed here once, by test order."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_stop_overruled_by_min_steps_still_stops(tmp_path, tiny_checkpoint, capfd, python_sigint):
     """A real SIGINT to this process: Lightning keeps going while ``min_steps`` is not reached
     (``should_stop`` is not honoured), so the guard stops at the next batch and saves."""
     with pytest.raises(SystemExit) as info, exit_on_stop():
