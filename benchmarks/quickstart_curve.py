@@ -15,8 +15,9 @@ A run that exits with an error is still reported (its exit code is a column).
 
 It prints one row per seed (initial val/acc, optimizer updates and seconds to reach the
 target, best and final val/acc, the share of updates where clip-higher clipped
-(``update/clipfrac_high`` > 0) and its largest value, total seconds) and writes ``benchmarks/out/quickstart_curve.png``:
-val/acc against optimizer updates and against wall-clock seconds.
+(``update/clipfrac_high`` > 0) and its largest value, total seconds) and writes
+``benchmarks/out/quickstart_curve.png``: val/acc against optimizer updates and against
+wall-clock seconds.
 
 Usage::
 
