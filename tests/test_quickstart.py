@@ -5,6 +5,7 @@ issue 8 for one seed.
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import signal
@@ -119,6 +120,16 @@ def test_quickstart_config_runs_two_updates(tmp_path, monkeypatch):
     assert result["initial"] is not None and 0.0 <= result["initial"] <= 1.0
     assert [u for u, _, _ in result["curve"]] == [2]
     assert all(w is not None and w > 0 for _, _, w in result["curve"])
+    assert result["best"] == result["curve"][0][1]
+    # the clip-higher columns, against the run's metrics.csv read here with the csv module
+    (csv_path,) = run_dir.glob("logs/version_*/metrics.csv")
+    with open(csv_path) as f:
+        clip = [
+            float(r["update/clipfrac_high"]) for r in csv.DictReader(f) if r["update/clipfrac_high"]
+        ]
+    assert len(clip) == 2  # one value per update
+    assert result["clipfrac_high_share"] == sum(v > 0 for v in clip) / 2
+    assert result["clipfrac_high_max"] == max(clip)
     assert (tmp_path / "quickstart_curve_quick.png").stat().st_size > 1000
 
 
