@@ -42,7 +42,7 @@ from typing import Any
 import lightning.pytorch as pl
 import yaml
 
-from dapo_lightning.plot import find_metrics_csv, read_metrics
+from dapo_lightning.plot import Series, find_metrics_csv, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO_ROOT, config_callbacks, model_override, out_dir, print_table  # noqa: E402
@@ -125,21 +125,19 @@ def write_override(run_dir: Path, *, quick: bool, model_dir: Path | None = None)
     return path
 
 
-def read_val_curve(run_dir: Path) -> list[tuple[int, float]]:
-    """``(optimizer updates, val/acc)`` rows of the run's CSVLogger ``metrics.csv``.
+def val_curve(series: Series) -> list[tuple[int, float]]:
+    """``(optimizer updates, val/acc)`` rows of a run's ``metrics.csv`` series.
 
     Lightning logs validation at ``step = global_step - 1`` of the update it followed (the
     row's ``step`` column); the update count is that plus one.
     """
-    series = read_metrics(find_metrics_csv(run_dir / "logs"))
     return [(int(step) + 1, acc) for step, acc in sorted(series.get("val/acc", []))]
 
 
-def read_clipfrac_high(run_dir: Path) -> tuple[float, float]:
-    """``(share of the updates with update/clipfrac_high > 0, its largest value)`` of a run:
-    the evidence that clip-higher acts (0, 0 when nothing was logged)."""
-    series = read_metrics(find_metrics_csv(run_dir / "logs")).get("update/clipfrac_high", [])
-    values = [v for _, v in series]
+def clipfrac_high(series: Series) -> tuple[float, float]:
+    """``(share of the updates with update/clipfrac_high > 0, its largest value)`` of a run's
+    metrics: the evidence that clip-higher acts (0, 0 when nothing was logged)."""
+    values = [v for _, v in series.get("update/clipfrac_high", [])]
     if not values:
         return 0.0, 0.0
     return sum(v > 0 for v in values) / len(values), max(values)
@@ -197,7 +195,8 @@ def run_seed(
     if proc.returncode != 0:  # report what it logged, and the error
         tail = (run_dir / "fit.log").read_text()[-1500:]
         print(f"seed {seed}: the fit exited with {proc.returncode}:\n{tail}", file=sys.stderr)
-    curve = read_val_curve(run_dir)
+    series = read_metrics(find_metrics_csv(run_dir / "logs"))  # {name: [(step, value)]}
+    curve = val_curve(series)
     clock = read_wall_clock(run_dir)
     sanity = [r for r in clock if r["sanity"]]
     wall_by_update = {r["step"]: r["wall_s"] for r in clock if not r["sanity"]}
@@ -208,7 +207,7 @@ def run_seed(
     ]
     timed = [t for t in timed if t[0] > 0]
     hit = next(((u, w) for u, acc, w in timed if acc >= TARGET), (None, None))
-    clip_share, clip_max = read_clipfrac_high(run_dir) if curve else (0.0, 0.0)
+    clip_share, clip_max = clipfrac_high(series)
     return {
         "seed": seed,
         "initial": start[0][0] if start else None,

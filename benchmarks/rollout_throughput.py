@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[Cell, tuple[float, float]]:
 
     print(f"load average at end: {os.getloadavg()}", flush=True)
     _print_table(results, args, repeats, threads)
-    _plot(results, args, lengths)
+    _plot(results, args)
     if tmp is not None:
         tmp.cleanup()
     return results
@@ -171,7 +171,7 @@ def _print_table(results, args, repeats, threads) -> None:
     Console().print(table)
 
 
-def _plot(results, args, lengths) -> None:
+def _plot(results, args) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -417,11 +417,18 @@ class RewardRunner:
         worker's import time is outside every sample's limit); a worker that died before it
         started fails the run (:meth:`_Worker.check_started`), it is not replaced."""
         for w in [w for w in self._workers if not w.proc.is_alive() and w.job is None]:
-            w.check_started(time.monotonic())
-            w.kill()
-            self._workers.remove(w)
+            self._drop(w)
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker(self._ctx, self.reward))
+
+    def _drop(self, w: _Worker) -> None:
+        """Remove a dead worker from the pool; one that died before it started fails the run
+        instead, naming the fix (:meth:`_Worker.check_started`)."""
+        if not w.ready:
+            w.proc.join(5)  # its pipe can close before is_alive turns False
+        w.check_started(time.monotonic())
+        w.kill()
+        self._workers.remove(w)
 
     def _wait_s(self, deadline: float | None) -> float:
         now = time.monotonic()
@@ -439,12 +446,8 @@ class RewardRunner:
                 try:
                     msg = w.conn.recv()
                 except (EOFError, OSError):
-                    if not w.ready:  # it died before it started: the run fails, naming the fix
-                        w.proc.join(5)  # (its pipe can close before is_alive turns False)
-                        w.check_started(now)
                     msg = (None, "error", "worker process died")
-                    w.kill()
-                    self._workers.remove(w)
+                    self._drop(w)
                 if msg == "ready":
                     w.ready = True
                     self.worker_start_s = now - w.started
