@@ -8,8 +8,8 @@ Besides Lightning's hooks they implement two DAPO hooks, called by the library o
 * ``on_dapo_update(trainer, pl_module, metrics)``: after every optimizer update.
 """
 
-from dapo_lightning.callbacks.collapse import (
-    CollapseDetector,
+from dapo_lightning.callbacks.collapse import CollapseDetector
+from dapo_lightning.callbacks.collapse_judge import (
     Detector,
     SignalState,
     default_detectors,
