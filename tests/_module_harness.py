@@ -13,13 +13,18 @@ from typing import Any
 
 import torch
 from dapo_lightning.callbacks import DAPOCallback
-from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
 from dapo_lightning.data.batch import RolloutBatch
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.testing import make_random_rollout_batch
 from dapo_lightning.update import BatchingConfig
+
+try:
+    from tests._harness import make_trainer
+except ModuleNotFoundError:  # run as a script (torch.distributed.run): tests/ is sys.path[0]
+    from _harness import make_trainer
 
 # Lengths that differ a lot within and across micro-batches and ranks.
 RESPONSE_LENGTHS = [1, 40, 3, 2, 35, 1, 5, 30, 2, 1, 28, 4, 6, 1, 33, 2]
@@ -95,16 +100,10 @@ def fit_update(
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = make_trainer(
         devices=devices,
         strategy=strategy or ("ddp" if devices > 1 else "auto"),
         max_steps=-1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     recorder = UpdateRecorder()
