@@ -22,11 +22,8 @@ import pytest
 
 from dapo_lightning.cli import ConfigError, build_cli, main
 from dapo_lightning.plot import find_metrics_csvs, read_run_metrics
+from tests._harness import CLI, QUICKSTART, REPO, TINY, check, run_cli, write_run_config
 
-REPO = Path(__file__).resolve().parents[1]
-CLI = str(Path(sys.executable).parent / "dapo-lightning")
-QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
-TINY = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "1"]
 # Metrics that do not depend on wall-clock time: equal in two runs with the same config and seed.
 DETERMINISTIC = (
     "rollout/reward_mean",
@@ -38,50 +35,27 @@ DETERMINISTIC = (
 )
 
 
-def run_cli(
-    *args: str, env: dict[str, str] | None = None, timeout: int = 240, cwd: Path = REPO
-) -> subprocess.CompletedProcess:
-    full_env = {
-        **os.environ,
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-        **(env or {}),
-    }
-    return subprocess.run(
-        [CLI, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
-
-
 def write_override(path: Path, run_dir: Path, model_dir: Path) -> Path:
     """A second --config: quickstart.yaml's run in ``run_dir`` (its relative paths follow
     default_root_dir), a checkpoint every update, on the tiny model with tiny batches (lists
-    such as trainer.callbacks are replaced whole)."""
-    path.write_text(
-        f"""
-trainer:
-  default_root_dir: {run_dir}
-  callbacks:
-    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
-      init_args:
-        dirpath: checkpoints
-        save_last: true
-        every_n_train_steps: 1
-        save_top_k: 0
-    - class_path: dapo_lightning.callbacks.OverlongRewardShaping
-      init_args:
-        buffer_length: 2
-    - class_path: dapo_lightning.callbacks.ValidateAtStart
-model:
-  init_args:
-    model_name_or_path: {model_dir}
-    batching: {{mini_batch_size: null}}  # train_batch_size 4: one update per rollout step
-data:
-  init_args:
-    sampling: {{max_tokens: 4}}
-    dynamic_sampling: {{n: 4, train_batch_size: 4, gen_batch_size: 4, filter_metric: null}}
-"""
-    )
-    return path
+    such as trainer.callbacks are replaced whole): the harness's base run config."""
+    callbacks = [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {
+                "dirpath": "checkpoints",
+                "save_last": True,
+                "every_n_train_steps": 1,
+                "save_top_k": 0,
+            },
+        },
+        {
+            "class_path": "dapo_lightning.callbacks.OverlongRewardShaping",
+            "init_args": {"buffer_length": 2},
+        },
+        {"class_path": "dapo_lightning.callbacks.ValidateAtStart"},
+    ]
+    return write_run_config(path, run_dir, model_dir, trainer={"callbacks": callbacks})
 
 
 def read_csv(run_dir: Path) -> list[dict[str, str]]:
@@ -93,13 +67,6 @@ def read_csv(run_dir: Path) -> list[dict[str, str]]:
 
 def series(rows: list[dict[str, str]], key: str) -> list[tuple[str, float]]:
     return [(r["step"], float(r[key])) for r in rows if r.get(key) not in (None, "")]
-
-
-def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    )
-    return proc
 
 
 @pytest.fixture(scope="module")

@@ -14,36 +14,30 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.test_cli import QUICKSTART, REPO, check, read_csv, run_cli, series
-
-TINY = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "1"]
+from tests._harness import QUICKSTART, REPO, fit_cli, write_run_config
+from tests.test_cli import read_csv, series
 
 
 def write_override(path: Path, run_dir: Path, model_dir: Path, environment: str) -> Path:
-    path.write_text(
-        f"""
-trainer:
-  default_root_dir: {run_dir}
-  callbacks:
-    - class_path: dapo_lightning.callbacks.OverlongRewardShaping
-      init_args:
-        buffer_length: 2
-    - class_path: _episode_envs.EpisodeRecorder
-model:
-  init_args:
-    model_name_or_path: {model_dir}
-    batching: {{mini_batch_size: null}}  # train_batch_size 4: one update per rollout step
-data:
-  init_args:
-    sampling: {{max_tokens: 6}}
-    dynamic_sampling: {{n: 4, train_batch_size: 4, gen_batch_size: 4, filter_metric: null}}
-    validation:
-      n: 2
-    environment: {environment}
-"""
+    """The harness's base run config with the episode recorder, 6-token turns, 2 validation
+    samples and ``environment`` (YAML text)."""
+    callbacks = [
+        {
+            "class_path": "dapo_lightning.callbacks.OverlongRewardShaping",
+            "init_args": {"buffer_length": 2},
+        },
+        {"class_path": "_episode_envs.EpisodeRecorder"},
+    ]
+    data = {
+        "sampling": {"max_tokens": 6},
+        "validation": {"n": 2},
+        "environment": yaml.safe_load(environment),
+    }
+    return write_run_config(
+        path, run_dir, model_dir, trainer={"callbacks": callbacks}, data={"init_args": data}
     )
-    return path
 
 
 CALCULATOR = (
@@ -70,14 +64,17 @@ def stopping_model(tiny_checkpoint, tmp_path_factory):
     return path
 
 
-def fit(tmp_path: Path, model_dir: Path, environment: str, *extra: str, timeout: int = 300):
+def fit(
+    tmp_path: Path,
+    model_dir: Path,
+    environment: str,
+    *extra: str,
+    configs: tuple[str, ...] = (QUICKSTART,),
+    timeout: int = 300,
+):
     run_dir = tmp_path / "run"
     override = write_override(tmp_path / "o.yaml", run_dir, model_dir, environment)
-    proc = check(
-        run_cli("fit", "--config", QUICKSTART, *extra, "--config", str(override), *TINY,
-                timeout=timeout)
-    )  # fmt: skip
-    return run_dir, proc
+    return run_dir, fit_cli(override, *extra, configs=configs, timeout=timeout)
 
 
 def check_episodes(run_dir: Path) -> list[dict[str, str]]:
@@ -121,8 +118,9 @@ def test_calculator_fit_vllm(tmp_path, stopping_model):
     """vLLM, on the random tiny model with STOP_IDS in its generation config."""
     pytest.importorskip("vllm")
     vllm_cfg = str(REPO / "configs" / "quickstart_vllm.yaml")
-    more = ["--config", vllm_cfg, "--data.init_args.engine_kwargs.max_model_len", "128"]
-    run_dir, _ = fit(tmp_path, stopping_model, CALCULATOR, *more, timeout=1500)
+    more = ["--data.init_args.engine_kwargs.max_model_len", "128"]
+    configs = (QUICKSTART, vllm_cfg)
+    run_dir, _ = fit(tmp_path, stopping_model, CALCULATOR, *more, configs=configs, timeout=1500)
     check_episodes(run_dir)
     saved = next(run_dir.rglob("config.yaml")).read_text()
     assert "engine: vllm" in saved and "name: calculator" in saved

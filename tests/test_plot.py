@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from _module_harness import NUM_GROUPS, FixedBatches, fixed_batch
-from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from dapo_lightning import BatchingConfig, DAPOModule
@@ -28,18 +26,11 @@ from dapo_lightning.plot import (
     read_metrics,
     read_run_metrics,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-CLI = str(Path(sys.executable).parent / "dapo-lightning")
+from tests._harness import check, fit, fit_cli, run_cli, write_run_config
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(
-        [CLI, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return proc
+    return check(run_cli(*args))
 
 
 @pytest.fixture(scope="module")
@@ -47,34 +38,25 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path
     """A finished 2-update quickstart fit on the tiny random model, all paths in a tmp dir."""
     root = tmp_path_factory.mktemp("plot")
     run_dir = root / "run"
-    override = root / "override.yaml"
-    override.write_text(
-        f"""
-create_model_if_missing: null
-trainer:
-  default_root_dir: {run_dir}
-  logger:
-    class_path: lightning.pytorch.loggers.CSVLogger
-    init_args: {{save_dir: {run_dir}, name: logs}}
-  callbacks:
-    - class_path: dapo_lightning.callbacks.OverlongRewardShaping
-      init_args: {{buffer_length: 2}}
-  enable_checkpointing: false
-model:
-  init_args:
-    model_name_or_path: {tiny_checkpoint}
-    batching: {{mini_batch_size: null}}  # train_batch_size 4: one update per rollout step
-data:
-  init_args:
-    sampling: {{max_tokens: 4}}
-    # the random model never answers right: no group would be kept by the filter
-    dynamic_sampling: {{n: 4, train_batch_size: 4, gen_batch_size: 4, filter_metric: null}}
-"""
-    )
-    _cli(
-        "fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--config", str(override),
-        "--trainer.max_steps", "2", "--trainer.val_check_interval", "1",
+    trainer = {
+        "default_root_dir": str(run_dir),
+        "logger": {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": str(run_dir), "name": "logs"},
+        },
+        "callbacks": [
+            {
+                "class_path": "dapo_lightning.callbacks.OverlongRewardShaping",
+                "init_args": {"buffer_length": 2},
+            }
+        ],
+        "enable_checkpointing": False,
+    }
+    override = write_run_config(
+        root / "override.yaml", run_dir, tiny_checkpoint, create_model_if_missing=None,
+        trainer=trainer,
     )  # fmt: skip
+    fit_cli(override)
     return run_dir
 
 
@@ -247,10 +229,8 @@ def test_rollout_metrics_follow_the_update_count_with_mini_batches(tiny_checkpoi
     (Lightning's own logging step counts rollout steps: 0, 1, 2)."""
     batching = BatchingConfig(mini_batch_size=NUM_GROUPS // 2, micro_batch_size=8)
     module = DAPOModule(str(tiny_checkpoint), batching=batching, parity_check_every=0)
-    trainer = Trainer(accelerator="cpu", max_epochs=1, logger=CSVLogger(tmp_path, name="logs"),
-                      log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
-    trainer.fit(module, datamodule=FixedBatches(fixed_batch(0), steps=3))
+    fit(module, FixedBatches(fixed_batch(0), steps=3), logger=CSVLogger(tmp_path, name="logs"),
+        log_every_n_steps=1, num_sanity_val_steps=0)  # fmt: skip
     series = read_run_metrics(tmp_path / "logs")
     assert [s for s, _ in series["update/loss"]] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert [s for s, _ in series["rollout/step"]] == [1.0, 3.0, 5.0]

@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import pytest
 import rich
 import torch
+import yaml
 from dapo_lightning.callbacks import (
     CollapseDetector,
     DAPOModelSummary,
@@ -49,40 +50,39 @@ from dapo_lightning.logging_setup import (
     quiet_known_warnings,
     quiet_partial_reload,
 )
+from tests._harness import QUICKSTART, REPO, write_run_config
 
-REPO = Path(__file__).resolve().parents[1]
-QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 SHORT = ["--trainer.max_steps", "3", "--trainer.val_check_interval", "2"]
 LABELS = [label for label, _, _ in STEP_FIELDS]
 
 
 def _override(path: Path, run_dir: Path, model: Path, bar_args: str = "{}") -> Path:
-    path.write_text(
-        f"""
-create_model_if_missing: null
-trainer:
-  default_root_dir: {run_dir}
-  enable_progress_bar: true
-  logger:
-    class_path: lightning.pytorch.loggers.CSVLogger
-    init_args: {{save_dir: {run_dir}, name: logs, flush_logs_every_n_steps: 1}}
-  callbacks:
-    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
-      init_args: {{dirpath: {run_dir}/checkpoints, save_last: true, every_n_train_steps: 1,
-                   save_top_k: 0}}
-    - class_path: dapo_lightning.callbacks.DAPOProgressBar
-      init_args: {bar_args}
-model:
-  init_args:
-    model_name_or_path: {model}
-    batching: {{mini_batch_size: null}}  # train_batch_size 4: one update per rollout step
-data:
-  init_args:
-    sampling: {{max_tokens: 4}}
-    dynamic_sampling: {{n: 4, train_batch_size: 4, gen_batch_size: 4, filter_metric: null}}
-"""
-    )
-    return path
+    """The harness's base run config with a CSV log flushed every step, a checkpoint every
+    update and the progress bar built with ``bar_args`` (YAML text)."""
+    trainer = {
+        "default_root_dir": str(run_dir),
+        "enable_progress_bar": True,
+        "logger": {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": str(run_dir), "name": "logs", "flush_logs_every_n_steps": 1},
+        },
+        "callbacks": [
+            {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {
+                    "dirpath": f"{run_dir}/checkpoints",
+                    "save_last": True,
+                    "every_n_train_steps": 1,
+                    "save_top_k": 0,
+                },
+            },
+            {
+                "class_path": "dapo_lightning.callbacks.DAPOProgressBar",
+                "init_args": yaml.safe_load(bar_args),
+            },
+        ],
+    }
+    return write_run_config(path, run_dir, model, create_model_if_missing=None, trainer=trainer)
 
 
 # ------------------------------------------------------------ a real fit, stdout not a terminal
