@@ -7,8 +7,9 @@ key, a new constructor argument or a Trainer setting is one edit here.
 * :func:`run_config` / :func:`write_run_config`: the override every short CLI fit puts over
   ``configs/quickstart.yaml`` (:data:`TINY_RUN`: one update per rollout step of 4 groups x 4
   responses of <= 4 tokens, dynamic sampling off because the random model never answers right),
-  with nested overrides merged in (lists such as ``trainer.callbacks`` are replaced whole, as
-  LightningCLI does with a second ``--config``).
+  or the complete one-update config :data:`ARITHMETIC_RUN`, with nested overrides merged in
+  (lists such as ``trainer.callbacks`` are replaced whole, as LightningCLI does with a second
+  ``--config``).
 * :func:`run_cli` / :func:`fit_cli`: the ``dapo-lightning`` console script in a subprocess.
 * :func:`make_trainer` / :func:`fit`: a quiet CPU ``Trainer`` (:data:`QUIET_TRAINER`) and a fit
   of a module in this process.
@@ -55,6 +56,34 @@ TINY_RUN: dict[str, Any] = {
     },
 }
 
+#: A complete config on its own (no quickstart.yaml): the arithmetic task at level 1, rewards
+#: scored in process, 2 groups of 2 responses of <= 4 tokens, one update, nothing logged or saved.
+ARITHMETIC_RUN: dict[str, Any] = {
+    "model": {
+        "class_path": "dapo_lightning.DAPOModule",
+        "init_args": {"batching": {"micro_batch_size": 8}, "parity_check_every": 0},
+    },
+    "data": {
+        "class_path": "dapo_lightning.DAPODataModule",
+        "init_args": {
+            "task": "arithmetic",
+            "task_kwargs": {"level": 1, "num_prompts": 16},
+            "scoring": {"in_process": True},
+            "prompts": {"apply_chat_template": False, "max_prompt_length": 16},
+            "sampling": {"max_tokens": 4},
+            "dynamic_sampling": {"n": 2, "train_batch_size": 2, "filter_metric": None},
+        },
+    },
+    "trainer": {
+        "max_steps": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "accelerator": "cpu",
+    },
+}
+
 #: Trainer settings of an in-process test fit: CPU, one epoch, nothing logged, saved or drawn.
 QUIET_TRAINER: dict[str, Any] = {
     "accelerator": "cpu",
@@ -81,12 +110,14 @@ def merged(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, A
 def run_config(
     run_dir: Path | str | None = None,
     model_dir: Path | str | None = None,
+    base: Mapping[str, Any] = TINY_RUN,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """The base run config (:data:`TINY_RUN`) in ``run_dir`` (``trainer.default_root_dir``;
-    quickstart's relative paths follow it) on ``model_dir`` (``model_name_or_path``), with
-    ``overrides`` (top-level sections, e.g. ``trainer={"callbacks": [...]}``) merged in."""
-    config = copy.deepcopy(TINY_RUN)
+    """The base run config (``base``: :data:`TINY_RUN` over quickstart.yaml, or the complete
+    :data:`ARITHMETIC_RUN`) in ``run_dir`` (``trainer.default_root_dir``; relative paths follow
+    it) on ``model_dir`` (``model_name_or_path``), with ``overrides`` (top-level sections, e.g.
+    ``trainer={"callbacks": [...]}``) merged in."""
+    config = copy.deepcopy(dict(base))
     if run_dir is not None:
         config = merged(config, {"trainer": {"default_root_dir": str(run_dir)}})
     if model_dir is not None:
@@ -98,10 +129,12 @@ def write_run_config(
     path: Path,
     run_dir: Path | str | None = None,
     model_dir: Path | str | None = None,
+    base: Mapping[str, Any] = TINY_RUN,
     **overrides: Any,
 ) -> Path:
-    """:func:`run_config` written as YAML to ``path`` (a second ``--config``); returns ``path``."""
-    path.write_text(yaml.safe_dump(run_config(run_dir, model_dir, **overrides), sort_keys=False))
+    """:func:`run_config` written as YAML to ``path`` (a ``--config``); returns ``path``."""
+    config = run_config(run_dir, model_dir, base, **overrides)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
 

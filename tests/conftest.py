@@ -37,15 +37,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def run_yaml(tmp_path: Path) -> Callable[..., Path]:
     """Write the base run config (tests/_harness.py ``write_run_config``) into ``tmp_path``:
-    ``run_yaml(run_dir, model_dir, **overrides) -> path`` (``name=`` names the file)."""
+    ``run_yaml(run_dir, model_dir, **overrides) -> path`` (``name=`` names the file, ``base=``
+    picks ``ARITHMETIC_RUN`` instead of ``TINY_RUN``)."""
 
     def write(
         run_dir: Path | str | None = None,
         model_dir: Path | str | None = None,
         name: str = "override.yaml",
+        base: dict[str, Any] = _harness.TINY_RUN,
         **overrides: Any,
     ) -> Path:
-        return _harness.write_run_config(tmp_path / name, run_dir, model_dir, **overrides)
+        return _harness.write_run_config(tmp_path / name, run_dir, model_dir, base, **overrides)
 
     return write
 

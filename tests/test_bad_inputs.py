@@ -17,7 +17,6 @@ from math import inf, nan
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from dapo_lightning.callbacks import CollapseDetector, EntropyScheduler, OverlongRewardShaping
@@ -39,6 +38,7 @@ from dapo_lightning.rewards import (
 )
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
 from dapo_lightning.testing import make_tiny_checkpoint
+from tests._harness import ARITHMETIC_RUN, fit, write_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------- the CLI parser
@@ -441,17 +441,7 @@ class _CountingEngine(RolloutEngine):
 
 
 def _fit(module: DAPOModule, dm: DAPODataModule, tmp_path: Path) -> None:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(module, datamodule=dm)
+    fit(module, dm, max_steps=1, max_epochs=None, num_sanity_val_steps=0, default_root_dir=tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -887,35 +877,9 @@ def test_cli_subcommand_that_does_not_exist(capsys):
 
 def fit_config(tmp_path: Path, model_path: Path) -> Path:
     """A one-update fit of the tiny model on the arithmetic task (reward in process)."""
-    config = tmp_path / "fit.yaml"
-    config.write_text(
-        f"""
-model:
-  class_path: dapo_lightning.DAPOModule
-  init_args:
-    model_name_or_path: {model_path}
-    batching: {{micro_batch_size: 8}}
-    parity_check_every: 0
-data:
-  class_path: dapo_lightning.DAPODataModule
-  init_args:
-    task: arithmetic
-    task_kwargs: {{level: 1, num_prompts: 16}}
-    scoring: {{in_process: true}}
-    prompts: {{apply_chat_template: false, max_prompt_length: 16}}
-    sampling: {{max_tokens: 4}}
-    dynamic_sampling: {{n: 2, train_batch_size: 2, filter_metric: null}}
-trainer:
-  max_steps: 1
-  logger: false
-  enable_checkpointing: false
-  enable_progress_bar: false
-  enable_model_summary: false
-  accelerator: cpu
-  default_root_dir: {tmp_path / "run"}
-"""
+    return write_run_config(
+        tmp_path / "fit.yaml", tmp_path / "run", model_path, base=ARITHMETIC_RUN
     )
-    return config
 
 
 def fit_main(args: list[str], capfd: pytest.CaptureFixture) -> tuple[int, str]:

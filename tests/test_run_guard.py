@@ -44,56 +44,43 @@ from dapo_lightning.update import BatchingConfig
 sys.path.insert(0, str(Path(__file__).parent))
 from _module_harness import FixedBatches, fixed_batch, sgd  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-CLI = str(Path(sys.executable).parent / "dapo-lightning")
-QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
+from tests._harness import ARITHMETIC_RUN, CLI, QUICKSTART, fit, run_cli, write_run_config
+from tests._harness import cli_env as harness_cli_env
 
-TINY = """
-trainer:
-  max_steps: {max_steps}
-  val_check_interval: 1
-  callbacks:
-    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
-      init_args: {{dirpath: checkpoints, save_last: true, every_n_train_steps: 2, save_top_k: 0}}
-    - class_path: dapo_lightning.callbacks.ValidateAtStart
-{extra_callbacks}
-model:
-  init_args:
-    batching: {{mini_batch_size: null}}  # train_batch_size 4: one update per rollout step
-data:
-  init_args:
-    sampling: {{max_tokens: 4}}
-    dynamic_sampling: {{n: 4, train_batch_size: 4, gen_batch_size: 4, filter_metric: null}}
-"""
+#: The ModelCheckpoint (every 2 updates) and initial validation of the console-script fits.
+CALLBACKS = [
+    {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {
+            "dirpath": "checkpoints",
+            "save_last": True,
+            "every_n_train_steps": 2,
+            "save_top_k": 0,
+        },
+    },
+    {"class_path": "dapo_lightning.callbacks.ValidateAtStart"},
+]
 # val/acc stays 0 on the random model: no improvement after the first validation, so patience 3
 # stops the run after update 3, between the ModelCheckpoint's saves at 2 and 4.
-EARLY_STOP = """    - class_path: lightning.pytorch.callbacks.EarlyStopping
-      init_args: {monitor: val/acc, mode: max, patience: 3}"""
+EARLY_STOP = {
+    "class_path": "lightning.pytorch.callbacks.EarlyStopping",
+    "init_args": {"monitor": "val/acc", "mode": "max", "patience": 3},
+}
 
 
 def tiny_config(path: Path, max_steps: int = 10, early_stop: bool = True) -> Path:
-    path.write_text(
-        TINY.format(max_steps=max_steps, extra_callbacks=EARLY_STOP if early_stop else "")
-    )
-    return path
+    callbacks = [*CALLBACKS, EARLY_STOP] if early_stop else CALLBACKS
+    trainer = {"max_steps": max_steps, "val_check_interval": 1, "callbacks": callbacks}
+    return write_run_config(path, trainer=trainer)
 
 
 def cli_env() -> dict[str, str]:
     """The console script's environment: 2 threads, ``tests/`` importable (test callbacks)."""
-    path = os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
-    return {
-        **os.environ,
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "2",
-        "PYTHONPATH": path,
-    }
+    return harness_cli_env({"OMP_NUM_THREADS": "2"})
 
 
 def cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = cli_env()
-    return subprocess.run(
-        [CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return run_cli(*args, env={"OMP_NUM_THREADS": "2"}, cwd=cwd, timeout=timeout)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -363,23 +350,16 @@ def _fit(
         parity_check_every=0,
         **module_kw,
     )
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        default_root_dir=root,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[
-            ModelCheckpoint(dirpath=root / "ckpts", save_last=True, every_n_train_steps=10),
-            RunGuard(),
-            *callbacks,
-        ],
-        **trainer_kw,
-    )
-    trainer.fit(module, datamodule=FixedBatches(fixed_batch(), steps=steps))
-    return trainer
+    callbacks = [
+        ModelCheckpoint(dirpath=root / "ckpts", save_last=True, every_n_train_steps=10),
+        RunGuard(),
+        *callbacks,
+    ]
+    return fit(
+        module, FixedBatches(fixed_batch(), steps=steps), callbacks, max_steps=steps,
+        max_epochs=None, default_root_dir=root, enable_checkpointing=True,
+        num_sanity_val_steps=0, **trainer_kw,
+    )  # fmt: skip
 
 
 def test_exception_between_updates_is_saved(tmp_path, tiny_checkpoint, capsys):
@@ -563,37 +543,21 @@ def test_sigterm_while_a_reward_hangs_exits_at_once_with_the_last_update_saved(
 
     marker = tmp_path / "calls.txt"
     run = tmp_path / "run"
-    config = tmp_path / "fit.yaml"
-    config.write_text(
-        f"""
-model:
-  class_path: dapo_lightning.DAPOModule
-  init_args:
-    model_name_or_path: {tiny_checkpoint}
-    batching: {{micro_batch_size: 8}}
-    parity_check_every: 0
-data:
-  class_path: dapo_lightning.DAPODataModule
-  init_args:
-    task: arithmetic
-    task_kwargs: {{level: 1, num_prompts: 16}}
-    reward: {{class_path: _hanging_reward.HangsAfterCalls, init_args: {{marker: {marker}}}}}
-    scoring: {{timeout_s: 300}}
-    prompts: {{apply_chat_template: false, max_prompt_length: 16}}
-    sampling: {{max_tokens: 4}}
-    dynamic_sampling: {{n: 2, train_batch_size: 2, filter_metric: null}}
-trainer:
-  max_steps: 5
-  logger: false
-  enable_progress_bar: false
-  enable_model_summary: false
-  accelerator: cpu
-  default_root_dir: {run}
-  callbacks:
-    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
-      init_args: {{dirpath: checkpoints, save_last: true, save_top_k: 0, every_n_train_steps: 100}}
-"""
-    )
+    reward = {"class_path": "_hanging_reward.HangsAfterCalls", "init_args": {"marker": str(marker)}}
+    checkpoint = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {
+            "dirpath": "checkpoints",
+            "save_last": True,
+            "save_top_k": 0,
+            "every_n_train_steps": 100,
+        },
+    }
+    config = write_run_config(
+        tmp_path / "fit.yaml", run, tiny_checkpoint, base=ARITHMETIC_RUN,
+        data={"init_args": {"reward": reward, "scoring": {"in_process": False, "timeout_s": 300}}},
+        trainer={"max_steps": 5, "enable_checkpointing": True, "callbacks": [checkpoint]},
+    )  # fmt: skip
     tests_dir = Path(__file__).parent
     env = {
         **os.environ,
@@ -621,27 +585,28 @@ trainer:
 
 
 # ----------------------------------------------------------------------------- during validation
-#: Validation made long (20 held-out prompts x 4096 samples, one prompt per batch: seconds per
-#: batch) and marked: tests/_phase_marker.py appends "<update> <batch>" per validation batch.
-VALIDATING = """
-trainer:
-  max_steps: 200
-  val_check_interval: 1
-  callbacks:
-    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
-      init_args: {{dirpath: checkpoints, save_last: true, every_n_train_steps: 100, save_top_k: 0}}
-    - class_path: dapo_lightning.callbacks.ValidateAtStart
-    - class_path: _phase_marker.ValidationMarker
-      init_args: {{marker: {marker}}}
-model:
-  init_args:
-    batching: {{mini_batch_size: null}}  # train_batch_size 4: one update per rollout step
-data:
-  init_args:
-    sampling: {{max_tokens: 4}}
-    validation: {{n: 4096, batch_size: 1}}
-    dynamic_sampling: {{n: 4, train_batch_size: 4, gen_batch_size: 4, filter_metric: null}}
-"""
+def _validating_config(path: Path, marker: Path) -> Path:
+    """Validation made long (20 held-out prompts x 4096 samples, one prompt per batch: seconds
+    per batch) and marked: tests/_phase_marker.py appends "<update> <batch>" per validation
+    batch."""
+    callbacks = [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {
+                "dirpath": "checkpoints",
+                "save_last": True,
+                "every_n_train_steps": 100,
+                "save_top_k": 0,
+            },
+        },
+        {"class_path": "dapo_lightning.callbacks.ValidateAtStart"},
+        {"class_path": "_phase_marker.ValidationMarker", "init_args": {"marker": str(marker)}},
+    ]
+    return write_run_config(
+        path,
+        trainer={"max_steps": 200, "val_check_interval": 1, "callbacks": callbacks},
+        data={"init_args": {"validation": {"n": 4096, "batch_size": 1}}},
+    )
 
 
 def _sigterm_while_validating(tmp_path: Path, at: str) -> tuple[int, str, float]:
@@ -649,8 +614,7 @@ def _sigterm_while_validating(tmp_path: Path, at: str) -> tuple[int, str, float]
     validation marker shows batch ``at`` (``"<update> <batch>"``) under way. Returns the exit
     status, stderr and the seconds from the signal to the exit."""
     marker = tmp_path / "validating.txt"
-    override = tmp_path / "validating.yaml"
-    override.write_text(VALIDATING.format(marker=marker))
+    override = _validating_config(tmp_path / "validating.yaml", marker)
     proc = subprocess.Popen(
         [CLI, "fit", "--config", QUICKSTART, "--config", str(override),
          "--trainer.default_root_dir", "run", "--create_model_if_missing.kind", "tiny"],
