@@ -12,6 +12,8 @@ from dapo_lightning.callbacks.entropy import EntropyScheduler, adaptive_coef, sc
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from tests._harness import fit
+
 
 class RecordingModule:
     """Stand-in for the LightningModule in unit tests: the hooks only set ``entropy_coef``
@@ -208,16 +210,11 @@ def _fit(
     # on the measured entropy, so equal states need equal models
     band = {"target_low": 1.2, "target_high": 1.5, "adapt_rate": 0.1}
     cb = EntropyScheduler("adaptive", start=0.01, **{**ADAPTIVE, **band})
-    trainer = pl.Trainer(
-        default_root_dir=root,
-        max_steps=max_steps,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb, ModelCheckpoint(dirpath=root / "ckpt", save_last=True)],
-    )
-    trainer.fit(TinyDAPOLike(), ckpt_path=ckpt_path)
+    trainer = fit(
+        TinyDAPOLike(), None, [cb, ModelCheckpoint(dirpath=root / "ckpt", save_last=True)],
+        ckpt_path=ckpt_path, default_root_dir=root, max_steps=max_steps, max_epochs=None,
+        enable_checkpointing=True,
+    )  # fmt: skip
     return cb, trainer
 
 

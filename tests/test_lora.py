@@ -33,6 +33,7 @@ from dapo_lightning.rollout import HFRolloutEngine, SamplingConfig, create_engin
 from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.testing import completions_to_batch, make_tiny_tokenizer
 from dapo_lightning.update import BatchingConfig
+from tests._harness import fit as fit_module
 from tests._module_harness import FixedBatches, fixed_batch
 from tests.test_module_absolute import EPS_HIGH, EPS_LOW, _grpo, _sequences
 
@@ -84,13 +85,7 @@ def lora_module(checkpoint, *, mini_batch_size, micro_batch_size=3, dtype=torch.
 
 
 def fit(module, batch, steps=1, **trainer_kwargs):
-    kwargs = dict(
-        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer = Trainer(**{**kwargs, **trainer_kwargs})
-    trainer.fit(module, datamodule=FixedBatches(batch, steps=steps))
-    return trainer
+    return fit_module(module, FixedBatches(batch, steps=steps), **trainer_kwargs)
 
 
 def reference_adapter_updates(checkpoint, batch, groups_per_update, start, scaling=None):

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.testing import free_port
 from dapo_lightning.update import BatchingConfig, micro_batch_rows
+from tests._harness import fit as _fit
 from tests._module_harness import FixedBatches, fit_update, fixed_batch
 
 HARNESS = Path(__file__).with_name("_module_harness.py")
@@ -180,21 +181,6 @@ class Record(DAPOCallback):
 
     def on_dapo_update(self, trainer, pl_module, metrics):
         self.updates.append(dict(metrics))
-
-
-def _fit(module, datamodule, callbacks=(), **trainer_kwargs):
-    kwargs = dict(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
-    )
-    trainer = Trainer(**{**kwargs, **trainer_kwargs})
-    trainer.fit(module, datamodule=datamodule)
-    return trainer
 
 
 def adam(params):

@@ -29,6 +29,7 @@ from dapo_lightning.data.config import PromptConfig, ScoringConfig
 from dapo_lightning.loss import PolicyLossConfig
 from dapo_lightning.rollout_correction import RolloutCorrection
 from dapo_lightning.update import BatchingConfig
+from tests._harness import fit
 
 TIS_2 = PolicyLossConfig(rollout_correction=RolloutCorrection("token_truncate", clip_max=2.0))
 
@@ -72,19 +73,12 @@ def _fit(
         def on_dapo_update(self, *args: Any) -> None:
             self.inner.on_dapo_update(*args)
 
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=-1,
-        max_epochs=1,
-        logger=CSVLogger(tmp_path, name="logs"),
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = fit(
+        module, FixedBatches(batch, steps=steps),
+        [c if hasattr(c, "setup") else Hooks(c) for c in callbacks],
+        max_steps=-1, logger=CSVLogger(tmp_path, name="logs"), log_every_n_steps=1,
         num_sanity_val_steps=0,
-        callbacks=[c if hasattr(c, "setup") else Hooks(c) for c in callbacks],
-    )
-    trainer.fit(module, datamodule=FixedBatches(batch, steps=steps))
+    )  # fmt: skip
     return module, before, trainer
 
 

@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from dapo_lightning.checkpoint import AtomicCheckpointIO, atomic_torch_save
-from dapo_lightning.testing import make_tiny_checkpoint
 
 WORKER = Path(__file__).with_name("_kill_worker.py")
 STEPS = 10  # rollout steps of the worker's fit (2 optimizer updates each)
@@ -138,11 +137,6 @@ def _records(run: Path) -> list[dict]:
 
 def _result(run: Path) -> dict:
     return torch.load(run / "final.pt", weights_only=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("kill_model"))
 
 
 @pytest.fixture(scope="module")

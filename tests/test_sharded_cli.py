@@ -4,28 +4,21 @@ sharded (distributed-checkpoint) resume that ends with the weights of an uninter
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from dapo_lightning.testing import make_tiny_checkpoint
+from tests._harness import CLI, QUICKSTART, REPO, check, cli_env, run_cli
 
-REPO = Path(__file__).resolve().parents[1]
-CLI = str(Path(sys.executable).parent / "dapo-lightning")
 CONFIGS = REPO / "configs"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("model"))
-
-
 def fit(run_dir: Path, model_dir: Path, *configs: str, extra=(), timeout=420):
-    args = [CLI, "fit", "--config", str(CONFIGS / "quickstart.yaml")]
+    """``dapo-lightning fit`` of quickstart.yaml plus ``configs`` (from configs/) with the even
+    length reward, one thread per rank; checked."""
+    args = ["--config", QUICKSTART]
     for c in configs:
         args += ["--config", str(CONFIGS / c)]
     args += [
@@ -37,15 +30,7 @@ def fit(run_dir: Path, model_dir: Path, *configs: str, extra=(), timeout=420):
         "--data.dynamic_sampling.max_num_gen_batches", "3",
         *extra,
     ]  # fmt: skip
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
+    return check(run_cli("fit", *args, env={"OMP_NUM_THREADS": "1"}, timeout=timeout))
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -135,12 +120,7 @@ def test_fsdp2_sigterm_mid_run_resumes_to_the_uninterrupted_weights(tmp_path, mo
             "--create_model_if_missing", "null", "--data.reward",
             '{"class_path": "_length_reward.EvenLengthReward"}',
             "--data.dynamic_sampling.max_num_gen_batches", "3", "--trainer.max_steps", "6"]  # fmt: skip
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = cli_env({"OMP_NUM_THREADS": "1"})
     proc = subprocess.Popen(
         args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

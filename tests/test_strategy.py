@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from dapo_lightning.callbacks import DAPOCallback
-from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import (
     DDPStrategy,
@@ -19,6 +18,7 @@ from lightning.pytorch.strategies import (
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.strategy import grad_norm, strategy_kind
 from dapo_lightning.update import BatchingConfig
+from tests._harness import fit
 from tests._module_harness import FixedBatches, fixed_batch
 
 
@@ -59,12 +59,8 @@ def _fit(checkpoint, *, plugins=(), batch=None, **module_kw):
     module = DAPOModule(str(checkpoint), **kw)
     module.configure_model()
     before = {k: v.detach().clone() for k, v in module.policy.named_parameters()}
-    trainer = Trainer(
-        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, plugins=list(plugins),
-        callbacks=[rec],
-    )  # fmt: skip
-    trainer.fit(module, datamodule=FixedBatches(batch if batch is not None else fixed_batch()))
+    datamodule = FixedBatches(batch if batch is not None else fixed_batch())
+    trainer = fit(module, datamodule, [rec], plugins=list(plugins))
     delta = {k: v.detach() - before[k] for k, v in module.policy.named_parameters()}
     return module, rec, delta, trainer
 
