@@ -34,7 +34,7 @@ from dapo_lightning.callbacks.collapse import (
     tally_rollouts,
 )
 from dapo_lightning.callbacks.snapshot import TrainingSnapshot, scale_lr
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader
@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.hooks import call_dapo_hook
 from dapo_lightning.rollout.base import SamplingConfig
+from tests._harness import fit
 
 
 class RecordingModule:
@@ -701,16 +702,10 @@ def test_real_trainer_rolls_back_logs_and_checkpoints_state(tmp_path) -> None:
     stop = Detector("entropy", threshold=0.6, patience=100, action="stop")  # bad, never fires
     cb = CollapseDetector([det, stop], snapshot_every=1, rollback_lr_scale=0.5)
     module = SpikyDAPOLike(spike_from=5)
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        max_steps=8,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
-    )
-    trainer.fit(module)
+    trainer = fit(
+        module, None, [cb, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+        default_root_dir=tmp_path, max_steps=8, max_epochs=None, enable_checkpointing=True,
+    )  # fmt: skip
     # spikes from update 5: rollbacks after updates 6 and 8, to the state after update 4
     assert cb.rollbacks == 2
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 * 0.25)

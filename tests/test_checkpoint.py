@@ -26,6 +26,7 @@ from dapo_lightning.checkpoint import (
     previous_path,
     resume_candidates,
 )
+from tests._harness import make_trainer
 
 
 def _save(path: Path, step: int, mtime: float | None = None) -> Path:
@@ -83,14 +84,10 @@ def test_checkpoint_error(tmp_path, make, problem):
 
 
 def _trainer(root: Path) -> Trainer:
-    return Trainer(
-        default_root_dir=root,
-        callbacks=[ModelCheckpoint(dirpath=root / "ckpts", save_last=True)],
-        logger=False,
-        accelerator="cpu",
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    return make_trainer(
+        [ModelCheckpoint(dirpath=root / "ckpts", save_last=True)],
+        default_root_dir=root, max_epochs=None, enable_checkpointing=True,
+    )  # fmt: skip
 
 
 def test_resume_picks_the_newest_loadable_checkpoint(tmp_path):

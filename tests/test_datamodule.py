@@ -18,6 +18,7 @@ from dapo_lightning.data import (
 )
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.rollout import SamplingConfig
+from tests._harness import make_trainer
 
 
 class ToyModule(pl.LightningModule):
@@ -62,18 +63,10 @@ class ToyModule(pl.LightningModule):
 
 
 def trainer(tmp_path, max_steps, **kw):
-    return pl.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=tmp_path,
-        **kw,
-    )
+    return make_trainer(
+        max_steps=max_steps, max_epochs=None, devices=1, num_sanity_val_steps=0,
+        default_root_dir=tmp_path, **kw,
+    )  # fmt: skip
 
 
 def scripted_dm(path, **dynamic_sampling):

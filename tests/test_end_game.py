@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from dapo_lightning.callbacks import RunGuard
-from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_producer import ScriptedEngine
 
 from dapo_lightning import DAPODataModule, DAPOModule, DynamicSamplingConfig, SamplingConfig
 from dapo_lightning.data.config import PromptConfig, ScoringConfig
+from tests._harness import fit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,12 +40,10 @@ def test_a_solved_training_set_stops_the_fit_with_a_final_checkpoint(tiny_checkp
     assert data.dynamic_sampling.round_sizing == "kept_frac"  # the default
     module = DAPOModule(str(tiny_checkpoint), parity_check_every=0)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True, save_top_k=0)
-    trainer = Trainer(
-        accelerator="cpu", max_steps=1000, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
-        callbacks=[checkpoint, RunGuard()],
+    trainer = fit(
+        module, data, [checkpoint, RunGuard()], max_steps=1000, max_epochs=None,
+        enable_checkpointing=True, num_sanity_val_steps=0, default_root_dir=tmp_path,
     )  # fmt: skip
-    trainer.fit(module, datamodule=data)
     assert module.stop_reason is not None and "8 of 8 are retired" in module.stop_reason
     # 8 prompts, 4 per rollout step, 3 visits each: 6 rollout steps of one update each
     assert trainer.global_step == 6 and module.rollout_step == 6

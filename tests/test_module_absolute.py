@@ -14,7 +14,6 @@ import math
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from transformers import AutoModelForCausalLM
 
 import dapo_lightning.module as module_lib
@@ -22,6 +21,7 @@ from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.loss import PolicyLossConfig
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.update import BatchingConfig
+from tests._harness import fit
 from tests._module_harness import FixedBatches, fixed_batch
 
 LR = 0.5
@@ -108,11 +108,7 @@ def module_updates(checkpoint, batch, mini_batch_size, micro_batch_size=3, **mod
         parity_check_every=0,
         **module_kw,
     )
-    trainer = Trainer(
-        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(module, datamodule=FixedBatches(batch))
+    fit(module, FixedBatches(batch))
     return {k: v.detach() for k, v in module.policy.named_parameters()}
 
 
