@@ -47,6 +47,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._harness import write_run_config
+
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 VENV = Path(sys.executable).parent.parent
@@ -203,25 +205,23 @@ def _run(argv: list[str], copy: Path, env: dict[str, str], timeout: int = 600):
     return subprocess.run(argv, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-#: The quickstart run validate / plot / export work on: 2 updates of the tiny random model
-#: (its answers are never right, so dynamic sampling is off and a length reward gives signal).
-TINY_RUN = """
-create_model_if_missing: {kind: tiny, path: model}
-trainer: {max_steps: 2, val_check_interval: 1}
-model: {init_args: {batching: {mini_batch_size: null}}}  # one update per rollout step of 4
-data:
-  init_args:
-    reward: {class_path: _length_reward.EvenLengthReward}
-    sampling: {max_tokens: 4}
-    dynamic_sampling: {n: 4, train_batch_size: 4, gen_batch_size: 4, filter_metric: null}
-"""
+def write_tiny_run(path: Path) -> Path:
+    """The quickstart run validate / plot / export work on: 2 updates of the tiny random model
+    (its answers are never right, so dynamic sampling is off and a length reward gives signal):
+    the harness's base run config."""
+    return write_run_config(
+        path,
+        create_model_if_missing={"kind": "tiny", "path": "model"},
+        trainer={"max_steps": 2, "val_check_interval": 1},
+        data={"init_args": {"reward": {"class_path": "_length_reward.EvenLengthReward"}}},
+    )
 
 
 @pytest.fixture(scope="module")
 def copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The clean copy, with ``runs/quickstart`` made by a 2-update fit of the quickstart."""
     dest = _copy_repository(tmp_path_factory.mktemp("clone"))
-    (dest / "tiny_run.yaml").write_text(TINY_RUN)
+    write_tiny_run(dest / "tiny_run.yaml")
     shutil.copy2(REPO / "tests" / "_length_reward.py", dest / "_length_reward.py")
     argv = [".venv/bin/dapo-lightning", "fit", "--config", QUICKSTART, "--config", "tiny_run.yaml"]
     proc = _run(argv, dest, _env(dest, {}, activated=False), timeout=900)
