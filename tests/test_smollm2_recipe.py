@@ -14,13 +14,12 @@ import csv
 import importlib.util
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-CLI = str(Path(sys.executable).parent / "dapo-lightning")
+from tests._harness import CLI, REPO, check, run_cli
+
 RECIPE = REPO / "configs" / "smollm2_135m.yaml"
 RG_RECIPE = REPO / "configs" / "smollm2_reasoning_gym.yaml"
 GRPO = REPO / "configs" / "smollm2_grpo_baseline.yaml"
@@ -49,17 +48,12 @@ SHORT = [
 
 
 def run(*args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    env.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-    proc = subprocess.run(
-        [CLI, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    return proc
+    threads = os.environ.get("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+    return check(run_cli(*args, env={"OMP_NUM_THREADS": threads}, timeout=timeout))
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "model"
     run("make-model", "smollm2-135m-instruct", str(out), timeout=600)
     return out
@@ -74,12 +68,12 @@ def val_rows(run_dir: Path) -> list[dict[str, str]]:
 @pytest.mark.slow
 @needs_weights
 @needs_vllm
-def test_recipe_runs_validates_at_start_checkpoints_and_exports(model_dir, tmp_path):
+def test_recipe_runs_validates_at_start_checkpoints_and_exports(smollm2_dir, tmp_path):
     run_dir = tmp_path / "run"
     run(
         "fit", "--config", str(RECIPE),
         "--trainer.default_root_dir", str(run_dir),
-        "--model.model_name_or_path", str(model_dir),
+        "--model.model_name_or_path", str(smollm2_dir),
         *SHORT,
     )  # fmt: skip
     rows = val_rows(run_dir)
@@ -116,7 +110,7 @@ def test_recipe_runs_validates_at_start_checkpoints_and_exports(model_dir, tmp_p
 @needs_weights
 @needs_vllm
 @needs_rg
-def test_reasoning_gym_recipe_runs_a_few_updates_in_the_precision_auto_picks(model_dir, tmp_path):
+def test_reasoning_gym_recipe_runs_a_few_updates_in_the_precision_auto_picks(smollm2_dir, tmp_path):
     """configs/smollm2_reasoning_gym.yaml through the CLI for one rollout step (4 updates of 2
     groups): auto precision and engine dtype say what they picked, the reward runs in its worker
     process, val/acc is logged before the first update and after the last, with the task's own
@@ -127,7 +121,7 @@ def test_reasoning_gym_recipe_runs_a_few_updates_in_the_precision_auto_picks(mod
     proc = run(
         "fit", "--config", str(RG_RECIPE),
         "--trainer.default_root_dir", str(run_dir),
-        "--model.model_name_or_path", str(model_dir),
+        "--model.model_name_or_path", str(smollm2_dir),
         "--trainer.max_steps", "4",
         "--trainer.val_check_interval", "1",
         "--data.init_args.dynamic_sampling.max_num_gen_batches", "2",
