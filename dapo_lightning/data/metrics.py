@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
-from dapo_lightning.data.producer import STAT_OPS
+from dapo_lightning.data.step_stats import rank_op
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.rollout.parity import logprob_parity
 
@@ -50,7 +50,8 @@ def rollout_step_metrics(
     ``rollout/truncation_rate``, ``data/staleness_mean`` (policy versions behind the current
     one); maxima ``rollout/response_length_max``, ``data/staleness_max``, ``time/update_s``;
     ``data/stale_token_frac`` weighted by tokens; ``rollout/tokens`` summed; the producer's
-    statistics with :data:`~dapo_lightning.data.producer.STAT_OPS`. With ``trainer_logp``,
+    statistics with the op each declares
+    (:func:`~dapo_lightning.data.step_stats.rank_op`). With ``trainer_logp``,
     ``parity/*`` (:func:`~dapo_lightning.rollout.parity.logprob_parity` on the tokens sampled
     by the current version) weighted by those tokens.
     """
@@ -76,7 +77,7 @@ def rollout_step_metrics(
     acc.add("rollout/tokens", float(lengths.sum()), op="sum")
     acc.add("time/update_s", update_seconds, op="max")
     for key in sorted(batch.stats):
-        acc.add(key, float(batch.stats[key]), op=STAT_OPS.get(key, "mean"))
+        acc.add(key, float(batch.stats[key]), op=rank_op(key))
     if trainer_logp is not None:
         fresh = batch.response_mask * (~stale)[:, None].float()
         parity = logprob_parity(trainer_logp, batch.rollout_log_probs, fresh)
