@@ -11,6 +11,14 @@ Each metric has one reduce operation, named where it is added:
 Reducing over ranks is three collectives (sum, max, min) whatever the number of metrics. Every
 rank must add the same names in the same order (add a metric with weight 0 on a rank that has
 nothing to say).
+
+Where it is used, and why not ``torchmetrics``: the metrics of every update and of every rollout
+step (about 45 a step, logged each step) are reduced here, because that measures cheaper: the
+same 45 as ``torchmetrics`` objects are synced one state at a time (about 80 collectives), 401 ms
+against 3.4 ms for this class's three, on two gloo ranks of a 2-core machine
+(``benchmarks/metric_sync_cost.py``, median of 30, 119x). Validation, computed once per
+validation, uses ``torchmetrics`` the Lightning way
+(:class:`~dapo_lightning.data.metrics.ValidationMetrics`).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ from dapo_lightning.checkpoint import collect_rng_states, restore_rng_states
 from dapo_lightning.checks import check_optimizer_settings, optimizer_error
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.datamodule import DAPODataModule
-from dapo_lightning.data.metrics import rollout_step_metrics, validation_metrics
+from dapo_lightning.data.metrics import ValidationMetrics, rollout_step_metrics
 from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
 from dapo_lightning.interrupt import raise_stop, request_stop, should_stop, stop_requested
 from dapo_lightning.logprobs import response_log_probs
@@ -206,6 +206,8 @@ class DAPOModule(LightningModule):
         self.skipped_updates = 0
         #: Why training stopped, when the module ended it (nothing left to train on).
         self.stop_reason: str | None = None
+        #: val/acc, val/pass@k, val/response_length (torchmetrics, logged per validation).
+        self.val_metrics = ValidationMetrics()
         self._step_outcome: tuple[float, bool] = (
             math.nan,
             False,
@@ -595,8 +597,8 @@ class DAPOModule(LightningModule):
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: ScoredRollouts, batch_idx: int) -> None:
 
-        metrics = validation_metrics(batch)
-        self.log_dict(metrics, on_epoch=True, sync_dist=True, batch_size=len(batch))
+        metrics = self.val_metrics.update(batch, batch_idx)  # torchmetrics: synced when computed
+        self.log_dict(metrics, on_epoch=True, batch_size=len(batch))
 
     # ------------------------------------------------------------------ checkpoints
     def _dapo_state(self) -> dict[str, Any]:

@@ -73,3 +73,107 @@ def test_rank_mean_is_token_weighted(tmp_path):
         assert out == pytest.approx(
             {"entropy": 10 / 1010, "ratio_max": 2.0, "tis_min": 0.5, "tokens": 1010.0}
         )
+
+
+# ------------------------------------------------------------------ validation (torchmetrics)
+def _rollouts(accs: list[float], k: int, lengths: list[int]):
+    from dapo_lightning.data.batch import ScoredRollouts
+    from dapo_lightning.rollout.base import SamplingConfig
+
+    n = len(accs)
+    return ScoredRollouts(
+        prompt_ids=[[1]] * n,
+        response_ids=[[5] * lengths[i % len(lengths)] for i in range(n)],
+        rollout_log_probs=[[0.0] * lengths[i % len(lengths)] for i in range(n)],
+        finish_reason=["stop"] * n,
+        group_index=torch.arange(n // k).repeat_interleave(k),
+        prompt_uid=[f"p{i // k}" for i in range(n)],
+        score=torch.tensor(accs) * 2 - 1,
+        acc=torch.tensor(accs),
+        sampling=SamplingConfig(max_tokens=8),
+    )
+
+
+#: Three validation chunks of groups of 3 with means that float32 does not hold exactly.
+VAL_BATCHES = [
+    ([1, 0, 0, 1, 1, 0, 0, 0, 0], [1, 2, 7]),
+    ([0, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 1, 0, 0], [3, 1]),
+    ([1, 1, 1], [5]),
+]
+
+
+def test_validation_metrics_as_torchmetrics_equal_the_formula():
+    from dapo_lightning.data.metrics import ValidationMetrics, validation_metrics
+
+    metrics = ValidationMetrics()
+    batches = [_rollouts([float(a) for a in accs], 3, lengths) for accs, lengths in VAL_BATCHES]
+    for i, batch in enumerate(batches):
+        logged = metrics.update(batch, i)
+        assert set(logged) == {"val/acc", "val/pass@3", "val/response_length"}
+    # one validation = the formula on all its rollouts (val/acc over 27 responses, 12 right;
+    # pass@3 over 9 groups, 7 with a right answer)
+    all_rollouts = _rollouts(
+        [float(a) for accs, _ in VAL_BATCHES for a in accs], 3, [1]
+    )  # lengths differ: response_length checked against the batches below
+    expected = validation_metrics(all_rollouts)
+    assert float(logged["val/acc"].compute()) == pytest.approx(12 / 27, rel=1e-6)
+    assert float(logged["val/acc"].compute()) == pytest.approx(expected["val/acc"], rel=1e-6)
+    assert float(logged["val/pass@3"].compute()) == pytest.approx(7 / 9, rel=1e-6)
+    assert float(logged["val/pass@3"].compute()) == pytest.approx(expected["val/pass@3"], rel=1e-6)
+    lengths = [len(r) for b in batches for r in b.response_ids]
+    assert float(logged["val/response_length"].compute()) == pytest.approx(
+        sum(lengths) / len(lengths), rel=1e-6
+    )
+    # one batch alone: exactly the formula's floats
+    single = metrics.update(batches[0], 0)  # batch 0 starts a new validation
+    for name, value in validation_metrics(batches[0]).items():
+        assert float(single[name].compute()) == value
+
+
+@pytest.mark.timeout(120)
+def test_validation_logged_through_lightning_is_bitwise_the_old_log_dict(tmp_path):
+    """The same validation logged two ways through a real Trainer: the per-batch floats with
+    log_dict(batch_size=len(batch)) (before) and the torchmetrics metrics (now): every
+    ``val/*`` value in callback_metrics is the same float32, over two validations."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from dapo_lightning.data.metrics import ValidationMetrics, validation_metrics
+
+    batches = [_rollouts([float(a) for a in accs], 3, lengths) for accs, lengths in VAL_BATCHES]
+
+    class Validator(pl.LightningModule):
+        def __init__(self, use_metrics: bool) -> None:
+            super().__init__()
+            self.use_metrics = use_metrics
+            self.val_metrics = ValidationMetrics()
+            self.results: list[dict[str, torch.Tensor]] = []
+
+        def transfer_batch_to_device(self, batch, device, dataloader_idx):
+            return batch
+
+        def validation_step(self, batch, batch_idx):
+            if self.use_metrics:
+                metrics = self.val_metrics.update(batch, batch_idx)
+            else:
+                metrics = validation_metrics(batch)
+            self.log_dict(metrics, on_epoch=True, batch_size=len(batch))
+
+        def on_validation_epoch_end(self):
+            self.results.append(dict(self.trainer.callback_metrics))
+
+    out = {}
+    for use_metrics in (False, True):
+        module = Validator(use_metrics)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=tmp_path,
+        )  # fmt: skip
+        for _ in range(2):
+            trainer.validate(module, DataLoader(batches, batch_size=None), verbose=False)
+        out[use_metrics] = trainer.callback_metrics
+    assert set(out[True]) == set(out[False]) == {"val/acc", "val/pass@3", "val/response_length"}
+    for name in out[False]:
+        assert out[True][name].dtype == out[False][name].dtype == torch.float32
+        assert out[True][name].item() == out[False][name].item(), name
+    assert out[True]["val/acc"].item() == pytest.approx(12 / 27, rel=1e-6)

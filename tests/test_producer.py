@@ -27,6 +27,7 @@ from dapo_lightning.data.producer import (
     RolloutProducer,
     TrainingComplete,
 )
+from dapo_lightning.data.rank_layout import RankLayout
 from dapo_lightning.data.sources import FieldMap, records_from_rows, tokenize_records
 from dapo_lightning.interrupt import StopRequested, clear_stop_request, request_stop
 from dapo_lightning.rewards import RewardRunner
@@ -121,9 +122,7 @@ def make_producer(
         pad_token_id=TOK.pad_token_id,
         sampling=SamplingConfig(max_tokens=8),
         seed=seed,
-        rank=rank,
-        world_size=world_size,
-        tp_size=tp_size,
+        layout=RankLayout(rank, world_size, tp_size),
         sync=sync,
         on_scored=on_scored,
     )

@@ -10,16 +10,12 @@ from dapo_lightning.data.difficulty import (
     PromptStats,
     zero_variance_prob,
 )
+from dapo_lightning.data.dynamic_sampling import DynamicSamplingConfig
+from dapo_lightning.data.end_game import DynamicSamplingError, TrainingComplete
 from dapo_lightning.data.metrics import validation_metrics
-from dapo_lightning.data.producer import (
-    STAT_OPS,
-    DynamicSamplingConfig,
-    DynamicSamplingError,
-    RolloutProducer,
-    TrainingComplete,
-    concat_rollouts,
-    group_has_variance,
-)
+from dapo_lightning.data.producer import RolloutProducer
+from dapo_lightning.data.rank_layout import RankLayout
+from dapo_lightning.data.rollout_groups import concat_rollouts, group_has_variance
 from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted
 from dapo_lightning.data.sources import (
     FieldMap,
@@ -32,6 +28,7 @@ from dapo_lightning.data.sources import (
     split_train_val,
     tokenize_records,
 )
+from dapo_lightning.data.step_stats import STAT_OPS, StepStats
 
 __all__ = [
     "STAT_OPS",
@@ -49,11 +46,13 @@ __all__ = [
     "PromptSelectionConfig",
     "PromptStats",
     "PromptsExhausted",
+    "RankLayout",
     "RolloutBatch",
     "RolloutProducer",
     "RolloutTicket",
     "ScoredRollouts",
     "ScoringConfig",
+    "StepStats",
     "TrainingComplete",
     "ValidationConfig",
     "ValidationTicket",

@@ -32,6 +32,7 @@ from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollout
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.data.difficulty import PromptSelectionConfig
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer, TrainingComplete
+from dapo_lightning.data.rank_layout import RankLayout
 from dapo_lightning.data.sources import (
     FieldMap,
     PromptRecord,
@@ -321,9 +322,7 @@ class DAPODataModule(pl.LightningDataModule):
             pad_token_id=int(pad),
             sampling=self.sampling,
             seed=self.seed,
-            rank=rank,
-            world_size=world,
-            tp_size=self._tp_size,
+            layout=RankLayout(rank, world, self._tp_size),
             sync=self._sum_over_ranks,
             on_scored=lambda rollouts: call_dapo_hook(self.trainer, "on_rollouts_scored", rollouts),
         )

@@ -1,12 +1,24 @@
-"""Metrics of rollouts: validation (held-out prompts) and one training rollout step."""
+"""Metrics of rollouts: validation (held-out prompts) and one training rollout step.
+
+One metric system per purpose:
+
+* validation: :class:`ValidationMetrics`, ``torchmetrics`` metrics the module logs through
+  Lightning (Lightning computes, syncs over ranks and resets them once per validation);
+  :func:`validation_metrics` is their formula on one batch;
+* a training rollout step: :func:`rollout_step_metrics` fills the step's
+  :class:`~dapo_lightning.metrics.MetricAccumulator` (every metric with its reduce op; the
+  producer's statistics with the op :class:`~dapo_lightning.data.step_stats.StepStats`
+  declares), reduced over ranks in three collectives and logged once per step.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torchmetrics import MeanMetric
 
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
-from dapo_lightning.data.producer import STAT_OPS
+from dapo_lightning.data.step_stats import rank_op
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.rollout.parity import logprob_parity
 
@@ -36,6 +48,47 @@ def validation_metrics(rollouts: ScoredRollouts) -> dict[str, float]:
     }
 
 
+class ValidationMetrics(torch.nn.Module):
+    """``val/acc``, ``val/pass@k`` and ``val/response_length`` as ``torchmetrics`` metrics.
+
+    Each is a :class:`~torchmetrics.MeanMetric` of the batches' :func:`validation_metrics`
+    weighted by their response counts: over a validation (every batch of every rank)::
+
+        val/x = sum_b x_b * responses_b / sum_b responses_b
+
+    (for ``val/acc`` that is the mean over all responses, for ``val/pass@k`` over all groups).
+    The module keeps one as an attribute and logs what :meth:`update` returns with
+    ``log_dict(..., on_epoch=True)``; Lightning then calls ``compute`` at the end of the
+    validation (torchmetrics sums the weighted values and the weights over ranks) and resets
+    them. On one rank the value is bit for bit what logging the per-batch floats with
+    ``batch_size=len(batch)`` gave (the same float32 sums in the same order).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acc = MeanMetric()
+        self.pass_at_k = MeanMetric()
+        self.response_length = MeanMetric()
+
+    def update(self, rollouts: ScoredRollouts, batch_idx: int) -> dict[str, MeanMetric]:
+        """Add one validation batch (the first, ``batch_idx`` 0, starts a fresh validation);
+        returns the metrics by logged name, for ``log_dict``."""
+        if batch_idx == 0:  # an interrupted validation leaves nothing behind
+            for metric in (self.acc, self.pass_at_k, self.response_length):
+                metric.reset()
+        values = validation_metrics(rollouts)
+        pass_name = next(k for k in values if k.startswith("val/pass@"))
+        weight = float(len(rollouts))
+        self.acc.update(values["val/acc"], weight)
+        self.pass_at_k.update(values[pass_name], weight)
+        self.response_length.update(values["val/response_length"], weight)
+        return {
+            "val/acc": self.acc,
+            pass_name: self.pass_at_k,
+            "val/response_length": self.response_length,
+        }
+
+
 def rollout_step_metrics(
     batch: RolloutBatch,
     policy_version: int,
@@ -50,7 +103,8 @@ def rollout_step_metrics(
     ``rollout/truncation_rate``, ``data/staleness_mean`` (policy versions behind the current
     one); maxima ``rollout/response_length_max``, ``data/staleness_max``, ``time/update_s``;
     ``data/stale_token_frac`` weighted by tokens; ``rollout/tokens`` summed; the producer's
-    statistics with :data:`~dapo_lightning.data.producer.STAT_OPS`. With ``trainer_logp``,
+    statistics with the op each declares
+    (:func:`~dapo_lightning.data.step_stats.rank_op`). With ``trainer_logp``,
     ``parity/*`` (:func:`~dapo_lightning.rollout.parity.logprob_parity` on the tokens sampled
     by the current version) weighted by those tokens.
     """
@@ -76,7 +130,7 @@ def rollout_step_metrics(
     acc.add("rollout/tokens", float(lengths.sum()), op="sum")
     acc.add("time/update_s", update_seconds, op="max")
     for key in sorted(batch.stats):
-        acc.add(key, float(batch.stats[key]), op=STAT_OPS.get(key, "mean"))
+        acc.add(key, float(batch.stats[key]), op=rank_op(key))
     if trainer_logp is not None:
         fresh = batch.response_mask * (~stale)[:, None].float()
         parity = logprob_parity(trainer_logp, batch.rollout_log_probs, fresh)

@@ -1,0 +1,221 @@
+"""The dynamic-sampling settings (paper Sec. 3.2): group size, batch sizes, filter, end game.
+
+:class:`DynamicSamplingConfig` is the data module's ``dynamic_sampling`` group (YAML
+``data.init_args.dynamic_sampling``), checked in ``__post_init__`` with every error naming its
+field; its prompt selection is the nested
+:class:`~dapo_lightning.data.difficulty.PromptSelectionConfig`. A config pickled by an older
+release loads through :mod:`dapo_lightning.data.legacy_checkpoints`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from dapo_lightning.checks import ConfigError, check_count
+from dapo_lightning.data.difficulty import (
+    SELECTION_PATH,
+    DifficultyTracker,
+    PromptSelectionConfig,
+)
+from dapo_lightning.data.legacy_checkpoints import group_legacy_selection
+
+FilterMetric = Literal["acc", "score", "reward"] | None
+OnExhausted = Literal["train_on_kept", "stop", "error"]
+RoundSizing = Literal["fixed", "kept_frac"]
+
+#: Weight of the older rounds in the kept-fraction estimate that sizes rounds (per round).
+KEPT_FRAC_DECAY = 0.7
+
+#: Where :class:`DynamicSamplingConfig` sits in a run's YAML (its errors name this path).
+DYNAMIC_SAMPLING_PATH = "data.dynamic_sampling"
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """How rollout batches are produced: group size, batch sizes, filter and end game.
+
+    Args:
+        n: Responses per prompt, the group size G (paper 16). >= 2 when filtering.
+        train_batch_size: Groups per rollout step over all ranks (paper 512).
+        gen_batch_size: Prompts per generation round over all ranks (None: train_batch_size;
+            larger values waste fewer rounds when many groups are filtered).
+        filter_metric: Per-response value whose within-group std must be > 0 for a group to be
+            kept: ``"acc"`` (default; shaping never decides the filter), ``"score"`` (raw
+            reward), ``"reward"`` (shaped reward), or None (keep everything: GRPO baseline).
+        max_num_gen_batches: Most generation rounds per batch (0: unlimited).
+        on_exhausted: When rounds run out: ``"train_on_kept"``, ``"stop"`` or ``"error"``.
+        carry_over: Keep surplus kept groups, at most one batch of them (``train_batch_size``),
+            for the next step instead of dropping them (default True; verl drops them; what is
+            over the bound is dropped and counted, ``data/dropped_surplus_groups``). They are
+            then ``updates per step`` updates stale, each response stamped with its sample
+            version; the module corrects them with the engine's log-probs (``stale_tis_cap``).
+        max_staleness: Carried groups older than this many policy versions are dropped
+            (``data/dropped_stale_groups``); None keeps them whatever their age.
+        selection: Which prompts are drawn (strategy, exploration, retiring, parking):
+            :class:`~dapo_lightning.data.difficulty.PromptSelectionConfig`; YAML
+            ``selection: {strategy: predictive, max_skip: 0.99, ...}``.
+        round_sizing: ``"kept_frac"`` (default): after the first round the next round draws
+            enough prompts to fill the batch at the kept fraction observed so far (one estimate
+            agreed over ranks, :data:`KEPT_FRAC_DECAY`; 1 without a filter, so a round is
+            exactly what is missing), at most ``max_gen_batch_size``;
+            ``"fixed"``: every round draws ``gen_batch_size``.
+        max_gen_batch_size: Cap of a sized round over all ranks (None: 4 x train_batch_size;
+            never more than one epoch of a rank's prompts). Kept groups beyond the batch go to
+            the carry-over with ``carry_over``, else are dropped and counted
+            (``data/dropped_surplus_groups``).
+        in_flight: With an engine that streams groups (``stream_groups``: the vLLM engine), a
+            round stops starting groups as soon as the batch is full: groups are scored as they
+            finish, the requests not started yet are aborted (their prompts drawn first next
+            time) and the started ones finish (:data:`~dapo_lightning.rollout.base.DRAIN`; their
+            kept groups go to the carry-over). Other engines (HF) keep whole rounds.
+
+    Raises:
+        ValueError: a setting out of range, named with the fix.
+    """
+
+    n: int = 16
+    train_batch_size: int = 512
+    gen_batch_size: int | None = None
+    filter_metric: FilterMetric = "acc"
+    max_num_gen_batches: int = 10
+    on_exhausted: OnExhausted = "train_on_kept"
+    carry_over: bool = True
+    max_staleness: int | None = None
+    selection: PromptSelectionConfig = field(default_factory=PromptSelectionConfig)
+    round_sizing: RoundSizing = "kept_frac"
+    max_gen_batch_size: int | None = None
+    in_flight: bool = True
+
+    def __post_init__(self) -> None:
+        check_count(f"{DYNAMIC_SAMPLING_PATH}.n", self.n, 1, "responses per prompt")
+        check_count(
+            f"{DYNAMIC_SAMPLING_PATH}.train_batch_size",
+            self.train_batch_size,
+            1,
+            "groups per rollout step",
+        )
+        if self.gen_batch_size is not None:
+            check_count(
+                f"{DYNAMIC_SAMPLING_PATH}.gen_batch_size",
+                self.gen_batch_size,
+                1,
+                "prompts per round, or null",
+            )
+        if self.filter_metric not in ("acc", "score", "reward", None):
+            raise ConfigError(
+                f"{DYNAMIC_SAMPLING_PATH}.filter_metric must be 'acc', 'score', 'reward' or null, "
+                f"got {self.filter_metric!r}."
+            )
+        if self.filter_metric is not None and self.n < 2:
+            raise ConfigError(
+                f"{DYNAMIC_SAMPLING_PATH}.n={self.n} with filter_metric={self.filter_metric!r}: "
+                "a group of one response never has variance; use n >= 2 or filter_metric: null."
+            )
+        check_count(
+            f"{DYNAMIC_SAMPLING_PATH}.max_num_gen_batches",
+            self.max_num_gen_batches,
+            0,
+            "0 = unlimited",
+        )
+        if self.on_exhausted not in ("train_on_kept", "stop", "error"):
+            raise ConfigError(
+                f"{DYNAMIC_SAMPLING_PATH}.on_exhausted must be 'train_on_kept', 'stop' or "
+                f"'error', got {self.on_exhausted!r}."
+            )
+        if self.max_staleness is not None:
+            check_count(
+                f"{DYNAMIC_SAMPLING_PATH}.max_staleness",
+                self.max_staleness,
+                0,
+                "policy versions, or null",
+            )
+        object.__setattr__(self, "selection", as_selection(self.selection))
+        if self.round_sizing not in ("fixed", "kept_frac"):
+            raise ConfigError(
+                f"{DYNAMIC_SAMPLING_PATH}.round_sizing must be 'fixed' or 'kept_frac', "
+                f"got {self.round_sizing!r}."
+            )
+        if self.max_gen_batch_size is not None:
+            check_count(
+                f"{DYNAMIC_SAMPLING_PATH}.max_gen_batch_size",
+                self.max_gen_batch_size,
+                1,
+                "prompts, or null",
+            )
+
+    @property
+    def prompts_per_round(self) -> int:
+        """``gen_batch_size``, or ``train_batch_size`` when it is None."""
+        return self.gen_batch_size or self.train_batch_size
+
+    @property
+    def round_cap(self) -> int:
+        """The most prompts of a sized round over all ranks (``max_gen_batch_size``)."""
+        if self.max_gen_batch_size is not None:
+            return self.max_gen_batch_size
+        return max(4 * self.train_batch_size, self.prompts_per_round)
+
+    def check_split(self, world_size: int, num_prompts: int) -> None:
+        """Raise unless the batch sizes split over ``world_size`` ranks and fit the prompts."""
+        for name, value in (
+            ("train_batch_size", self.train_batch_size),
+            ("gen_batch_size", self.prompts_per_round),
+        ):
+            if value < world_size or value % world_size:
+                raise ValueError(
+                    f"{name}={value} is global (over all ranks) and must be a positive multiple "
+                    f"of world_size={world_size}: use e.g. {max(1, value // world_size) * world_size}."
+                )
+        per_rank = num_prompts // world_size
+        if self.prompts_per_round // world_size > per_rank:
+            raise ValueError(
+                f"gen_batch_size (or train_batch_size when it is null) = {self.prompts_per_round} "
+                f"prompts per round is more than the {num_prompts} training prompts "
+                f"({per_rank} per rank): every round would draw the same prompts several times. "
+                "Lower gen_batch_size / train_batch_size or add prompts."
+            )
+
+    @property
+    def predictive(self) -> bool:
+        """Predictive selection is on (and meaningful: the filter drops zero variance)."""
+        return self.selection.strategy == "predictive" and self.filter_metric is not None
+
+    def make_tracker(self) -> DifficultyTracker | None:
+        """Per-prompt statistics when retiring, parking or predictive selection need them."""
+        sel = self.selection
+        if sel.retire_after or sel.park_after or self.predictive:
+            return DifficultyTracker(sel)
+        return None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle (``torch.load`` of a checkpoint's hyper-parameters); a config saved before
+        the prompt-selection settings were grouped is mapped onto ``selection``
+        (:func:`~dapo_lightning.data.legacy_checkpoints.group_legacy_selection`)."""
+        self.__dict__.update(group_legacy_selection(state))
+
+
+def as_selection(value: Any) -> PromptSelectionConfig:
+    """``value`` as a :class:`PromptSelectionConfig` (a mapping of its fields is built into one).
+
+    Raises:
+        ConfigError: anything else, e.g. the former ``selection: uniform`` (now
+            ``selection: {strategy: uniform}``).
+    """
+    if isinstance(value, PromptSelectionConfig):
+        return value
+    if isinstance(value, dict):
+        return PromptSelectionConfig(**value)
+    raise ConfigError(
+        f"{SELECTION_PATH} is a group of settings, got {value!r}: write "
+        f"selection: {{strategy: {value}}} (max_skip, revisit_within, retire_after, park_after "
+        "and revisit_every moved into it too)."
+    )
+
+
+#: Where checkpoints written before this module was split from ``producer.py`` name the class
+#: (``torch.load(weights_only=True)`` finds it under that name too).
+LEGACY_CLASS_PATH = "dapo_lightning.data.producer.DynamicSamplingConfig"
+torch.serialization.add_safe_globals([(DynamicSamplingConfig, LEGACY_CLASS_PATH)])

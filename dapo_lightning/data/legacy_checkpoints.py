@@ -1,0 +1,37 @@
+"""Settings pickled by older releases, mapped onto today's settings groups when they load.
+
+A checkpoint keeps the data module's hyper-parameters as pickled objects (``torch.load`` with
+``weights_only`` and the allow-listed classes). Configs saved before prompt selection was its
+own group hold the flat keys of :data:`LEGACY_SELECTION_KEYS`; :func:`group_legacy_selection`
+moves them under ``selection``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dapo_lightning.data.difficulty import PromptSelectionConfig
+
+#: Flat ``dynamic_sampling`` keys of configs saved before prompt selection was its own group
+#: -> their field of ``dynamic_sampling.selection`` (:class:`PromptSelectionConfig`).
+LEGACY_SELECTION_KEYS: dict[str, str] = {
+    "selection": "strategy",
+    "max_skip": "max_skip",
+    "revisit_within": "revisit_within",
+    "retire_after": "retire_after",
+    "park_after": "park_after",
+    "revisit_every": "revisit_every",
+}
+
+
+def group_legacy_selection(state: dict[str, Any]) -> dict[str, Any]:
+    """An unpickled ``DynamicSamplingConfig`` state with its selection settings grouped: a
+    flat one (``selection`` a string, ``max_skip``, ...) gets a :class:`PromptSelectionConfig`
+    of those keys; today's state is returned as it is (a copy)."""
+    state = dict(state)
+    if not isinstance(state.get("selection"), PromptSelectionConfig):
+        legacy = LEGACY_SELECTION_KEYS.items()
+        state["selection"] = PromptSelectionConfig(
+            **{new: state.pop(old) for old, new in legacy if old in state}
+        )
+    return state

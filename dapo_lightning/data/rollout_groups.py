@@ -1,0 +1,67 @@
+"""Operations on groups of scored rollouts (pure; no producer state): concatenating rounds,
+the dynamic-sampling filter's variance test, the group size of a set of groups."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dapo_lightning.data.batch import ScoredRollouts
+from dapo_lightning.rollout.base import SamplingConfig
+
+
+def concat_rollouts(parts: Sequence[ScoredRollouts]) -> ScoredRollouts:
+    """Concatenate rollouts; group ids are renumbered so groups stay distinct and contiguous."""
+    if not parts:
+        raise ValueError("nothing to concatenate.")
+    group_index, offset = [], 0
+    for p in parts:
+        if len(p):
+            group_index.append(p.group_index + offset)
+            offset += p.num_groups
+    keys = set().union(*(p.extra.keys() for p in parts))
+    return ScoredRollouts(
+        prompt_ids=[x for p in parts for x in p.prompt_ids],
+        response_ids=[x for p in parts for x in p.response_ids],
+        rollout_log_probs=[x for p in parts for x in p.rollout_log_probs],
+        finish_reason=[x for p in parts for x in p.finish_reason],
+        group_index=torch.cat(group_index) if group_index else torch.zeros(0, dtype=torch.long),
+        prompt_uid=[x for p in parts for x in p.prompt_uid],
+        score=torch.cat([p.score for p in parts]),
+        acc=torch.cat([p.acc for p in parts]),
+        sampling=parts[0].sampling,
+        policy_version=max(p.policy_version for p in parts),
+        reward=torch.cat([p.reward for p in parts]),
+        loss_mask=torch.cat([p.loss_mask for p in parts]),
+        extra={k: [x for p in parts for x in p.extra.get(k, [None] * len(p))] for k in keys},
+        token_mask=None
+        if all(p.token_mask is None for p in parts)
+        else [m for p in parts for m in p.token_masks()],
+    )
+
+
+def group_has_variance(values: Tensor, group_index: Tensor) -> Tensor:
+    """``[G]`` bool: True where the group's values are not all equal (std > 0 <=> max > min)."""
+    num_groups = int(group_index.max()) + 1 if len(group_index) else 0
+    v = values.float()
+    hi = torch.full((num_groups,), -torch.inf).scatter_reduce(0, group_index, v, "amax")
+    lo = torch.full((num_groups,), torch.inf).scatter_reduce(0, group_index, v, "amin")
+    return hi > lo
+
+
+def group_sizes(group_index: Tensor) -> set[int]:
+    """The distinct sizes of the groups of ``group_index`` (empty for no rows)."""
+    if not len(group_index):
+        return set()
+    return set(torch.bincount(group_index.long()).tolist()) - {0}
+
+
+def empty_rollouts(sampling: SamplingConfig) -> ScoredRollouts:
+    """No rollouts (a rank that kept no group)."""
+    return ScoredRollouts(
+        prompt_ids=[], response_ids=[], rollout_log_probs=[], finish_reason=[],
+        group_index=torch.zeros(0, dtype=torch.long), prompt_uid=[], score=torch.zeros(0),
+        acc=torch.zeros(0), sampling=sampling,
+    )  # fmt: skip

@@ -1,0 +1,176 @@
+"""One generation round of this rank: draw prompts, sample, score, shape, keep the groups with
+variance (DAPO's dynamic-sampling filter).
+
+A round draws its prompts through the :class:`~dapo_lightning.data.sampler.PromptSampler`
+(retired and parked prompts skipped, predictive selection's skips), samples and scores them
+(:class:`~dapo_lightning.data.scoring.RolloutScorer`), records every visit in the
+:class:`~dapo_lightning.data.difficulty.DifficultyTracker`, calls ``on_scored`` (shaping) and
+keeps the groups whose filter metric varies. With an engine that streams groups
+(``stream_groups``) and ``in_flight``, groups are scored as they finish and the round stops
+starting new ones once the batch is full. :class:`~dapo_lightning.data.producer.RolloutProducer`
+runs rounds until the batch is full, in lockstep over ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from dapo_lightning.data.batch import ScoredRollouts
+from dapo_lightning.data.difficulty import DifficultyTracker, PredictiveSelector
+from dapo_lightning.data.dynamic_sampling import DynamicSamplingConfig
+from dapo_lightning.data.rollout_groups import concat_rollouts, group_has_variance
+from dapo_lightning.data.sampler import PromptSampler
+from dapo_lightning.data.scoring import RolloutScorer
+from dapo_lightning.data.sources import PromptRecord
+from dapo_lightning.data.step_stats import StepStats
+from dapo_lightning.rollout.base import DRAIN, SamplingConfig
+
+
+class GenerationRounds:
+    """Runs one generation round at a time for one rank (see the module docstring).
+
+    Args:
+        records: Training prompts, tokenized.
+        config: The dynamic-sampling settings (``n``, ``filter_metric``, ``in_flight``).
+        sampling: Sampling settings of training rollouts.
+        scorer: Samples and scores.
+        sampler: Draws prompt indices (this rank's shard).
+        tracker: Per-prompt statistics (retire, park, predictive selection), or None.
+        selector: Predictive selection, or None.
+        on_scored: Called with every round's scored rollouts before the filter (shaping).
+    """
+
+    def __init__(
+        self,
+        records: Sequence[PromptRecord],
+        config: DynamicSamplingConfig,
+        sampling: SamplingConfig,
+        scorer: RolloutScorer,
+        sampler: PromptSampler,
+        *,
+        tracker: DifficultyTracker | None,
+        selector: PredictiveSelector | None,
+        on_scored: Callable[[ScoredRollouts], None] | None,
+    ) -> None:
+        self.records = list(records)
+        self.config = config
+        self.sampling = sampling
+        self.scorer = scorer
+        self.session = scorer.session
+        self.sampler = sampler
+        self.tracker = tracker
+        self.selector = selector
+        self.on_scored = on_scored
+        self.drawn_uids: list[str] = []  # uids drawn since the producer's batch began
+
+    def _draw(self, count: int) -> tuple[list[int], list[int]]:
+        """``count`` prompt indices and the epochs they were drawn in."""
+        tracker, selector = self.tracker, self.selector
+        eligible = skip = None
+        if tracker is not None:
+
+            def eligible(i: int, epoch: int) -> bool:
+                return tracker.eligible(self.records[i].uid, epoch)
+
+        if selector is not None and tracker is not None:
+
+            def skip(i: int, epoch: int) -> bool:
+                return not selector.take(tracker.stats.get(self.records[i].uid), epoch)
+
+        idx = self.sampler.take(count, eligible, skip=skip)
+        return idx, list(self.sampler.last_epochs)
+
+    def _filter(
+        self,
+        records: list[PromptRecord],
+        epochs: list[int],
+        rollouts: ScoredRollouts,
+        stats: StepStats,
+    ) -> ScoredRollouts | None:
+        """Record the visits (in the epochs they were drawn in), shape, keep groups with
+        variance."""
+        if self.tracker is not None:
+            per_group: list[list[float]] = [[] for _ in records]
+            for g, a in zip(rollouts.group_index.tolist(), rollouts.acc.tolist()):
+                per_group[g].append(a)
+            for rec, accs, epoch in zip(records, per_group, epochs):
+                self.tracker.update(rec.uid, accs, epoch)
+        if self.on_scored is not None:
+            self.on_scored(rollouts)
+        stats.generated_groups += float(len(records))
+        metric = self.config.filter_metric
+        if metric is None:
+            stats.kept_groups += float(len(records))
+            return rollouts
+        keep_group = group_has_variance(getattr(rollouts, metric), rollouts.group_index)
+        stats.kept_groups += float(keep_group.sum())
+        keep_idx = keep_group[rollouts.group_index].nonzero().flatten().tolist()
+        return rollouts.select(keep_idx) if keep_idx else None
+
+    def run(
+        self, count: int, need: int, policy_version: int, stats: StepStats
+    ) -> ScoredRollouts | None:
+        """One generation round of ``count`` prompts: draw, sample, score, shape, filter.
+
+        With a streaming engine (``in_flight``) the round stops once ``need`` groups are kept.
+        None if nothing was kept.
+        """
+        idx, epochs = self._draw(count)
+        records = [self.records[i] for i in idx]
+        if self.config.in_flight and hasattr(self.session.engine, "stream_groups"):
+            return self._stream_round(idx, epochs, need, policy_version, stats)
+        self.drawn_uids.extend(r.uid for r in records)
+        sizes = [self.config.n] * len(records)
+        rollouts = self.scorer.score(records, sizes, self.sampling, policy_version, stats)
+        return self._filter(records, epochs, rollouts, stats)
+
+    def _stream_round(
+        self, idx: list[int], epochs: list[int], need: int, policy_version: int, stats: StepStats
+    ) -> ScoredRollouts | None:
+        """A round through ``engine.stream_groups``: groups are scored as they finish (each
+        completion step's finished groups together); once ``need`` are kept the stream is sent
+        :data:`DRAIN` (the requests not started are aborted, the started ones finish and are
+        scored too: their surplus goes to the carry-over) and the prompts never generated are
+        given back to the sampler."""
+        n, t0 = self.config.n, time.perf_counter()
+        stream = self.session.engine.stream_groups(
+            [self.records[i].prompt_ids for i in idx], n, self.sampling
+        )
+        done: set[int] = set()
+        parts: list[ScoredRollouts] = []
+        have, draining = 0, False
+        try:
+            finished = next(stream, None)
+            while finished is not None:
+                keys = [k for k, _ in finished]
+                if any(len(c) != n for _, c in finished):
+                    raise RuntimeError(
+                        f"stream_groups returned {[len(c) for _, c in finished]} completions "
+                        f"per group for n={n}: it must return n per finished group."
+                    )
+                done.update(keys)
+                records = [self.records[idx[k]] for k in keys]
+                self.drawn_uids.extend(r.uid for r in records)
+                stats.gen_seconds += time.perf_counter() - t0
+                rollouts = self.scorer.score_completions(
+                    records, [c for _, c in finished], self.sampling, policy_version, stats
+                )
+                got = self._filter(records, [epochs[k] for k in keys], rollouts, stats)
+                t0 = time.perf_counter()
+                if got is not None:
+                    parts.append(got)
+                    have += got.num_groups
+                send = DRAIN if have >= need and not draining else None
+                draining = draining or send is not None
+                try:
+                    finished = stream.send(send)
+                except StopIteration:
+                    finished = None
+        finally:
+            stream.close()  # aborts what is still queued or running
+        stats.gen_seconds += time.perf_counter() - t0
+        left = [k for k in range(len(idx)) if k not in done]
+        stats.aborted_groups += float(len(left))
+        self.sampler.give_back([idx[k] for k in left], [epochs[k] for k in left])
+        return concat_rollouts(parts) if parts else None
