@@ -40,7 +40,8 @@ from dapo_lightning.data.difficulty import (
     PredictiveSelector,
     PromptSelectionConfig,
 )
-from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted
+from dapo_lightning.data.draw import draw_round, selection_stats
+from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted, sized_round
 from dapo_lightning.data.sources import PromptRecord
 from dapo_lightning.envs.runner import episode_results, token_masks
 from dapo_lightning.interrupt import StopRequested, request_stop, stop_requested
@@ -127,6 +128,10 @@ class DynamicSamplingConfig:
             never more than one epoch of a rank's prompts). Kept groups beyond the batch go to
             the carry-over with ``carry_over``, else are dropped and counted
             (``data/dropped_surplus_groups``).
+        min_gen_batch_size: Floor of a sized round over all ranks (default 1: none), e.g. 16
+            with the vLLM engine, whose CPU rate at 2 prompts per call is 0.77x that at 16
+            (:func:`~dapo_lightning.data.sampler.sized_round`); never above the cap, the
+            epoch or the eligible prompts. The surplus goes as above.
         in_flight: With an engine that streams groups (``stream_groups``: the vLLM engine), a
             round stops starting groups as soon as the batch is full: groups are scored as they
             finish, the requests not started yet are aborted (their prompts drawn first next
@@ -149,6 +154,7 @@ class DynamicSamplingConfig:
     round_sizing: RoundSizing = "kept_frac"
     max_gen_batch_size: int | None = None
     in_flight: bool = True
+    min_gen_batch_size: int = 1
 
     def __post_init__(self) -> None:
         check_count(f"{DYNAMIC_SAMPLING_PATH}.n", self.n, 1, "responses per prompt")
@@ -206,6 +212,9 @@ class DynamicSamplingConfig:
                 1,
                 "prompts, or null",
             )
+        check_count(
+            f"{DYNAMIC_SAMPLING_PATH}.min_gen_batch_size", self.min_gen_batch_size, 1, "prompts"
+        )
 
     @property
     def prompts_per_round(self) -> int:
@@ -244,12 +253,10 @@ class DynamicSamplingConfig:
         """Predictive selection is on (and meaningful: the filter drops zero variance)."""
         return self.selection.strategy == "predictive" and self.filter_metric is not None
 
-    def make_tracker(self) -> DifficultyTracker | None:
-        """Per-prompt statistics when retiring, parking or predictive selection need them."""
-        sel = self.selection
-        if sel.retire_after or sel.park_after or self.predictive:
-            return DifficultyTracker(sel)
-        return None
+    def make_tracker(self) -> DifficultyTracker:
+        """Per-prompt statistics (retiring, parking, predictive selection, and the regression
+        statistic of every run)."""
+        return DifficultyTracker(self.selection)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle (``torch.load`` of a checkpoint's hyper-parameters); a config saved before
@@ -505,22 +512,14 @@ class RolloutProducer:
         return rollouts
 
     # ------------------------------------------------------------------ rounds
-    def _draw(self, count: int) -> tuple[list[int], list[int]]:
-        """``count`` prompt indices and the epochs they were drawn in."""
-        tracker, selector = self.tracker, self.selector
-        eligible = skip = None
-        if tracker is not None:
+    def _draw(self, count: int, stats: dict[str, float]) -> tuple[list[int], list[int]]:
+        """``count`` prompt indices and the epochs they were drawn in (:func:`draw_round`)."""
 
-            def eligible(i: int, epoch: int) -> bool:
-                return tracker.eligible(self.records[i].uid, epoch)
+        def uid_of(i: int) -> str:
+            return self.records[i].uid
 
-        if selector is not None and tracker is not None:
-
-            def skip(i: int, epoch: int) -> bool:
-                return not selector.take(tracker.stats.get(self.records[i].uid), epoch)
-
-        idx = self.sampler.take(count, eligible, skip=skip)
-        return idx, list(self.sampler.last_epochs)
+        sel = self.config.selection
+        return draw_round(self.sampler, self.tracker, self.selector, sel, uid_of, count, stats)
 
     def _filter(
         self,
@@ -557,7 +556,7 @@ class RolloutProducer:
         With a streaming engine (``in_flight``) the round stops once ``need`` groups are kept.
         None if nothing was kept.
         """
-        idx, epochs = self._draw(count)
+        idx, epochs = self._draw(count, stats)
         records = [self.records[i] for i in idx]
         if self.config.in_flight and hasattr(self.session.engine, "stream_groups"):
             return self._stream_round(idx, epochs, need, policy_version, stats)
@@ -625,7 +624,8 @@ class RolloutProducer:
         """Prompts this rank draws next: ``gen_batch_size / ranks`` (fixed sizing or no history
         yet), else enough for the short ranks' mean missing groups at the kept fraction
         ``(kept + 1) / (generated + 2)`` of the agreed estimate (exactly 1 without a filter:
-        every group is kept, so the round is what is missing), capped. Equal on all ranks."""
+        every group is kept, so the round is what is missing), floored and capped
+        (:func:`sized_round`). Equal on all ranks."""
         groups = self.world_size // self.tp_size
         kept, generated = self.kept_estimate
         if self.config.round_sizing == "fixed" or generated <= 0 or short_ranks <= 0:
@@ -634,7 +634,8 @@ class RolloutProducer:
         want = math.ceil(missing / short_ranks / frac)
         cap = max(1, self.config.round_cap // groups)
         per_rank = self.sampler.num_prompts // self.sampler.world_size  # one epoch at most
-        return max(1, min(want, cap, per_rank))
+        floor = math.ceil(self.config.min_gen_batch_size / groups)
+        return sized_round(want, floor, cap, per_rank)
 
     def _carried_within_staleness(
         self, policy_version: int, stats: dict[str, float]
@@ -784,9 +785,7 @@ class RolloutProducer:
             }
         )
         stats.setdefault("data/short_batch", 0.0)
-        if self.tracker is not None:
-            stats["data/retired"] = float(self.tracker.num_retired)
-            stats["data/parked"] = float(self.tracker.num_parked)
+        stats.update(selection_stats(self.tracker, stats))
         if self.member:  # the group's counts are reported once, by its first rank
             stats.update({k: 0.0 for k, op in STAT_OPS.items() if op == "sum"})
         return RolloutBatch.from_rollouts(
