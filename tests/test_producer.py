@@ -878,3 +878,186 @@ def test_resume_with_the_new_defaults_gives_the_same_selections(tmp_path):
     assert producer.selector.skipped > 0
     # the back-off's state (streaks of 2 and more: intervals 2, 4) is in the checkpoint
     assert max(s.wrong_streak for s in producer.tracker.stats.values()) >= 2
+
+
+# ------------------------------------------------ issue 40: no wrap-around, reviews, round floor
+class RecordingEngine(ScriptedEngine):
+    """ScriptedEngine that keeps each generate call's prompts (their ``a+b=`` text)."""
+
+    def __init__(self, rate=pass_rate_of):
+        super().__init__(rate)
+        self.rounds: list[list[str]] = []
+        self.probe = None  # called at each generate call (the test reads the producer there)
+        self.probed: list = []
+
+    def generate(self, prompts, n, sampling):
+        if self.probe is not None:
+            self.probed.append(self.probe())
+        texts = [TOK.decode(p, skip_special_tokens=True) for p in prompts]
+        self.rounds.append([t.split("\n")[-3] if "\n" in t else t for t in texts])
+        return super().generate(prompts, n, sampling)
+
+
+def test_a_sized_round_draws_each_of_two_eligible_prompts_at_most_once():
+    """14 of 16 prompts are always solved (retired after one visit), 2 are half right. Once
+    the pool is down to those 2, the kept fraction is low and a sized round asks for many
+    prompts: it holds each of the 2 once (before: the draw wrapped around the epochs and
+    held each many times, all generated before either's history changed)."""
+    live: set[str] = set()
+    engine = RecordingEngine(rate=lambda expr: 0.5 if expr in live else 1.0)
+    producer = make_producer(
+        engine, num_prompts=16, train_batch_size=2, gen_batch_size=2, retire_after=1,
+        round_sizing="kept_frac", max_num_gen_batches=0,
+    )  # fmt: skip
+    live.update(r.prompt for r in producer.records[:2])
+    for step in range(8):
+        producer.next_batch(policy_version=step)
+    assert producer.tracker.num_retired == 14
+    late = engine.rounds[-6:]
+    assert all(sorted(r) == sorted(live) for r in late), late
+    assert all(len(r) == len(set(r)) for r in engine.rounds), engine.rounds
+    assert max(len(r) for r in engine.rounds) > 2  # sized rounds asked for more than 2
+
+
+def test_uniform_draws_without_filters_are_the_epoch_stream():
+    """The quickstart's selection (uniform, nothing retired): sized rounds with carry-over
+    draw exactly the next prompts of the seeded epoch order, epoch boundaries included, and
+    the statistics of every run are logged (all 0 with nothing retired or reviewed)."""
+    import random
+
+    producer = make_producer(
+        num_prompts=24, seed=3, train_batch_size=4, gen_batch_size=8, round_sizing="kept_frac",
+        carry_over=True, max_num_gen_batches=0,
+    )  # fmt: skip
+    drawn: list[str] = []
+    for step in range(12):
+        stats = producer.next_batch(policy_version=step).stats
+        drawn.extend(producer.drawn_uids)
+        assert stats["data/review_frac"] == 0.0 and "data/regressed_frac" in stats
+    order = []
+    for epoch in range(producer.sampler.epoch + 1):
+        perm = list(range(24))
+        random.Random(f"3-{epoch}").shuffle(perm)
+        order.extend(producer.records[i].uid for i in perm)
+    assert producer.sampler.epoch >= 3
+    assert drawn == order[: len(drawn)]
+
+
+def test_sized_rounds_never_fall_below_the_floor_nor_exceed_the_eligible_prompts():
+    floor = 6
+    engine = RecordingEngine()
+    producer = make_producer(
+        engine, num_prompts=64, train_batch_size=8, gen_batch_size=8, round_sizing="kept_frac",
+        max_num_gen_batches=0, min_gen_batch_size=floor,
+    )  # fmt: skip
+    for step in range(10):
+        producer.next_batch(policy_version=step)
+    sizes = [len(r) for r in engine.rounds]
+    assert min(sizes[1:]) == floor  # second rounds of a step lifted to the floor
+    unfloored = make_producer(
+        RecordingEngine(), num_prompts=64, train_batch_size=8, gen_batch_size=8,
+        round_sizing="kept_frac", max_num_gen_batches=0,
+    )  # fmt: skip
+    for step in range(10):
+        unfloored.next_batch(policy_version=step)
+    assert min(len(r) for r in unfloored.session.engine.rounds) < floor
+    # 2 eligible prompts (the rest solved and retired): rounds of 2, the floor gives way
+    live: set[str] = set()
+    engine = RecordingEngine(rate=lambda expr: 0.5 if expr in live else 1.0)
+    small = make_producer(
+        engine, num_prompts=16, train_batch_size=2, gen_batch_size=2, retire_after=1,
+        round_sizing="kept_frac", max_num_gen_batches=0, min_gen_batch_size=floor,
+    )  # fmt: skip
+    live.update(r.prompt for r in small.records[:2])
+    engine.probe = lambda: sum(small.tracker.eligible(r.uid, 0) for r in small.records)
+    for step in range(8):
+        small.next_batch(policy_version=step)
+    sized = list(zip([len(r) for r in engine.rounds], engine.probed))[1:]  # the 1st: no history
+    assert all(min(floor, eligible) <= size <= eligible for size, eligible in sized), sized
+    assert sized[-1] == (2, 2) and any(e > floor for _, e in sized)
+
+
+def regressing_producer(review_weight, *, engine_cls=ScriptedEngine, **kw):
+    """Prompts ``1+b`` are solved for 12 steps (retired after 2 all-correct visits), then half
+    right: a regression only a review can see."""
+    step = {"now": 0}
+
+    def rate(expr):
+        if expr.startswith("1+"):
+            return 1.0 if step["now"] < 12 else 0.5
+        return 0.5 if zlib.crc32(expr.encode()) % 2 else 0.0
+
+    settings = dict(
+        num_prompts=32, train_batch_size=2, gen_batch_size=4, max_num_gen_batches=0,
+        strategy="predictive", max_skip=0.9, retire_after=2, revisit_after=1, revisit_within=2,
+        review_weight=review_weight,
+    )  # fmt: skip
+    settings.update(kw)
+    producer = make_producer(engine_cls(rate=rate), **settings)
+    return producer, step, [r.uid for r in producer.records if r.prompt.startswith("1+")]
+
+
+def test_retired_prompts_are_reviewed_and_a_regression_is_seen_and_repaired():
+    """With review_weight 0.5 the solved ``1+b`` prompts come back after retiring; once they
+    regress a review finds it, puts them back in the draw (kept groups again) and counts it in
+    data/regressed_frac; data/review_frac is the share of reviews among the drawn prompts.
+    With review_weight 0 (the former retiring) they are never drawn again."""
+    for weight in (0.5, 0.0):
+        producer, step, solved = regressing_producer(weight)
+        assert len(solved) >= 2
+        visits_after: dict[str, int] = {u: 0 for u in solved}
+        reviews = drawn = 0.0
+        for now in range(60):
+            step["now"] = now
+            reviewed_before = producer.selector.reviewed
+            stats = producer.next_batch(policy_version=now).stats
+            new_reviews = producer.selector.reviewed - reviewed_before
+            # the step's share of reviews among the prompts it drew
+            assert stats["data/review_frac"] == pytest.approx(
+                new_reviews / max(len(producer.drawn_uids), 1)
+            )
+            reviews, drawn = reviews + new_reviews, drawn + len(producer.drawn_uids)
+            tr = producer.tracker
+            assert stats["data/regressed_frac"] == pytest.approx(
+                sum(s.regressed for s in tr.stats.values()) / len(tr.stats)
+            )
+            if now >= 12:
+                for u in producer.drawn_uids:
+                    if u in visits_after:
+                        visits_after[u] += 1
+        if weight == 0.0:
+            assert reviews == 0 and all(v == 0 for v in visits_after.values())
+            assert all(producer.tracker.stats[u].retired for u in solved)
+            assert not any(producer.tracker.stats[u].regressed for u in solved)
+        else:
+            assert reviews > 0
+            assert all(producer.tracker.stats[u].regressed for u in solved)
+            assert all(not producer.tracker.stats[u].retired for u in solved)
+            assert all(v >= 2 for v in visits_after.values()), visits_after
+
+
+def test_resume_with_reviews_and_deferred_repeats_gives_the_same_selections(tmp_path):
+    """The review counter and RNG, the regression flags and the deferred repeats are in the
+    producer's state: a resume gives the selections of an uninterrupted run."""
+
+    def run(producer, step, steps, start=0):
+        out = []
+        for s in range(start, start + steps):
+            step["now"] = s
+            batch = producer.next_batch(policy_version=s)
+            picked = {k: batch.stats[k] for k in ("data/review_frac", "data/regressed_frac")}
+            out.append((list(producer.drawn_uids), batch.input_ids.tolist(), picked))
+        return out
+
+    kw = dict(engine_cls=ScriptedStreamingEngine, round_sizing="kept_frac", carry_over=True)
+    full_producer, full_step, _ = regressing_producer(0.5, **kw)
+    full = run(full_producer, full_step, 30)
+    producer, step, _ = regressing_producer(0.5, **kw)
+    first = run(producer, step, 7)
+    assert producer.sampler.deferred  # a repeat waits for the next draw at the save
+    torch.save(producer.state_dict(), tmp_path / "producer.pt")
+    resumed, rstep, _ = regressing_producer(0.5, **kw)
+    resumed.load_state_dict(torch.load(tmp_path / "producer.pt", weights_only=True))
+    assert first + run(resumed, rstep, 23, start=7) == full
+    assert full_producer.selector.reviewed > 0
+    assert any(s.regressed for s in full_producer.tracker.stats.values())

@@ -41,6 +41,7 @@ def test_step_stats_declare_the_same_names_and_ops_as_before():
     stats = StepStats()
     assert set(stats.as_metrics()) == set(OLD_STAT_OPS) | {
         "data/samples_per_kept_group", "data/kept_frac", "data/zero_variance_frac", "data/epoch",
+        "data/regressed_frac", "data/review_frac",  # issue 40's selection statistics
     }  # fmt: skip
     stats.generated_groups += 8.0
     stats.kept_groups += 6.0

@@ -7,7 +7,13 @@ A *visit* is one generation of a group for a prompt. After each visit the prompt
 updated with the ``acc`` of its samples.
 
 - Retire: a prompt whose last ``retire_after`` visits in a row were all-correct is retired and
-  never drawn again (its groups would have zero variance: pure waste).
+  not drawn in turn any more (its groups would have zero variance). Under uniform selection it
+  is never drawn again; under predictive selection it is *reviewed* instead: when its turn
+  comes it is drawn with probability ``review_weight`` (:func:`take_probability`), and a review
+  that is not all-correct puts it back in the draw. Prompts a policy once solved regress, and
+  the cost of repairing them grows with the delay before they are seen again (issue 40).
+- Regression: a prompt all-correct at some visit and not all-correct at a later one has
+  *regressed* (``data/regressed_frac``, :meth:`DifficultyTracker.regressed_frac`).
 - Park: a prompt never solved after ``park_after`` visits is parked; it is skipped until
   ``revisit_every`` epochs have passed since it was parked, then visited once more (and parked
   again if still unsolved; solving it unparks it).
@@ -102,6 +108,11 @@ class PromptSelectionConfig:
     skip_threshold: float = 0.5
     history_decay: float = 0.5
     revisit_after: int = 16
+    #: Predictive selection: the probability that a retired prompt is drawn when its turn
+    #: comes (a review; its expected gap is 1 / review_weight epochs), in [0, 1]; 0: retired
+    #: for good (the former behaviour). 0.2 as prime-rl's easy-pool weight: solved prompts
+    #: kept at a fifth of the rate of the others rather than dropped (issue 40).
+    review_weight: float = 0.2
 
     def __post_init__(self) -> None:
         if self.strategy not in ("uniform", "predictive"):
@@ -136,6 +147,14 @@ class PromptSelectionConfig:
         check_count(f"{SELECTION_PATH}.retire_after", self.retire_after, 0, "0 = never")
         check_count(f"{SELECTION_PATH}.park_after", self.park_after, 0, "0 = never")
         check_count(f"{SELECTION_PATH}.revisit_every", self.revisit_every, 1, "epochs")
+        check_finite(
+            f"{SELECTION_PATH}.review_weight", self.review_weight, "Give a number in [0, 1]."
+        )
+        if not 0.0 <= self.review_weight <= 1.0:
+            raise ConfigError(
+                f"{SELECTION_PATH}.review_weight must be in [0, 1] (the probability that a "
+                f"retired prompt is reviewed at its turn; 0: never), got {self.review_weight!r}."
+            )
 
 
 @dataclass
@@ -156,6 +175,9 @@ class PromptStats:
     recent_wrong: float = 0.0
     #: Epoch of the last visit (None: never visited).
     last_epoch: int | None = None
+    #: All-correct at some visit; ``regressed``: and not all-correct at a later one.
+    ever_all_correct: bool = False
+    regressed: bool = False
 
     @property
     def pass_rate(self) -> float | None:
@@ -190,13 +212,18 @@ class DifficultyTracker:
         s.visits += 1
         s.samples += len(accs)
         s.correct += correct
-        s.solved_streak = s.solved_streak + 1 if accs and correct == len(accs) else 0
+        all_correct = bool(accs) and correct == len(accs)
+        s.solved_streak = s.solved_streak + 1 if all_correct else 0
+        s.regressed = s.regressed or (s.ever_all_correct and bool(accs) and not all_correct)
+        s.ever_all_correct = s.ever_all_correct or all_correct
         s.wrong_streak = s.wrong_streak + 1 if accs and correct == 0 else 0
         s.ever_solved = s.ever_solved or correct > 0
         cfg = self.config
         s.recent_correct = cfg.history_decay * s.recent_correct + correct
         s.recent_wrong = cfg.history_decay * s.recent_wrong + len(accs) - correct
         s.last_epoch = epoch
+        if s.retired and not all_correct:
+            s.retired = False  # a review that failed: the prompt is back in the draw
         if cfg.retire_after and s.solved_streak >= cfg.retire_after:
             s.retired = True
         if s.ever_solved:
@@ -222,6 +249,12 @@ class DifficultyTracker:
     @property
     def num_parked(self) -> int:
         return sum(s.parked_epoch is not None and not s.retired for s in self.stats.values())
+
+    @property
+    def regressed_frac(self) -> float:
+        """Of the prompts visited, the share all-correct at some visit and not all-correct at
+        a later one (0 before any visit)."""
+        return sum(s.regressed for s in self.stats.values()) / max(len(self.stats), 1)
 
     def state_dict(self) -> dict[str, Any]:
         # vars() copies, not asdict(): this runs before every batch (PromptStats is flat)
@@ -252,6 +285,57 @@ def zero_variance_prob(
     return math.exp(lg(a + n) - lg(a) + log_norm) + math.exp(lg(b + n) - lg(b) + log_norm)
 
 
+def revisit_interval(stats: PromptStats, selection: PromptSelectionConfig) -> int:
+    """Epochs after its last visit at which predictive selection takes a prompt whatever its
+    prediction (it is *due*)::
+
+        min(revisit_after * 2^(k - 1), revisit_within),  k = max(1, still_streak)
+
+    ``still_streak``: visits in a row with the same zero-variance outcome. A prompt all wrong
+    at its first visit is due after ``revisit_after`` epochs; all wrong again there, after twice
+    that; and so on up to ``revisit_within``, the no-starvation bound. A group with variance or
+    the other outcome starts over from ``revisit_after``."""
+    doublings = min(max(1, stats.still_streak) - 1, selection.revisit_within.bit_length())
+    return min(selection.revisit_after << doublings, selection.revisit_within)
+
+
+def skip_probability(
+    stats: PromptStats | None, epoch: int, n: int, selection: PromptSelectionConfig
+) -> float:
+    """The probability that predictive selection passes over a prompt at its turn in ``epoch``
+    (retirement aside), for groups of ``n``::
+
+        0           never visited, or due (epoch - last_epoch >= revisit_interval)
+        max_skip    P0 > skip_threshold,  P0 = zero_variance_prob(recent counts, n)
+        0           otherwise"""
+    if stats is None or stats.last_epoch is None:
+        return 0.0
+    if epoch - stats.last_epoch >= revisit_interval(stats, selection):
+        return 0.0
+    p0 = zero_variance_prob(stats.recent_correct, stats.recent_wrong, n)
+    return selection.max_skip if p0 > selection.skip_threshold else 0.0
+
+
+def take_probability(
+    stats: PromptStats | None, epoch: int, n: int, selection: PromptSelectionConfig
+) -> float:
+    """The probability that predictive selection draws a prompt when its turn comes in
+    ``epoch`` (its selection weight), for groups of ``n``::
+
+        review_weight                                  retired (a review)
+        1 - skip_probability(stats, epoch, n, ...)     otherwise: 1 never visited, due or
+                                                       P0 <= skip_threshold; 1 - max_skip else
+
+    Parked prompts are not eligible at all (:meth:`DifficultyTracker.eligible`). A retired
+    prompt is reviewed whatever its prediction or due date, 1 / review_weight epochs apart on
+    average; a prompt all-correct at fewer than ``retire_after`` visits in a row is still
+    passed over with ``max_skip`` until it is due (``revisit_after`` and on, at most
+    ``revisit_within`` epochs)."""
+    if stats is not None and stats.retired and stats.last_epoch is not None:
+        return selection.review_weight
+    return 1.0 - skip_probability(stats, epoch, n, selection)
+
+
 #: Why :meth:`PredictiveSelector.decide` takes or skips a prompt (the benchmark's breakdown).
 Decision = Literal["new", "due", "predicted", "floor", "skip"]
 
@@ -271,19 +355,12 @@ class PredictiveSelector:
         self.config = selection
         self.rng = random.Random(seed)
         self.skipped = 0  # skip decisions so far (the producer reports the difference per step)
+        self.reviewed = 0  # reviews of retired prompts so far
 
     def revisit_interval(self, stats: PromptStats) -> int:
-        """Epochs after its last visit at which a prompt is due (never skipped)::
-
-            min(revisit_after * 2^(k - 1), revisit_within),  k = max(1, still_streak)
-
-        ``still_streak``: visits in a row with the same zero-variance outcome. A prompt all
-        wrong at its first visit is due after ``revisit_after`` epochs; all wrong again there,
-        after twice that; and so on up to ``revisit_within``, the no-starvation bound. A group
-        with variance or the other outcome starts over from ``revisit_after``."""
-        cfg = self.config
-        doublings = min(max(1, stats.still_streak) - 1, cfg.revisit_within.bit_length())
-        return min(cfg.revisit_after << doublings, cfg.revisit_within)
+        """Epochs after its last visit at which a prompt is due (never skipped):
+        :func:`revisit_interval`."""
+        return revisit_interval(stats, self.config)
 
     def is_due(self, stats: PromptStats, epoch: int) -> bool:
         """Whether ``revisit_interval`` epochs have passed since the prompt's last visit."""
@@ -291,12 +368,9 @@ class PredictiveSelector:
         return epoch - last >= self.revisit_interval(stats)
 
     def skip_prob(self, stats: PromptStats | None, epoch: int) -> float:
-        """``max_skip`` if ``P0 > skip_threshold``, else 0; 0 for a prompt never visited or
-        due (:meth:`revisit_interval`)."""
-        if stats is None or stats.last_epoch is None or self.is_due(stats, epoch):
-            return 0.0
-        p0 = zero_variance_prob(stats.recent_correct, stats.recent_wrong, self.n)
-        return self.config.max_skip if p0 > self.config.skip_threshold else 0.0
+        """:func:`skip_probability`: ``max_skip`` if ``P0 > skip_threshold``, else 0; 0 for a
+        prompt never visited or due (:meth:`revisit_interval`)."""
+        return skip_probability(stats, epoch, self.n, self.config)
 
     def decide(self, stats: PromptStats | None, epoch: int) -> Decision:
         """``"skip"``, or why the prompt is taken: ``"new"`` (never visited), ``"due"``
@@ -317,10 +391,23 @@ class PredictiveSelector:
         """Whether to draw the prompt now (:meth:`decide` is not ``"skip"``)."""
         return self.decide(stats, epoch) != "skip"
 
+    def review(self, stats: PromptStats | None) -> bool:
+        """Whether to draw a retired prompt now (a review): with probability
+        ``review_weight`` (:func:`take_probability`), one RNG draw; False for any other
+        prompt and when ``review_weight`` is 0 (no draw)."""
+        weight = self.config.review_weight
+        if stats is None or not stats.retired or weight <= 0.0:
+            return False
+        if self.rng.random() < weight:
+            self.reviewed += 1
+            return True
+        return False
+
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": self.rng.getstate(), "skipped": self.skipped}
+        return {"rng": self.rng.getstate(), "skipped": self.skipped, "reviewed": self.reviewed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         rng = state["rng"]
         self.rng.setstate((rng[0], tuple(rng[1]), rng[2]))
         self.skipped = int(state["skipped"])
+        self.reviewed = int(state.get("reviewed", 0))

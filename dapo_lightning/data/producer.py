@@ -38,6 +38,7 @@ import torch
 from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.data.carry_over import CarryOver, VersionedGroups
 from dapo_lightning.data.difficulty import PredictiveSelector
+from dapo_lightning.data.draw import selection_stats
 from dapo_lightning.data.dynamic_sampling import (
     KEPT_FRAC_DECAY,
     DynamicSamplingConfig,
@@ -57,7 +58,7 @@ from dapo_lightning.data.rollout_groups import (
 )
 from dapo_lightning.data.round_report import RoundReport, Shortfall, SumOverRanks
 from dapo_lightning.data.rounds import GenerationRounds
-from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted
+from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted, sized_round
 from dapo_lightning.data.scoring import RolloutScorer
 from dapo_lightning.data.sources import PromptRecord
 from dapo_lightning.data.step_stats import STAT_OPS, StepStats
@@ -177,7 +178,8 @@ class RolloutProducer:
         """Prompts this rank draws next: ``gen_batch_size / ranks`` (fixed sizing or no history
         yet), else enough for the short ranks' mean missing groups at the kept fraction
         ``(kept + 1) / (generated + 2)`` of the agreed estimate (exactly 1 without a filter:
-        every group is kept, so the round is what is missing), capped. Equal on all ranks."""
+        every group is kept, so the round is what is missing), floored and capped
+        (:func:`sized_round`). Equal on all ranks."""
         kept, generated = self.kept_estimate
         if self.config.round_sizing == "fixed" or generated <= 0 or short_ranks <= 0:
             return self.local_gen
@@ -185,7 +187,8 @@ class RolloutProducer:
         want = math.ceil(missing / short_ranks / frac)
         cap = max(1, self.config.round_cap // self.layout.groups)
         per_rank = self.sampler.num_prompts // self.sampler.world_size  # one epoch at most
-        return max(1, min(want, cap, per_rank))
+        floor = math.ceil(self.config.min_gen_batch_size / self.layout.groups)
+        return sized_round(want, floor, cap, per_rank)
 
     def _update_kept_estimate(self, kept: int, generated: int) -> None:
         """Decay the agreed (kept, generated) counts by :data:`KEPT_FRAC_DECAY`, add a round's."""
@@ -307,9 +310,7 @@ class RolloutProducer:
         stats.finish(self.sampler.epoch)
         stats.batch_groups = float(batch_r.num_groups)
         stats.carried_groups = float(self.carry.num_groups)
-        if self.tracker is not None:
-            stats.retired = float(self.tracker.num_retired)
-            stats.parked = float(self.tracker.num_parked)
+        selection_stats(self.tracker, stats)
         if self.layout.member:  # the group's counts are reported once, by its first rank
             stats.zero_sums()
         return RolloutBatch.from_rollouts(

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from dapo_lightning.data.batch import ScoredRollouts
 from dapo_lightning.data.difficulty import DifficultyTracker, PredictiveSelector
+from dapo_lightning.data.draw import draw_round
 from dapo_lightning.data.dynamic_sampling import DynamicSamplingConfig
 from dapo_lightning.data.rollout_groups import concat_rollouts, group_has_variance
 from dapo_lightning.data.sampler import PromptSampler
@@ -64,22 +65,14 @@ class GenerationRounds:
         self.on_scored = on_scored
         self.drawn_uids: list[str] = []  # uids drawn since the producer's batch began
 
-    def _draw(self, count: int) -> tuple[list[int], list[int]]:
-        """``count`` prompt indices and the epochs they were drawn in."""
-        tracker, selector = self.tracker, self.selector
-        eligible = skip = None
-        if tracker is not None:
+    def _draw(self, count: int, stats: StepStats) -> tuple[list[int], list[int]]:
+        """``count`` prompt indices and the epochs they were drawn in (:func:`draw_round`)."""
 
-            def eligible(i: int, epoch: int) -> bool:
-                return tracker.eligible(self.records[i].uid, epoch)
+        def uid_of(i: int) -> str:
+            return self.records[i].uid
 
-        if selector is not None and tracker is not None:
-
-            def skip(i: int, epoch: int) -> bool:
-                return not selector.take(tracker.stats.get(self.records[i].uid), epoch)
-
-        idx = self.sampler.take(count, eligible, skip=skip)
-        return idx, list(self.sampler.last_epochs)
+        sel = self.config.selection
+        return draw_round(self.sampler, self.tracker, self.selector, sel, uid_of, count, stats)
 
     def _filter(
         self,
@@ -116,7 +109,7 @@ class GenerationRounds:
         With a streaming engine (``in_flight``) the round stops once ``need`` groups are kept.
         None if nothing was kept.
         """
-        idx, epochs = self._draw(count)
+        idx, epochs = self._draw(count, stats)
         records = [self.records[i] for i in idx]
         if self.config.in_flight and hasattr(self.session.engine, "stream_groups"):
             return self._stream_round(idx, epochs, need, policy_version, stats)

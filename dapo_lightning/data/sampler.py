@@ -3,10 +3,20 @@
 Epoch ``e`` orders the ``N`` prompts by a permutation seeded with ``(seed, e)``; rank ``r`` of
 ``W`` takes positions ``r, r + W, r + 2W, ...`` of it, cut to ``N // W`` prompts so every rank
 has an equally long epoch. Ranks therefore draw disjoint prompts within an epoch, and the whole
-state is ``(epoch, cursor, pending)``: the permutation is recomputed, never stored. ``pending``
-holds prompts drawn but not generated (a round stopped before their requests ran, e.g. the
+state is ``(epoch, cursor, pending, deferred)``: the permutation is recomputed, never stored.
+``pending`` holds prompts drawn but not generated (a round stopped before their requests ran, e.g. the
 vLLM in-flight path once the batch is full): :meth:`PromptSampler.give_back` puts them there
 and the next :meth:`PromptSampler.take` returns them first, so a stopped round skips no prompt.
+
+No wrap-around: a *distinct* draw (the producer asks for one whenever prompts can be retired,
+parked or skipped) takes each prompt at most once and stops at the end of the first epoch it
+scanned whole, so a round never holds a prompt twice however few prompts are eligible (before,
+with 2 eligible prompts left, a sized round of ~30 held each about 15 times: a prompt's history
+changes only after its round). A prompt whose turn in the next epoch comes inside the draw that
+took it is *deferred*: the next draw asks it first, in that epoch, so it keeps its visit per
+epoch (``deferred`` is part of the state, like ``pending``). A plain draw (no filter: every prompt eligible, a round at most
+one epoch) is the paper's epoch stream, unchanged: a round across an epoch boundary may hold a
+prompt from the end of one epoch and again from the start of the next.
 """
 
 from __future__ import annotations
@@ -55,8 +65,13 @@ class PromptSampler:
         self.cursor = 0
         self._order_cache: tuple[int, list[int]] | None = None
         self.pending: list[tuple[int, int]] = []  # (index, epoch it was drawn in)
+        #: Repeats a distinct draw passed over: (index, epoch of that turn), asked next draw.
+        self.deferred: list[tuple[int, int]] = []
         #: The epoch each index of the last :meth:`take` was drawn in (given-back ones: theirs).
         self.last_epochs: list[int] = []
+        #: Of the last :meth:`take`: given-back prompts returned first, and reviews taken.
+        self.last_given_back = 0
+        self.last_reviews = 0
 
     def shard(self, epoch: int) -> list[int]:
         """This rank's prompt indices for ``epoch``, in draw order."""
@@ -76,20 +91,40 @@ class PromptSampler:
         eligible: Callable[[int, int], bool] | None = None,
         max_empty_epochs: int = 2,
         skip: Callable[[int, int], bool] | None = None,
+        *,
+        distinct: bool = False,
+        review: Callable[[int, int], bool] | None = None,
     ) -> list[int]:
         """The next ``k`` indices for which ``eligible(index, epoch)`` holds (all when None).
 
-        Given-back prompts (:meth:`give_back`) come first. Ineligible prompts are passed over
-        for this epoch; so are eligible ones for which ``skip(index, epoch)`` is True (a chosen
-        skip: predictive selection), which still count as eligible. Raises when
-        ``max_empty_epochs`` whole epochs in a row offer no eligible prompt (everything retired
-        or parked).
+        Given-back prompts (:meth:`give_back`) come first, then the repeats the last draw
+        deferred, asked again now. Ineligible prompts are passed over for this epoch unless
+        ``review(index, epoch)`` takes one back (a review of a retired prompt; reviews do not
+        make an epoch non-empty); eligible ones for which ``skip(index, epoch)`` is True (a
+        chosen skip: predictive selection) are passed over too, and still count as eligible.
+        ``distinct``: each index at most once. An eligible prompt whose turn comes (in the
+        next epoch) after it was taken is deferred, not asked: the next draw asks it first,
+        in that epoch, with the history of the visit just drawn; and the draw ends, with
+        fewer than ``k`` if need be, at the end of the first epoch it scanned from its start
+        once it holds a prompt (every eligible prompt has had its turn: no wrap-around).
+        Raises when ``max_empty_epochs`` whole epochs in a row offer no eligible prompt
+        (everything retired or parked).
         """
         out = [i for i, _ in self.pending[:k]]
         epochs = [e for _, e in self.pending[:k]]
         self.pending = self.pending[k:]
+        self.last_given_back, self.last_reviews = len(out), 0
+        taken = set(out) if distinct else None
+        deferred, self.deferred = self.deferred, []
+        for idx, epoch in deferred:
+            if len(out) >= k:
+                self.deferred.append((idx, epoch))
+            elif self._turn(idx, epoch, eligible, skip, review, taken) in ("take", "review"):
+                out.append(idx)
+                epochs.append(epoch)
         empty_epochs = 0
         found_this_epoch = self.cursor > 0
+        whole_epoch = self.cursor == 0  # this draw scans the current epoch from its start
         while len(out) < k:
             shard = self.shard(self.epoch)
             if self.cursor >= len(shard):
@@ -101,20 +136,52 @@ class PromptSampler:
                             "prompt is retired or parked. Add prompts, raise retire_after / "
                             "park_after, or lower revisit_every."
                         )
+                elif distinct and whole_epoch and out:
+                    break  # every eligible prompt had its turn in this draw
                 self.epoch += 1
                 self.cursor = 0
-                found_this_epoch = False
+                found_this_epoch, whole_epoch = False, True
                 continue
             idx = shard[self.cursor]
             self.cursor += 1
-            if eligible is None or eligible(idx, self.epoch):
+            turn = self._turn(idx, self.epoch, eligible, skip, review, taken)
+            if turn is not None and turn != "review":
                 found_this_epoch = True
                 empty_epochs = 0
-                if skip is None or not skip(idx, self.epoch):
-                    out.append(idx)
-                    epochs.append(self.epoch)
+            if turn in ("take", "review"):
+                out.append(idx)
+                epochs.append(self.epoch)
         self.last_epochs = epochs
         return out
+
+    def _turn(
+        self,
+        idx: int,
+        epoch: int,
+        eligible: Callable[[int, int], bool] | None,
+        skip: Callable[[int, int], bool] | None,
+        review: Callable[[int, int], bool] | None,
+        taken: set[int] | None,
+    ) -> str | None:
+        """Prompt ``idx``'s turn in ``epoch``: ``"take"``, ``"review"``, ``"pass"`` (eligible,
+        passed over: skipped, or deferred as a repeat of this draw) or None (not eligible).
+        A prompt taken is added to ``taken`` (distinct draws)."""
+        repeat = taken is not None and idx in taken
+        if eligible is None or eligible(idx, epoch):
+            if repeat:
+                self.deferred.append((idx, epoch))
+                return "pass"
+            if skip is not None and skip(idx, epoch):
+                return "pass"
+            turn = "take"
+        elif repeat or review is None or not review(idx, epoch):
+            return None
+        else:
+            turn = "review"
+            self.last_reviews += 1
+        if taken is not None:
+            taken.add(idx)
+        return turn
 
     def give_back(self, indices: list[int], epochs: list[int]) -> None:
         """Prompts drawn (in ``epochs``) but not generated: the next :meth:`take` returns them
@@ -127,6 +194,7 @@ class PromptSampler:
             "cursor": self.cursor,
             "seed": self.seed,
             "pending": [list(p) for p in self.pending],
+            "deferred": [list(p) for p in self.deferred],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -134,4 +202,21 @@ class PromptSampler:
         self.cursor = int(state["cursor"])
         self.seed = int(state.get("seed", self.seed))
         self.pending = [(int(i), int(e)) for i, e in state.get("pending", [])]
+        self.deferred = [(int(i), int(e)) for i, e in state.get("deferred", [])]
         self._order_cache = None
+
+
+def sized_round(want: int, floor: int, cap: int, per_rank: int) -> int:
+    """Prompts one engine group draws in a sized round (``round_sizing: kept_frac``)::
+
+        max(1, min(max(want, floor), cap, per_rank))
+
+    ``want``: enough for the missing groups at the kept fraction; ``floor``: the smallest
+    efficient engine call (``min_gen_batch_size`` per engine group: the vLLM engine on CPU ran
+    114 / 128 / 134 / 148 / 140 tokens/s at 2 / 4 / 8 / 16 / 32 prompts per call, so a 2-prompt
+    round runs at 0.77x of a 16-prompt one); ``cap``: ``max_gen_batch_size`` per engine group;
+    ``per_rank``: one epoch of the group's prompts. A distinct draw
+    (:meth:`PromptSampler.take`) holds no more prompts than are eligible, so a round is never
+    above those either; the floor gives way to the cap and to the epoch.
+    """
+    return max(1, min(max(want, floor), cap, per_rank))

@@ -82,12 +82,20 @@ class StepStats:
     kept_frac = Stat("data/kept_frac", "mean")
     zero_variance_frac = Stat("data/zero_variance_frac", "mean")
     epoch = Stat("data/epoch", "mean")
+    #: Share of visited prompts that were all-correct at some visit and not at a later one.
+    regressed_frac = Stat("data/regressed_frac", "mean")
+    #: Share of this step's drawn prompts that were reviews of retired ones (``reviews /
+    #: drawn``, 0 when none were drawn).
+    review_frac = Stat("data/review_frac", "mean")
 
     def __init__(self) -> None:
         self.values: dict[str, float] = {s.attr: 0.0 for s in self.declared()}
         #: ``reward/<k>``: the sum of a numeric reward extra ``k`` and how many responses had it.
         self.reward_totals: dict[str, float] = {}
         self.reward_counts: dict[str, float] = {}
+        #: Prompts drawn this step and the reviews among them (:func:`~.draw.draw_round`).
+        self.drawn = 0.0
+        self.reviews = 0.0
 
     @classmethod
     def declared(cls) -> list[Stat]:
@@ -101,12 +109,14 @@ class StepStats:
             self.reward_counts[key] = self.reward_counts.get(key, 0.0) + float(len(values))
 
     def finish(self, epoch: int) -> None:
-        """Set the step's derived fractions (kept, zero variance, samples per kept group)."""
+        """Set the step's derived fractions (kept, zero variance, samples per kept group,
+        reviews)."""
         gen, kept = self.generated_groups, self.kept_groups
         self.kept_frac = kept / gen if gen else 1.0
         self.zero_variance_frac = 1.0 - self.kept_frac if gen else 0.0
         self.samples_per_kept_group = self.generated_samples / kept if kept else 0.0
         self.epoch = float(epoch)
+        self.review_frac = self.reviews / self.drawn if self.drawn else 0.0
 
     def zero_sums(self) -> None:
         """Zero every statistic summed over ranks (a tensor-parallel member rank: its engine
