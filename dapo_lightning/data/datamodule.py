@@ -50,7 +50,7 @@ from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
 from dapo_lightning.ranks import gather_objects, sum_over_ranks
 from dapo_lightning.rewards import RewardRunner, get_reward
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
-from dapo_lightning.rollout.engines import check_engine
+from dapo_lightning.rollout.engines import check_engine, engine_capabilities
 from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.tasks import get_task
 
@@ -367,7 +367,7 @@ class DAPODataModule(pl.LightningDataModule):
     @property
     def _tp_size(self) -> int:
         """Ranks per rollout engine (vLLM tensor parallelism): they submit the same prompts."""
-        if self.engine_spec != "vllm":
+        if not engine_capabilities(self.engine_spec).tensor_parallel:
             return 1
         return int(self.engine_kwargs.get("tensor_parallel_size", 1))
 

@@ -559,7 +559,7 @@ class RolloutProducer:
         """
         idx, epochs = self._draw(count)
         records = [self.records[i] for i in idx]
-        if self.config.in_flight and hasattr(self.session.engine, "stream_groups"):
+        if self.config.in_flight and self.session.engine.capabilities.streaming:
             return self._stream_round(idx, epochs, need, policy_version, stats)
         self.drawn_uids.extend(r.uid for r in records)
         sizes = [self.config.n] * len(records)
