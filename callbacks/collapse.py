@@ -31,8 +31,8 @@ from dapo_lightning.callbacks.snapshot import TrainingSnapshot
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.checks import ConfigError, check_count, check_finite
-from dapo_lightning.data.batch import ScoredRollouts
 from dapo_lightning.hooks import DAPOCallback
 
 Signal = Literal[

@@ -17,7 +17,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dapo_lightning.data.batch import RolloutBatch
+from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.data.producer import concat_rollouts
 from dapo_lightning.data.sources import PromptRecord, encode_prompt
 from dapo_lightning.envs import (
@@ -395,7 +395,7 @@ def test_token_masks_reach_the_response_mask(tiny):
     masks = token_masks(eps)
     assert masks == [e.loss_mask for e in eps]
     assert token_masks([Completion([1, 2], [0.0, 0.0], "stop")]) is None
-    from dapo_lightning.data.batch import ScoredRollouts
+    from dapo_lightning.batch import ScoredRollouts
 
     rollouts = ScoredRollouts(
         prompt_ids=[records[0].prompt_ids] * 2,

@@ -5,7 +5,7 @@ so the train DataLoader yields only lightweight :class:`RolloutTicket` s; the ro
 step are generated in :meth:`DAPODataModule.on_before_batch_transfer`, which Lightning runs
 right before that step's ``training_step`` (after the previous step's updates). The prompt
 cursor advances only there, so prefetching changes nothing. Validation works the same way with
-:class:`ValidationTicket` s, returning :class:`~dapo_lightning.data.batch.ScoredRollouts` of
+:class:`ValidationTicket` s, returning :class:`~dapo_lightning.batch.ScoredRollouts` of
 ``validation.n`` responses per held-out prompt.
 
 The pieces it wires together, each with one home: the prompt sources
@@ -28,7 +28,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
+from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.data.difficulty import PromptSelectionConfig
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer, TrainingComplete

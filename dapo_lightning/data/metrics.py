@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.data.producer import STAT_OPS
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.rollout.parity import logprob_parity

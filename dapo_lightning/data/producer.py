@@ -32,8 +32,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.checks import ConfigError, check_count
-from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.data.difficulty import (
     SELECTION_PATH,
     DifficultyTracker,

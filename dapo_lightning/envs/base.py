@@ -26,13 +26,11 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from dapo_lightning.checks import check_finite
+from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.registry import Registry
-
-if TYPE_CHECKING:  # data imports the producer, which imports envs: no runtime import (cycle)
-    from dapo_lightning.data.sources import PromptRecord
 
 
 @dataclass

@@ -39,11 +39,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
 from dapo_lightning.envs.base import Environment, EnvironmentConfig, check_step_result
+from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rewards.base import RewardResult, failure_result
 from dapo_lightning.rollout.base import (
     Completion,
@@ -51,9 +52,6 @@ from dapo_lightning.rollout.base import (
     RolloutEngine,
     SamplingConfig,
 )
-
-if TYPE_CHECKING:  # data imports the producer, which imports envs: no runtime import (cycle)
-    from dapo_lightning.data.sources import PromptRecord
 
 
 class EnvironmentFailureError(RuntimeError):

@@ -190,30 +190,22 @@ class RolloutEngine(abc.ABC):
     requires_package: ClassVar[tuple[str, str] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Refuse a class whose declared capabilities and methods disagree."""
+        """Refuse a class whose declared capabilities and methods disagree: a capability
+        declared without its methods, or methods of a capability it does not declare (the
+        library would never call them)."""
         super().__init_subclass__(**kwargs)
         caps = cls.capabilities
-        streams = callable(getattr(cls, "stream_groups", None))
-        missing = [
-            method
-            for declared, method, defined in (
-                (caps.streaming, "stream_groups", streams),
-                (caps.sleep, "sleep and wake_up", _overrides(cls, "sleep", "wake_up")),
-                (caps.adapters, "load_adapter", _overrides(cls, "load_adapter")),
-            )
-            if declared and not defined
-        ]
-        if missing:
-            raise TypeError(
-                f"{cls.__name__} declares capabilities it does not implement: define "
-                f"{', '.join(missing)}, or leave them out of its capabilities."
-            )
-        if streams and not caps.streaming:
-            raise TypeError(
-                f"{cls.__name__} defines stream_groups but does not declare it: set "
-                "capabilities = EngineCapabilities(streaming=True) (the producer streams only "
-                "from engines that declare it)."
-            )
+        for capability, methods, defined in (
+            ("streaming", "stream_groups", callable(getattr(cls, "stream_groups", None))),
+            ("sleep", "sleep and wake_up", _overrides(cls, "sleep", "wake_up")),
+            ("adapters", "load_adapter", _overrides(cls, "load_adapter")),
+        ):
+            if getattr(caps, capability) != defined:
+                raise TypeError(
+                    f"{cls.__name__}: the {capability} capability and its methods ({methods}) "
+                    f"go together: {'define them' if not defined else 'declare it'} "
+                    f"(capabilities = EngineCapabilities({capability}=True)), or neither."
+                )
 
     @classmethod
     def from_setup(cls, setup: EngineSetup) -> RolloutEngine:
@@ -265,5 +257,5 @@ class RolloutEngine(abc.ABC):
 
 
 def _overrides(cls: type, *methods: str) -> bool:
-    """True when ``cls`` replaces each of the :class:`RolloutEngine` defaults ``methods``."""
-    return all(getattr(cls, m) is not getattr(RolloutEngine, m) for m in methods)
+    """True when ``cls`` replaces any of the :class:`RolloutEngine` defaults ``methods``."""
+    return any(getattr(cls, m) is not getattr(RolloutEngine, m) for m in methods)
