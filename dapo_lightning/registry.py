@@ -220,8 +220,9 @@ class Registry(Generic[F]):
         if self.adopt is not None and self.adopt(fn):
             return Entry(path, fn)
         module_name, _, attr = path.rpartition(".")
+        article = "an" if self.kind[0] in "aeiou" else "a"
         raise ConfigError(
-            f"{field}={path!r}: {module_name} has no function {attr!r} registered as a "
+            f"{field}={path!r}: {module_name} has no function {attr!r} registered as {article} "
             f"{self.kind}. Fix: decorate it with @{self.decorator}('<name>')."
         )
 
