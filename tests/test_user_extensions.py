@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from dapo_lightning.checks import ConfigError
+from dapo_lightning.data import DAPODataModule
 from dapo_lightning.envs import ENVIRONMENTS, EnvironmentConfig, environment_factory
 from dapo_lightning.registry import ImportPathError, Registry, import_object
 from dapo_lightning.rewards import get_reward
@@ -26,6 +27,7 @@ from dapo_lightning.rollout import (
     HFRolloutEngine,
     RolloutEngine,
     engine_capabilities,
+    register_engine,
 )
 from dapo_lightning.tasks import get_task
 from dapo_lightning.testing import make_tiny_tokenizer
@@ -288,3 +290,21 @@ def test_an_objective_path_that_does_not_import_names_the_fix(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
     assert "no_such_pkg.fn" in errors[0] and "PYTHONPATH" in errors[0], errors
+
+
+@register_engine("tensor_parallel_test")
+class TensorParallelEngine(HFRolloutEngine):
+    """An HF-like engine that declares tensor parallelism (only its declaration is used here)."""
+
+    capabilities = EngineCapabilities(tensor_parallel=True)
+
+
+def test_the_data_module_shards_by_the_declared_capability_not_the_name():
+    """Ranks per engine come from ``tensor_parallel_size`` only for an engine that declares
+    tensor parallelism (it was the string "vllm")."""
+    kwargs = {"tensor_parallel_size": 2}
+    declared = DAPODataModule(
+        task="arithmetic", engine="tensor_parallel_test", engine_kwargs=kwargs
+    )
+    assert declared._tp_size == 2
+    assert DAPODataModule(task="arithmetic", engine="hf", engine_kwargs=kwargs)._tp_size == 1
