@@ -3,16 +3,13 @@ importer of dotted paths.
 
 One :class:`Registry` per kind, filled by a decorator:
 
-========================  ==============================  =====================================
-kind                      decorator                       selected by (YAML)
-========================  ==============================  =====================================
-policy objective          ``register_policy_objective``   ``model.init_args.loss.objective``
-advantage estimator       ``register_advantage_estimator`` ``model.init_args.loss.advantage_estimator``
-reward                    ``register_reward``             ``data.init_args.reward``
-task                      ``register_task``               ``data.init_args.task``
-environment               ``register_environment``        ``data.init_args.environment.name``
-rollout engine            ``register_engine``             ``data.init_args.engine``
-========================  ==============================  =====================================
+* policy objectives: ``@register_policy_objective``, ``model.init_args.loss.objective``;
+* advantage estimators: ``@register_advantage_estimator``,
+  ``model.init_args.loss.advantage_estimator``;
+* rewards: ``@register_reward``, ``data.init_args.reward``;
+* tasks: ``@register_task``, ``data.init_args.task``;
+* environments: ``@register_environment``, ``data.init_args.environment.name``;
+* rollout engines: ``@register_engine``, ``data.init_args.engine``.
 
 A setting is either a registered name (``"dapo"``) or a dotted import path
 ``"my_pkg.my_module.my_function"``: the module is imported (so its decorators run) and the

@@ -527,6 +527,10 @@ def test_the_floors_of_docs_design(sources):
         "dapo_lightning.rollout.base",
     ):
         assert graph[bottom] <= {"dapo_lightning.checks"}, (bottom, graph[bottom])
+    # the shared value types and the registry sit right above them
+    for shared in ("dapo_lightning.prompts", "dapo_lightning.registry"):
+        assert graph[shared] <= {"dapo_lightning.checks"}, (shared, graph[shared])
+    assert graph["dapo_lightning.batch"] <= {"dapo_lightning.rollout.base"}
     assert "dapo_lightning.rollout.session" not in _reachable(graph, "dapo_lightning.lora")
     assert "dapo_lightning.weights" in graph["dapo_lightning.rollout.session"]
     for core in (

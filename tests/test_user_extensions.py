@@ -287,9 +287,10 @@ def test_an_objective_path_that_does_not_import_names_the_fix(tmp_path):
         "--model.init_args.loss.objective", "no_such_pkg.fn", timeout=300,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert "no_such_pkg.fn" in errors[0] and "PYTHONPATH" in errors[0], errors
+    assert "error: DAPOModule: model.loss.objective 'no_such_pkg.fn' does not import" in errors[0]
+    assert "No module named 'no_such_pkg'" in errors[0] and "PYTHONPATH" in errors[0], errors
 
 
 @register_engine("tensor_parallel_test")
