@@ -96,13 +96,25 @@ def import_object(path: str, what: str, missing: Any = _RAISE) -> Any:
 
 def load_extensions() -> list[str]:
     """Import the modules of every :data:`EXTENSIONS_GROUP` entry point installed (each once);
-    the names of those loaded now."""
+    the names of those loaded now.
+
+    Raises:
+        ImportPathError: an entry point's module does not import (names it and the error).
+    """
     loaded = []
     for entry_point in importlib.metadata.entry_points(group=EXTENSIONS_GROUP):
-        if entry_point.value not in _LOADED:
-            _LOADED.add(entry_point.value)
+        if entry_point.value in _LOADED:
+            continue
+        _LOADED.add(entry_point.value)
+        try:
             entry_point.load()
-            loaded.append(entry_point.value)
+        except ImportError as err:
+            raise ImportPathError(
+                f"the {EXTENSIONS_GROUP} entry point {entry_point.name!r} = "
+                f"{entry_point.value!r} does not import ({type(err).__name__}: {err}). Fix: "
+                "install what it needs, or uninstall the package that declares it."
+            ) from None
+        loaded.append(entry_point.value)
     return loaded
 
 

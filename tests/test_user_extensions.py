@@ -101,6 +101,10 @@ class LoggingHF(HFRolloutEngine):
     def generate(self, prompts, n, sampling):
         log(self.log_path, kind="generate", prompts=[list(p) for p in prompts], n=n)
         return super().generate(prompts, n, sampling)
+
+
+class PlainHF(HFRolloutEngine):
+    """An engine class nobody registered: selectable by its dotted path only."""
 '''
 
 
@@ -141,16 +145,26 @@ def test_user_extensions_are_found_by_name_through_their_entry_point(tmp_path, m
     assert ENGINES.get("user_ext.LoggingHF").name == "user_hf"
 
 
-def test_an_unregistered_class_by_dotted_path_where_the_kind_takes_one():
+def test_an_extension_that_does_not_import_is_named(tmp_path, monkeypatch):
+    info = tmp_path / "broken_ext-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-ext\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[dapo_lightning.extensions]\nbroken = no_such_ext\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportPathError, match=r"entry point 'broken' = 'no_such_ext' does not "):
+        get_task("no_such_task")
+
+
+def test_an_unregistered_class_by_dotted_path_where_the_kind_takes_one(tmp_path, monkeypatch):
     """Environments, rewards and engines take any class of their kind at a dotted path; a task
     must be registered (it declares its reward)."""
+    monkeypatch.syspath_prepend(str(write_user_package(tmp_path / "site")))
     assert ENVIRONMENTS.get("dapo_lightning.envs.calculator.CalculatorEnvironment").name == (
         "calculator"
     )
     assert ENGINES.get("dapo_lightning.rollout.hf.HFRolloutEngine").name == "hf"
-    entry = ENGINES.get("tests.test_user_extensions.UnregisteredEngine")
-    assert entry.name == "tests.test_user_extensions.UnregisteredEngine"  # adopted, not named
-    assert issubclass(entry.fn, HFRolloutEngine) and entry.fn.__name__ == "UnregisteredEngine"
+    entry = ENGINES.get("user_ext.PlainHF")
+    assert entry.name == "user_ext.PlainHF" and entry.fn.__name__ == "PlainHF"  # adopted
     with pytest.raises(ConfigError, match=r"no function 'quickstart_answer_distribution' regi"):
         get_task("dapo_lightning.tasks.arithmetic_warmup.quickstart_answer_distribution")
     with pytest.raises(ConfigError, match="no function 'evaluate' registered as an environment"):
