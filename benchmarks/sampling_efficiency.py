@@ -70,7 +70,13 @@ from _common import bar_chart, out_dir, print_table  # noqa: E402
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
 from dapo_lightning.data.sources import PromptRecord  # noqa: E402
 from dapo_lightning.rewards.base import RewardResult, RewardRunner  # noqa: E402
-from dapo_lightning.rollout.base import DRAIN, Completion, RolloutEngine, SamplingConfig  # noqa: E402
+from dapo_lightning.rollout.base import (  # noqa: E402
+    DRAIN,
+    Completion,
+    EngineCapabilities,
+    RolloutEngine,
+    SamplingConfig,
+)
 from dapo_lightning.rollout.session import EngineSession  # noqa: E402
 
 #: The recipe's dynamic-sampling shape (configs/smollm2_135m.yaml).
@@ -178,6 +184,8 @@ def _steps_to_finish(lengths: list[int], slots: int) -> int:
 
 class StreamingSimulatedEngine(SimulatedEngine):
     """:class:`SimulatedEngine` with the streaming API (``stream_groups``)."""
+
+    capabilities = EngineCapabilities(streaming=True)
 
     def stream_groups(
         self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig

@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.checks import ConfigError, check_count, check_finite
-from dapo_lightning.data.batch import ScoredRollouts
 
 Signal = Literal[
     "entropy",

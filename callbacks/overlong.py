@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.checks import ConfigError, check_count, check_finite
-from dapo_lightning.data.batch import ScoredRollouts
 from dapo_lightning.hooks import DAPOCallback
 
 

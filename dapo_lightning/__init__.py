@@ -6,6 +6,7 @@ Public API::
     from dapo_lightning import compute_policy_loss, compute_advantages
     from dapo_lightning import PolicyLossConfig, BatchingConfig, RolloutCorrection
     from dapo_lightning import register_policy_objective, register_advantage_estimator
+    from dapo_lightning import register_reward, register_task, register_environment, register_engine
     from dapo_lightning.callbacks import OverlongRewardShaping, EntropyScheduler, CollapseDetector
 """
 
@@ -33,24 +34,29 @@ from dapo_lightning.data import (
     ValidationConfig,
     validation_metrics,
 )
+from dapo_lightning.envs import register_environment
 from dapo_lightning.lora import LoraSettings
 from dapo_lightning.loss import LOSS_AGG_MODES, LossInputs, PolicyLossConfig, aggregate_loss
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.objectives import POLICY_OBJECTIVES, register_policy_objective
 from dapo_lightning.policy_loss import compute_policy_loss, policy_loss
+from dapo_lightning.rewards import register_reward
 from dapo_lightning.rollout import (
     Completion,
+    EngineCapabilities,
     EngineSession,
     HFRolloutEngine,
     RolloutEngine,
     SamplingConfig,
     VLLMRolloutEngine,
     create_engine,
+    register_engine,
 )
 from dapo_lightning.rollout_correction import RolloutCorrection
 from dapo_lightning.schedules import WarmupConstantLR, WarmupCosineLR
 from dapo_lightning.strategy import StrategyAdapter
+from dapo_lightning.tasks import register_task
 from dapo_lightning.update import BatchingConfig
 
 __version__ = "0.1.0"
@@ -64,6 +70,7 @@ __all__ = [
     "DAPODataModule",
     "DAPOModule",
     "DynamicSamplingConfig",
+    "EngineCapabilities",
     "EngineSession",
     "GroupStats",
     "HFRolloutEngine",
@@ -91,6 +98,10 @@ __all__ = [
     "create_engine",
     "policy_loss",
     "register_advantage_estimator",
+    "register_engine",
+    "register_environment",
     "register_policy_objective",
+    "register_reward",
+    "register_task",
     "validation_metrics",
 ]

@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from dapo_lightning.data.batch import ScoredRollouts
+from dapo_lightning.batch import ScoredRollouts
 
 #: The hooks :func:`call_dapo_hook` dispatches.
 DAPO_HOOKS = ("on_rollouts_scored", "on_dapo_update")

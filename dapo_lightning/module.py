@@ -1,6 +1,6 @@
 """DAPOModule: the DAPO policy update as a LightningModule with manual optimization.
 
-One ``training_step`` consumes one :class:`~dapo_lightning.data.batch.RolloutBatch` (a rollout
+One ``training_step`` consumes one :class:`~dapo_lightning.batch.RolloutBatch` (a rollout
 step) and performs ``ppo_epochs * updates_per_epoch`` optimizer updates on it::
 
     advantages (group-relative) -> old log-probs (eval mode, no grad)
@@ -48,9 +48,9 @@ from dapo_lightning.advantages import (
     compute_advantages,
     std_from_moments,
 )
+from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.checkpoint import collect_rng_states, restore_rng_states
 from dapo_lightning.checks import check_optimizer_settings, optimizer_error
-from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.datamodule import DAPODataModule
 from dapo_lightning.data.metrics import ValidationMetrics, rollout_step_metrics
 from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks

@@ -20,7 +20,7 @@ from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.rollout.base import Completion, SamplingConfig
 
 #: Special tokens, in id order (ids 0..2).

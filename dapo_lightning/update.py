@@ -12,8 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from dapo_lightning.advantages import advantage_estimator
+from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.checks import ConfigError, check_count, check_finite
-from dapo_lightning.data.batch import RolloutBatch
 from dapo_lightning.loss import LOSS_PATH, PolicyLossConfig
 from dapo_lightning.metrics import ReduceOp
 from dapo_lightning.objectives import objective_params, policy_objective

@@ -10,7 +10,7 @@ from typing import Any
 
 from dapo_lightning.callbacks import DAPOCallback
 
-from dapo_lightning.data.batch import RolloutBatch
+from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.envs import StepResult
 
 

@@ -16,7 +16,7 @@ from dapo_lightning.callbacks import DAPOCallback
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
-from dapo_lightning.data.batch import RolloutBatch
+from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.testing import make_random_rollout_batch
 from dapo_lightning.update import BatchingConfig

@@ -39,7 +39,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader
 
-from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.hooks import call_dapo_hook
 from dapo_lightning.rollout.base import SamplingConfig
 from tests._harness import fit

@@ -8,7 +8,7 @@ import pytest
 import torch
 from dapo_lightning.callbacks.overlong import OverlongRewardShaping, overlong_penalty
 
-from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.rollout.base import SamplingConfig
 
 

@@ -17,9 +17,8 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dapo_lightning.data.batch import RolloutBatch
+from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.data.producer import concat_rollouts
-from dapo_lightning.data.sources import PromptRecord, encode_prompt
 from dapo_lightning.envs import (
     CalculatorEnvironment,
     CalculatorError,
@@ -36,8 +35,9 @@ from dapo_lightning.envs import (
     with_instructions,
 )
 from dapo_lightning.envs.runner import episode_results, token_masks
+from dapo_lightning.prompts import PromptRecord, encode_prompt
 from dapo_lightning.rewards.base import RewardResult
-from dapo_lightning.rollout.base import Completion, SamplingConfig
+from dapo_lightning.rollout.base import Completion, EngineCapabilities, SamplingConfig
 from dapo_lightning.rollout.hf import HFRolloutEngine, process_logits
 
 
@@ -378,10 +378,13 @@ def test_unknown_prompts_and_context_are_refused(tiny):
         runner.generate([[5, 6, 7]], 1, SamplingConfig(max_tokens=4))
     with pytest.raises(ValueError, match="exceeds the engine's context"):
         make_runner(tiny, ScriptedEnv, max_episode_tokens=10_000)
-    # the producer streams groups from an engine that has stream_groups (vLLM): never past
+    # the producer streams groups from an engine that declares streaming (vLLM): never past
     # the episode runner, which only delegates what the session and module read
     runner.engine.stream_groups = lambda *a, **k: iter(())
     assert not hasattr(runner, "stream_groups")
+    streaming = EngineCapabilities(streaming=True, tensor_parallel=True, sleep=True)
+    runner.engine.capabilities = streaming  # what a vLLM engine declares (but adapters)
+    assert runner.capabilities == EngineCapabilities(tensor_parallel=True, sleep=True)
     assert runner.model is model and runner.state_dict()["seed"] == runner.engine.seed
 
 
@@ -395,7 +398,7 @@ def test_token_masks_reach_the_response_mask(tiny):
     masks = token_masks(eps)
     assert masks == [e.loss_mask for e in eps]
     assert token_masks([Completion([1, 2], [0.0, 0.0], "stop")]) is None
-    from dapo_lightning.data.batch import ScoredRollouts
+    from dapo_lightning.batch import ScoredRollouts
 
     rollouts = ScoredRollouts(
         prompt_ids=[records[0].prompt_ids] * 2,

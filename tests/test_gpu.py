@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from benchmarks.roofline import matmul_params, mfu, update_model_flops
-from dapo_lightning.data.batch import RolloutBatch
+from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.testing import make_random_rollout_batch
 from dapo_lightning.update import BatchingConfig

@@ -77,7 +77,7 @@ def test_rank_mean_is_token_weighted(tmp_path):
 
 # ------------------------------------------------------------------ validation (torchmetrics)
 def _rollouts(accs: list[float], k: int, lengths: list[int]):
-    from dapo_lightning.data.batch import ScoredRollouts
+    from dapo_lightning.batch import ScoredRollouts
     from dapo_lightning.rollout.base import SamplingConfig
 
     n = len(accs)

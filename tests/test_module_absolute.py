@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import dapo_lightning.module as module_lib
-from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.loss import PolicyLossConfig
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.update import BatchingConfig

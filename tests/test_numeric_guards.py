@@ -24,7 +24,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from dapo_lightning import DAPODataModule, DAPOModule, DynamicSamplingConfig, SamplingConfig
-from dapo_lightning.data.batch import RolloutBatch
+from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.data.config import PromptConfig, ScoringConfig
 from dapo_lightning.loss import PolicyLossConfig
 from dapo_lightning.rollout_correction import RolloutCorrection

@@ -31,7 +31,13 @@ from dapo_lightning.data.rank_layout import RankLayout
 from dapo_lightning.data.sources import FieldMap, records_from_rows, tokenize_records
 from dapo_lightning.interrupt import StopRequested, clear_stop_request, request_stop
 from dapo_lightning.rewards import RewardRunner
-from dapo_lightning.rollout.base import DRAIN, Completion, RolloutEngine, SamplingConfig
+from dapo_lightning.rollout.base import (
+    DRAIN,
+    Completion,
+    EngineCapabilities,
+    RolloutEngine,
+    SamplingConfig,
+)
 from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.tasks.arithmetic import ArithmeticReward, make_arithmetic_rows
 from dapo_lightning.testing import make_tiny_tokenizer
@@ -420,6 +426,8 @@ class ScriptedStreamingEngine(ScriptedEngine):
     """ScriptedEngine with the streaming API: ``stream_groups`` yields one finished group per
     engine step, in submission order; closing it early records which keys were left (aborted)."""
 
+    capabilities = EngineCapabilities(streaming=True)
+
     def __init__(self, rate=pass_rate_of):
         super().__init__(rate)
         self.aborted: list[int] = []
@@ -440,6 +448,8 @@ class ScriptedStreamingEngine(ScriptedEngine):
 class StartedStreamingEngine(ScriptedEngine):
     """Streams one group per step while ``started`` more groups run: sent DRAIN, it finishes
     those ``started`` groups (yielded one by one) and drops the rest, never started."""
+
+    capabilities = EngineCapabilities(streaming=True)
 
     def __init__(self, started, rate=pass_rate_of):
         super().__init__(rate)

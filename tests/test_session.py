@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from dapo_lightning.rollout import RolloutEngine, SamplingConfig
+from dapo_lightning.rollout import EngineCapabilities, RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.testing import free_port, make_tiny_tokenizer, one_process_group
 from dapo_lightning.weights import full_named_tensors, is_sharded, strip_wrapper_prefixes
@@ -20,6 +20,8 @@ from dapo_lightning.weights import full_named_tensors, is_sharded, strip_wrapper
 
 class RecordingEngine(RolloutEngine):
     """A real RolloutEngine whose load_weights keeps what it was given (names, full copies)."""
+
+    capabilities = EngineCapabilities(sleep=True)
 
     def __init__(self, sleep_mode: bool = False) -> None:
         self.pushed: list[dict[str, torch.Tensor]] = []

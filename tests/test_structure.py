@@ -5,7 +5,11 @@
 (b) no function over :data:`MAX_FUNCTION_LINES` lines in ``dapo_lightning/`` and ``callbacks/``;
 (c) no constructor (``__init__`` or dataclass) over :data:`MAX_CONSTRUCTOR_PARAMS` parameters;
 (d) no import inside a function, except the lazy imports of :data:`LAZY_MODULES` (optional or
-    slow dependencies) and the commented entries of :data:`LAZY_INTERNAL`.
+    slow dependencies) and the commented entries of :data:`LAZY_INTERNAL`;
+(e) no import cycle among the library's *packages* (:data:`SUBPACKAGES` each one node, every
+    other module its own), ``if TYPE_CHECKING:`` imports included: a cycle of the layering
+    dodged with a type-only import is still one;
+(f) nothing but the command line (:data:`CLI_MODULES`) imports ``dapo_lightning.callbacks``.
 
 Offenders that another helper is rewriting right now are listed in :data:`PENDING` with the
 owner; an entry is removed when its fix lands. The checks are themselves tested on a
@@ -55,6 +59,20 @@ LAZY_INTERNAL: dict[tuple[str, str, str], str] = {
     ),
 }
 
+#: Sub-packages that are one node of the package graph (every other module is its own node).
+SUBPACKAGES = (
+    "dapo_lightning.callbacks",
+    "dapo_lightning.data",
+    "dapo_lightning.envs",
+    "dapo_lightning.rewards",
+    "dapo_lightning.rollout",
+    "dapo_lightning.tasks",
+)
+
+#: The command line: the only library modules that may import dapo_lightning.callbacks (it adds
+#: RunGuard and the model summary to every fit); a sub-package of that name counts too.
+CLI_MODULES = ("dapo_lightning.cli", "dapo_lightning.__main__")
+
 #: Offenders another helper owns and is rewriting now: (check, file, name) -> owner. ``check``
 #: is "lines", "params" or "imports" (name: the function holding the imports). None of the
 #: "imports" entries dodges a cycle (moving each one to the top makes none): they are moves.
@@ -103,15 +121,18 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def module_level_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+def module_level_imports(
+    tree: ast.Module, type_checking: bool = False
+) -> Iterator[ast.Import | ast.ImportFrom]:
     """Imports that run when the module is imported: not in a function, not under
-    ``if TYPE_CHECKING:`` (class bodies and module-level ``try`` / ``if`` count)."""
+    ``if TYPE_CHECKING:`` unless ``type_checking`` (class bodies and module-level ``try`` /
+    ``if`` count)."""
     stack: list[ast.AST] = list(tree.body)
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             continue
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_checking:
             stack.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -129,22 +150,65 @@ def _resolve(source: Source, node: ast.ImportFrom) -> str:
     return ".".join([*base, node.module] if node.module else base)
 
 
-def import_graph(sources: list[Source]) -> dict[str, set[str]]:
-    """module -> the library modules it imports at module level. ``from pkg import name``
-    depends on ``pkg.name`` when that is a module, else on ``pkg`` (its ``__init__``)."""
+def _targets(source: Source, node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
+    """The library modules one import statement names. ``from pkg import name`` names
+    ``pkg.name`` when that is a module, else ``pkg`` (its ``__init__``)."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    else:
+        base = _resolve(source, node)
+        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    return {t for t in targets if t in known and t != source.module}
+
+
+def import_graph(sources: list[Source], type_checking: bool = False) -> dict[str, set[str]]:
+    """module -> the library modules it imports at module level (``if TYPE_CHECKING:`` imports
+    too when ``type_checking``)."""
     known = {s.module for s in sources}
     graph: dict[str, set[str]] = {s.module: set() for s in sources}
     for source in sources:
-        for node in module_level_imports(source.tree):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                base = _resolve(source, node)
-                targets = [
-                    f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
-                ]
-            graph[source.module] |= {t for t in targets if t in known and t != source.module}
+        for node in module_level_imports(source.tree, type_checking):
+            graph[source.module] |= _targets(source, node, known)
     return graph
+
+
+def package_of(module: str, subpackages: tuple[str, ...]) -> str:
+    """The node of ``module`` in the package graph: its sub-package, else itself."""
+    for package in subpackages:
+        if module == package or module.startswith(f"{package}."):
+            return package
+    return module
+
+
+def package_graph(sources: list[Source], subpackages: tuple[str, ...]) -> dict[str, set[str]]:
+    """package -> the packages it imports (module level and ``if TYPE_CHECKING:``), each
+    sub-package of ``subpackages`` collapsed to one node."""
+    graph: dict[str, set[str]] = {}
+    for module, deps in import_graph(sources, type_checking=True).items():
+        node = package_of(module, subpackages)
+        graph.setdefault(node, set()).update(package_of(d, subpackages) for d in deps)
+        graph[node].discard(node)
+    return graph
+
+
+def importers_of(
+    sources: list[Source], package: str, allowed: tuple[str, ...]
+) -> list[tuple[str, str]]:
+    """``(module, imported module)`` for every import of ``package`` (any import: module level,
+    type-only or inside a function) by a module outside it and outside ``allowed``."""
+    known = {s.module for s in sources}
+    found = []
+    for source in sources:
+        if package_of(source.module, (package, *allowed)) in (package, *allowed):
+            continue  # inside the package, or allowed
+        for node in ast.walk(source.tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found += [
+                    (source.module, t)
+                    for t in sorted(_targets(source, node, known))
+                    if package_of(t, (package,)) == package
+                ]
+    return sorted(found)
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -463,6 +527,10 @@ def test_the_floors_of_docs_design(sources):
         "dapo_lightning.rollout.base",
     ):
         assert graph[bottom] <= {"dapo_lightning.checks"}, (bottom, graph[bottom])
+    # the shared value types and the registry sit right above them
+    for shared in ("dapo_lightning.prompts", "dapo_lightning.registry"):
+        assert graph[shared] <= {"dapo_lightning.checks"}, (shared, graph[shared])
+    assert graph["dapo_lightning.batch"] <= {"dapo_lightning.rollout.base"}
     assert "dapo_lightning.rollout.session" not in _reachable(graph, "dapo_lightning.lora")
     assert "dapo_lightning.weights" in graph["dapo_lightning.rollout.session"]
     for core in (
@@ -484,3 +552,73 @@ def test_every_subpackage_is_packaged(sources):
     listed = set(cfg["options"]["packages"].split())
     packages = {s.module for s in sources if s.is_package}
     assert packages == listed, (sorted(packages - listed), sorted(listed - packages))
+
+
+# ----------------------------------------------------------------------------- packages
+def test_no_package_import_cycle(sources):
+    graph = package_graph(sources, SUBPACKAGES)
+    assert "dapo_lightning.rollout" in graph["dapo_lightning.data"]  # the graph is real
+    cycles = find_cycles(graph)
+    assert not cycles, "package import cycles (TYPE_CHECKING imports count):\n" + "\n".join(
+        " -> ".join(c) for c in cycles
+    )
+
+
+def test_only_the_cli_imports_callbacks(sources):
+    assert importers_of(sources, "dapo_lightning.callbacks", ()) != []  # the CLI does
+    found = importers_of(sources, "dapo_lightning.callbacks", CLI_MODULES)
+    assert not found, f"library modules importing dapo_lightning.callbacks: {found}"
+
+
+def test_checker_finds_a_package_cycle_that_no_module_cycle_shows(tmp_path):
+    sources = _synthetic(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "data/__init__.py": "",
+            "data/batch.py": "",
+            "data/module.py": "import pkg.hooks\nfrom pkg.envs import runner\n",
+            "envs/__init__.py": "",
+            "envs/runner.py": "from pkg.data import batch\n",
+            "hooks.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from pkg.data.batch import Batch\n"
+            ),
+            "rollout/__init__.py": "from pkg.rollout.base import Engine\n",
+            "rollout/base.py": "",
+        },
+    )
+    assert find_cycles(import_graph(sources)) == []  # module by module: no cycle
+    packages = ("pkg.data", "pkg.envs", "pkg.rollout")
+    graph = package_graph(sources, packages)
+    assert graph["pkg.rollout"] == set()  # its own modules are one node
+    assert graph["pkg.hooks"] == {"pkg.data"}  # the type-only import counts
+    assert find_cycles(graph) == [["pkg.data", "pkg.envs", "pkg.data"]]
+    without_envs = {k: v - {"pkg.envs"} for k, v in graph.items() if k != "pkg.envs"}
+    assert find_cycles(without_envs) == [["pkg.data", "pkg.hooks", "pkg.data"]]
+
+
+def test_checker_finds_modules_that_import_callbacks(tmp_path):
+    sources = _synthetic(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "callbacks/__init__.py": "from pkg.callbacks.guard import Guard\nimport pkg.hooks\n",
+            "callbacks/guard.py": "",
+            "cli.py": "from pkg.callbacks import Guard\n",
+            "hooks.py": "",
+            "module.py": "def f():\n    from pkg.callbacks.guard import Guard\n",
+            "data/__init__.py": "",
+            "data/dm.py": "from pkg import callbacks\n",
+        },
+    )
+    allowed = ("pkg.cli",)
+    assert importers_of(sources, "pkg.callbacks", allowed) == [
+        ("pkg.data.dm", "pkg.callbacks"),
+        ("pkg.module", "pkg.callbacks.guard"),
+    ]
+    assert importers_of(sources, "pkg.callbacks", ()) == [
+        ("pkg.cli", "pkg.callbacks"),
+        ("pkg.data.dm", "pkg.callbacks"),
+        ("pkg.module", "pkg.callbacks.guard"),
+    ]

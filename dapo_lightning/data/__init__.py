@@ -1,6 +1,6 @@
 """Data: prompt sources, batches, the rollout producer (dynamic sampling) and the DataModule."""
 
-from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
+from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.data.datamodule import DAPODataModule, RolloutTicket, ValidationTicket
 from dapo_lightning.data.difficulty import (

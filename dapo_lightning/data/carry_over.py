@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dapo_lightning.data.batch import ScoredRollouts
+from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.data.dynamic_sampling import DYNAMIC_SAMPLING_PATH, DynamicSamplingConfig
 from dapo_lightning.data.rollout_groups import group_sizes
 from dapo_lightning.data.step_stats import StepStats

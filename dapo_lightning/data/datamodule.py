@@ -5,7 +5,7 @@ so the train DataLoader yields only lightweight :class:`RolloutTicket` s; the ro
 step are generated in :meth:`DAPODataModule.on_before_batch_transfer`, which Lightning runs
 right before that step's ``training_step`` (after the previous step's updates). The prompt
 cursor advances only there, so prefetching changes nothing. Validation works the same way with
-:class:`ValidationTicket` s, returning :class:`~dapo_lightning.data.batch.ScoredRollouts` of
+:class:`ValidationTicket` s, returning :class:`~dapo_lightning.batch.ScoredRollouts` of
 ``validation.n`` responses per held-out prompt.
 
 The pieces it wires together, each with one home: the prompt sources
@@ -28,7 +28,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
+from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.data.difficulty import PromptSelectionConfig
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer, TrainingComplete
@@ -51,7 +51,7 @@ from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
 from dapo_lightning.ranks import gather_objects, sum_over_ranks
 from dapo_lightning.rewards import RewardRunner, get_reward
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
-from dapo_lightning.rollout.engines import check_engine
+from dapo_lightning.rollout.engines import check_engine, engine_capabilities
 from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.tasks import get_task
 
@@ -366,7 +366,7 @@ class DAPODataModule(pl.LightningDataModule):
     @property
     def _tp_size(self) -> int:
         """Ranks per rollout engine (vLLM tensor parallelism): they submit the same prompts."""
-        if self.engine_spec != "vllm":
+        if not engine_capabilities(self.engine_spec).tensor_parallel:
             return 1
         return int(self.engine_kwargs.get("tensor_parallel_size", 1))
 

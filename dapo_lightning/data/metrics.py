@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.data.step_stats import rank_op
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.rollout.parity import logprob_parity

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from dapo_lightning.data.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.data.carry_over import CarryOver, VersionedGroups
 from dapo_lightning.data.difficulty import PredictiveSelector
 from dapo_lightning.data.draw import selection_stats

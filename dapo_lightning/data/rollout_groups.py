@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dapo_lightning.data.batch import ScoredRollouts
+from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.rollout.base import SamplingConfig
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from dapo_lightning.data.batch import ScoredRollouts
+from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.data.difficulty import DifficultyTracker, PredictiveSelector
 from dapo_lightning.data.draw import draw_round
 from dapo_lightning.data.dynamic_sampling import DynamicSamplingConfig
@@ -111,7 +111,7 @@ class GenerationRounds:
         """
         idx, epochs = self._draw(count, stats)
         records = [self.records[i] for i in idx]
-        if self.config.in_flight and hasattr(self.session.engine, "stream_groups"):
+        if self.config.in_flight and self.session.engine.capabilities.streaming:
             return self._stream_round(idx, epochs, need, policy_version, stats)
         self.drawn_uids.extend(r.uid for r in records)
         sizes = [self.config.n] * len(records)

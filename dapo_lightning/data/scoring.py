@@ -3,7 +3,7 @@ share (no shaping, no filter).
 
 :class:`RolloutScorer` asks the engine for ``n`` completions per prompt, decodes them (unless
 the engine gave text), scores them with the reward runner (a multi-turn episode's own reward or
-failure where there is one) and returns them as :class:`~dapo_lightning.data.batch.ScoredRollouts`,
+failure where there is one) and returns them as :class:`~dapo_lightning.batch.ScoredRollouts`,
 one group per prompt, adding the time and counts to the step's
 :class:`~dapo_lightning.data.step_stats.StepStats`.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dapo_lightning.data.batch import ScoredRollouts
+from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.data.sources import PromptRecord
 from dapo_lightning.data.step_stats import StepStats, numeric_extras
 from dapo_lightning.envs.runner import episode_results, token_masks

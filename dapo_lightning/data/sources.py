@@ -16,19 +16,19 @@ import logging
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dapo_lightning.checks import ConfigError
+from dapo_lightning.prompts import (
+    ROW_META_KEYS,
+    Prompt,
+    PromptDataError,
+    PromptRecord,
+    encode_prompt,
+)
 
 log = logging.getLogger(__name__)
-
-Prompt = str | list[dict[str, str]]
-
-
-class PromptDataError(ConfigError):
-    """A row of a prompt file cannot be used; the message names the row, the field and the fix."""
 
 
 @dataclass(frozen=True)
@@ -47,33 +47,6 @@ class FieldMap:
     answer_key: str = "reward_model.ground_truth"
     uid_key: str | None = None
     data_source_key: str | None = "data_source"
-
-
-#: Row fields kept in :attr:`PromptRecord.meta`: ``difficulty`` (the arithmetic task's level),
-#: ``split`` (``"train"`` / ``"val"``: a task's own held-out set) and ``reward_kwargs`` (a dict of
-#: keyword arguments the reward gets with this prompt's responses, e.g. what a scorer needs).
-ROW_META_KEYS = ("difficulty", "split", "reward_kwargs")
-
-
-@dataclass
-class PromptRecord:
-    """One prompt with its answer.
-
-    Args:
-        uid: Stable id (per-prompt statistics and de-duplication use it).
-        prompt: Text or chat messages.
-        answer: Ground truth, as a string.
-        data_source: Source name, or None.
-        prompt_ids: Token ids after the chat template (set by :func:`tokenize_records`).
-        meta: Extra fields (:data:`ROW_META_KEYS`).
-    """
-
-    uid: str
-    prompt: Prompt
-    answer: str
-    data_source: str | None = None
-    prompt_ids: list[int] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def get_field(row: dict[str, Any], path: str) -> Any:
@@ -394,20 +367,6 @@ def split_train_val(
     train = [r for i, r in enumerate(records) if i not in val_idx]
     val = [r for i, r in enumerate(records) if i in val_idx]
     return train, val
-
-
-def encode_prompt(tokenizer: Any, prompt: Prompt, apply_chat_template: bool) -> list[int]:
-    """Token ids of a prompt; strings become one user message when the chat template is applied."""
-    if apply_chat_template:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if not isinstance(prompt, str):
-        raise PromptDataError(
-            "a prompt is a list of chat messages but prompts.apply_chat_template is false: set "
-            "it true or give plain-text prompts."
-        )
-    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
 def tokenize_records(

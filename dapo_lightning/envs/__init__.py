@@ -1,16 +1,17 @@
 """Multi-turn episodes: environments, tools, and the runner that turns episodes into rollouts.
 
 * :mod:`dapo_lightning.envs.base`: the :class:`Environment` protocol, :class:`StepResult`,
-  :class:`EnvironmentConfig` (``data.kwargs.environment``), the tool-call tag format and
-  :class:`ToolEnvironment`;
+  :class:`EnvironmentConfig` (``data.init_args.environment``), the tool-call tag format,
+  :class:`ToolEnvironment`, and :data:`ENVIRONMENTS` (the environments by name);
 * :mod:`dapo_lightning.envs.calculator`: the built-in ``calculator`` environment;
 * :mod:`dapo_lightning.envs.runner`: :class:`EpisodeRunner`, an engine that runs episodes;
 * :mod:`dapo_lightning.envs.session`: the engine session and prompt instructions the data
   module uses.
 
 Your own environment: a class with ``reset(record)`` and ``step(text) -> StepResult`` (or a
-:class:`ToolEnvironment` with ``tools``), named by its dotted path in
-``environment.name``.
+:class:`ToolEnvironment` with ``tools``), named in ``data.init_args.environment.name`` by its
+dotted path, or by the name it is registered under with :func:`register_environment` (once its
+module is imported).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dapo_lightning.envs.base import (
+    ENVIRONMENTS,
     Environment,
     EnvironmentConfig,
     StepResult,
@@ -26,6 +28,7 @@ from dapo_lightning.envs.base import (
     ToolCallError,
     ToolEnvironment,
     parse_tool_calls,
+    register_environment,
 )
 from dapo_lightning.envs.calculator import CalculatorEnvironment, CalculatorError, evaluate
 from dapo_lightning.envs.runner import (
@@ -33,12 +36,18 @@ from dapo_lightning.envs.runner import (
     Episode,
     EpisodeRunner,
     ObservationFormatter,
-    environment_class,
 )
 from dapo_lightning.envs.session import EpisodeSession, with_instructions
 
-#: Built-in environments by name (``environment.name``).
-ENVIRONMENTS: dict[str, type] = {"calculator": CalculatorEnvironment}
+
+def environment_class(name: str) -> type:
+    """The environment class registered as ``name``, or at the dotted path ``name``.
+
+    Raises:
+        ValueError: neither (the message lists the registered names).
+        ImportError: a dotted path that does not import.
+    """
+    return ENVIRONMENTS.get(name).fn
 
 
 def environment_factory(config: EnvironmentConfig) -> Callable[[], Any]:
@@ -48,7 +57,7 @@ def environment_factory(config: EnvironmentConfig) -> Callable[[], Any]:
     Raises:
         ValueError: an unknown name, or constructor arguments the class does not take.
     """
-    cls = environment_class(config.name, ENVIRONMENTS)
+    cls = environment_class(config.name)
     kwargs = dict(config.kwargs)
     try:
         cls(**kwargs)
@@ -78,5 +87,6 @@ __all__ = [
     "environment_factory",
     "evaluate",
     "parse_tool_calls",
+    "register_environment",
     "with_instructions",
 ]

@@ -26,12 +26,11 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from dapo_lightning.checks import check_finite
-
-if TYPE_CHECKING:  # data imports the producer, which imports envs: no runtime import (cycle)
-    from dapo_lightning.data.sources import PromptRecord
+from dapo_lightning.prompts import PromptRecord
+from dapo_lightning.registry import Registry
 
 
 @dataclass
@@ -97,6 +96,30 @@ class Environment(Protocol):
     def step(self, text: str) -> StepResult:
         """Answer the assistant turn ``text`` (decoded without special tokens)."""
         ...
+
+
+def _unknown_environment(field: str, name: str, names: list[str]) -> str:
+    return (
+        f"{field}={name!r} is neither a built-in environment nor a registered one "
+        f"({names}): give one of those, or the dotted path of your class (my_pkg.module.MyEnv)."
+    )
+
+
+#: Environments by name (``environment.name``): classes built with ``environment.kwargs``, one
+#: object per episode (a dotted path may name any class, registered or not).
+ENVIRONMENTS: Registry[type] = Registry(
+    "environment",
+    "environment.name",
+    "register_environment",
+    adopt=lambda obj: isinstance(obj, type),
+    unknown=_unknown_environment,
+)
+
+
+def register_environment(name: str) -> Callable[[type], type]:
+    """Class decorator registering an environment class (:class:`Environment`: ``reset`` and
+    ``step``) under ``name``, for ``data.init_args.environment.name``."""
+    return ENVIRONMENTS.register(name)
 
 
 class ToolCallError(ValueError):
@@ -195,8 +218,8 @@ class EnvironmentConfig:
     """Which environment episodes run in, and their limits (``data.init_args.environment``).
 
     Args:
-        name: A built-in environment (:data:`dapo_lightning.envs.ENVIRONMENTS`:
-            ``"calculator"``), or the dotted path of your own class
+        name: A registered environment (:data:`ENVIRONMENTS`: ``"calculator"``, or your class
+            decorated with :func:`register_environment`), or the dotted path of your own class
             (``my_pkg.envs.MyEnv``; one object per episode, built with ``kwargs``).
         kwargs: Keyword arguments of the environment's constructor.
         max_turns: Most assistant turns per episode (the last one ends it whatever it says).

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from dapo_lightning.envs.base import StepResult, ToolEnvironment
+from dapo_lightning.envs.base import StepResult, ToolEnvironment, register_environment
 
 #: Longest expression the calculator reads (characters) and deepest nesting.
 MAX_EXPRESSION_CHARS = 200
@@ -133,6 +133,7 @@ def calculator(expression: str) -> str:
     return format_number(evaluate(expression))
 
 
+@register_environment("calculator")
 class CalculatorEnvironment(ToolEnvironment):
     """Episodes with one tool, ``calculator(expression)``.
 

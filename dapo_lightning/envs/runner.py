@@ -35,21 +35,23 @@ episode (it is scored with the reward's ``failure_score``, acc False; ``env/fail
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
 from dapo_lightning.envs.base import Environment, EnvironmentConfig, check_step_result
+from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rewards.base import RewardResult, failure_result
-from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
-
-if TYPE_CHECKING:  # data imports the producer, which imports envs: no runtime import (cycle)
-    from dapo_lightning.data.sources import PromptRecord
+from dapo_lightning.rollout.base import (
+    Completion,
+    EngineCapabilities,
+    RolloutEngine,
+    SamplingConfig,
+)
 
 
 class EnvironmentFailureError(RuntimeError):
@@ -152,27 +154,6 @@ class ObservationFormatter:
 
     def __call__(self, observation: str) -> list[int]:
         return list(self.tokenizer(self.text(observation), add_special_tokens=False)["input_ids"])
-
-
-def environment_class(name: str, registry: Mapping[str, type]) -> type:
-    """A built-in environment by ``name``, else the class at the dotted path ``name``.
-
-    Raises:
-        ValueError: neither (the message lists the built-in names).
-    """
-    if name in registry:
-        return registry[name]
-    module_name, _, attr = name.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr) if module_name else None
-    except (ImportError, AttributeError):
-        cls = None
-    if not isinstance(cls, type):
-        raise ValueError(
-            f"environment.name={name!r} is neither a built-in environment "
-            f"({sorted(registry)}) nor an importable class path (my_pkg.module.MyEnv)."
-        )
-    return cls
 
 
 def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float) -> list[tuple[str, Any]]:
@@ -287,6 +268,12 @@ class EpisodeRunner:
         if name not in DELEGATED:
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
         return getattr(self.__dict__["engine"], name)
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """The wrapped engine's, without streaming: an episode is generated turn by turn and
+        scored whole."""
+        return dataclasses.replace(self.engine.capabilities, streaming=False)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Pass the weights to the wrapped engine."""

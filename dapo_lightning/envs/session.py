@@ -4,15 +4,13 @@ environment's instructions in front of the prompts."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dapo_lightning.envs.base import Environment, EnvironmentConfig
 from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter, env_stats
+from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rollout.base import RolloutEngine
 from dapo_lightning.rollout.session import EngineSession
-
-if TYPE_CHECKING:  # data imports the producer, which imports envs: no runtime import (cycle)
-    from dapo_lightning.data.sources import PromptRecord
 
 
 class EpisodeSession(EngineSession):

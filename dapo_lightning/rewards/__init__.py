@@ -1,15 +1,27 @@
 """Reward functions: one batch protocol, run with timeouts and failure accounting.
 
-``get_reward("dapo" | "math_verify" | "arithmetic" | "last_number" | "reasoning_gym" | obj)`` returns a reward
-object. The rewards of the built-in tasks live with their task in :mod:`dapo_lightning.tasks`.
+``get_reward("dapo" | "math_verify" | "arithmetic" | "last_number" | "reasoning_gym" | obj)`` returns a
+reward object. The rewards of the built-in tasks live with their task in :mod:`dapo_lightning.tasks`
+and are registered there. Your own reward class, in your own module::
+
+    @register_reward("exact_match")
+    class ExactMatch:
+        failure_score = -1.0
+
+        def __call__(self, responses, ground_truths, **kw) -> list[RewardResult]: ...
+
+selected by ``data.init_args.reward: exact_match`` (once its module is imported) or by its dotted
+path ``my_pkg.rewards.ExactMatch`` (any reward class, registered or not), built with
+``data.init_args.scoring.reward_kwargs``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
+from collections.abc import Callable
 from typing import Any
 
+from dapo_lightning.registry import Registry, import_object
 from dapo_lightning.rewards.base import (
     RewardFailureError,
     RewardFunction,
@@ -20,25 +32,43 @@ from dapo_lightning.rewards.base import (
 from dapo_lightning.rewards.dapo import DAPOAnswerReward, extract_answer_line, normalize_answer
 from dapo_lightning.rewards.mathverify import MathVerifyReward
 
-#: Built-in rewards by name, as ``"module:class"``: imported when asked for, because the task
-#: modules that define some of them import this package.
-REWARDS: dict[str, str] = {
-    "dapo": "dapo_lightning.rewards.dapo:DAPOAnswerReward",
-    "math_verify": "dapo_lightning.rewards.mathverify:MathVerifyReward",
-    "arithmetic": "dapo_lightning.tasks.arithmetic:ArithmeticReward",
-    "last_number": "dapo_lightning.tasks.word_problems:LastNumberReward",
-    "reasoning_gym": "dapo_lightning.tasks.reasoning_gym:ReasoningGymReward",
-}
+
+def _unknown_reward(field: str, name: str, names: list[str]) -> str:
+    return (
+        f"{field}={name!r} is not a built-in reward or a registered one: use one of {names}, the "
+        "dotted path 'pkg.module.Class' of a reward class, or pass a reward object (a callable "
+        "(responses, ground_truths, **kw) -> list[RewardResult])."
+    )
+
+
+#: Rewards by name: classes built with ``scoring.reward_kwargs`` (a dotted path may name any
+#: class, registered or not).
+REWARDS: Registry[Callable[..., Any]] = Registry(
+    "reward",
+    "reward",
+    "register_reward",
+    adopt=lambda obj: isinstance(obj, type),
+    unknown=_unknown_reward,
+)
+REWARDS.register("dapo")(DAPOAnswerReward)
+REWARDS.register("math_verify")(MathVerifyReward)
+
+
+def register_reward(name: str) -> Callable[[type], type]:
+    """Class decorator registering a reward class under ``name`` (built with
+    ``scoring.reward_kwargs``; its ``__call__(responses, ground_truths, **kw)`` returns one
+    :class:`RewardResult` per response)."""
+    return REWARDS.register(name)
 
 
 def reward_class(name: str) -> type:
-    """The class of the built-in reward ``name`` (a key of :data:`REWARDS`)."""
-    module, _, cls = REWARDS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
+    """The class of the reward ``name`` (registered, or a dotted path)."""
+    return REWARDS.get(name).fn
 
 
 def get_reward(name_or_obj: Any, **kwargs: Any) -> Any:
-    """A reward object from a name in :data:`REWARDS` (built with ``kwargs``) or a callable.
+    """A reward object from a name or dotted path of :data:`REWARDS` (built with ``kwargs``) or
+    a callable.
 
     A callable is returned as is; it needs a ``failure_score`` attribute (the score of a sample
     whose scoring fails), which defaults to -1.0 when missing. A config's
@@ -46,7 +76,8 @@ def get_reward(name_or_obj: Any, **kwargs: Any) -> Any:
     ``kwargs`` added to its ``init_args``).
 
     Raises:
-        ImportError: A ``class_path`` that does not import (names it and the import error).
+        ImportError: A ``class_path`` or dotted path that does not import (names it and the
+            import error; a :class:`~dapo_lightning.registry.ImportPathError`).
         ValueError: An unknown name, or ``kwargs`` with a reward object.
         TypeError: Neither a name, a ``class_path`` nor a callable.
     """
@@ -54,16 +85,10 @@ def get_reward(name_or_obj: Any, **kwargs: Any) -> Any:
         name_or_obj = _reward_from_class_path(name_or_obj, kwargs)
         kwargs = {}
     if isinstance(name_or_obj, str):
-        if name_or_obj not in REWARDS:
-            raise ValueError(
-                f"reward={name_or_obj!r} is not a built-in reward: use one of "
-                f"{sorted(REWARDS)} or pass a reward object (a callable "
-                "(responses, ground_truths, **kw) -> list[RewardResult])."
-            )
         return reward_class(name_or_obj)(**kwargs)
     if not callable(name_or_obj):
         raise TypeError(
-            f"reward must be a name in {sorted(REWARDS)}, a {{class_path: ..., init_args: ...}} "
+            f"reward must be a name in {REWARDS.names()}, a {{class_path: ..., init_args: ...}} "
             f"or a callable, got {type(name_or_obj).__name__} {name_or_obj!r:.200}."
         )
     if kwargs:
@@ -77,19 +102,7 @@ def get_reward(name_or_obj: Any, **kwargs: Any) -> Any:
 def _reward_from_class_path(spec: dict[str, Any], kwargs: dict[str, Any]) -> Any:
     """Build ``spec["class_path"](**spec["init_args"], **kwargs)``; errors name the class path."""
     path = str(spec["class_path"])
-    module, _, name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name) if module else None
-    except (ImportError, AttributeError) as err:
-        raise ImportError(
-            f"reward class_path {path!r} does not import ({type(err).__name__}: {err}): check "
-            "the spelling, that the module is importable from where the command runs (e.g. "
-            "on PYTHONPATH or pip-installed), and that it defines the class."
-        ) from err
-    if cls is None:
-        raise ImportError(
-            f"reward class_path {path!r} must be a dotted path 'package.module.Class'."
-        )
+    cls = import_object(path, "reward class_path")
     init_args = {**(spec.get("init_args") or {}), **kwargs}
     try:
         return cls(**init_args)
@@ -111,5 +124,6 @@ __all__ = [
     "extract_answer_line",
     "get_reward",
     "normalize_answer",
+    "register_reward",
     "reward_class",
 ]

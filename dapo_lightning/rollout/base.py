@@ -1,11 +1,11 @@
-"""The rollout engine protocol and the plain data it exchanges."""
+"""The rollout engine protocol, its declared capabilities, and the plain data it exchanges."""
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from torch import Tensor
 
@@ -89,6 +89,53 @@ class Completion:
 DRAIN = "drain"
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What a kind of engine can do besides ``generate`` and ``load_weights``, declared on its
+    class (:attr:`RolloutEngine.capabilities`). The engine session, the rollout producer and the
+    data module read these, never an engine's name.
+
+    Args:
+        streaming: It has ``stream_groups`` (:class:`RolloutEngine`): the producer's in-flight
+            rounds score groups as they finish.
+        tensor_parallel: One engine spans ``engine_kwargs.tensor_parallel_size`` consecutive
+            ranks, which submit the same prompts (the data module shards prompts per group).
+        sleep: ``sleep`` / ``wake_up`` free and restore its memory between rollouts (used when
+            the engine's ``sleep_mode`` is on).
+        adapters: ``load_adapter`` serves LoRA adapters over its own base (used when the
+            engine's ``lora_enabled`` is on).
+    """
+
+    streaming: bool = False
+    tensor_parallel: bool = False
+    sleep: bool = False
+    adapters: bool = False
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What the engine session builds an engine selected by name from
+    (:meth:`RolloutEngine.from_setup`).
+
+    Args:
+        kwargs: The engine's own options (``data.engine_kwargs``).
+        model_path: The run's checkpoint folder or hub id (``data.model_name_or_path``).
+        tokenizer: The run's tokenizer.
+        seed: The run's base sampling seed.
+        rank: This process's rank (an engine per rank adds it to ``seed``).
+        sampling_module: Returns ``(module, owned)``: the module to sample with, the policy
+            itself (``owned`` False: it needs no weight push) or, when the policy is sharded,
+            an unsharded copy loaded from ``model_path`` (``owned`` True); None: no policy.
+    """
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    model_path: str | None = None
+    tokenizer: Any = None
+    seed: int = 0
+    rank: int = 0
+    sampling_module: Callable[[], tuple[Any, bool]] | None = None
+
+
 class RolloutEngine(abc.ABC):
     """What the library needs from a generation backend: subclass it for your own engine.
 
@@ -111,6 +158,13 @@ class RolloutEngine(abc.ABC):
       (``stream.send(DRAIN)``) aborts the requests not started yet and lets the started ones
       finish (they are yielded, then the generator ends); closing it aborts everything left.
 
+    :attr:`capabilities` declares which of streaming, tensor parallelism, sleep and adapters
+    the class has (a class that declares one defines its methods, and one that defines
+    ``stream_groups`` declares streaming: checked when the class is created). An engine
+    selected by name (``data.engine``, registered with
+    :func:`~dapo_lightning.rollout.engines.register_engine`) is built by :meth:`from_setup`;
+    :attr:`needs_model_path` and :attr:`requires_package` are checked before that.
+
     Example::
 
         class EchoEngine(RolloutEngine):
@@ -128,6 +182,36 @@ class RolloutEngine(abc.ABC):
     sleep_mode: bool = False
     #: True when the engine serves LoRA adapters itself (:meth:`load_adapter` is pushed).
     lora_enabled: bool = False
+    #: What this kind of engine can do (:class:`EngineCapabilities`); none by default.
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
+    #: Built by name, it needs the run's ``model_path`` (the checkpoint it loads itself).
+    needs_model_path: ClassVar[bool] = False
+    #: ``(import name, install hint)`` of an optional package it needs; None: none.
+    requires_package: ClassVar[tuple[str, str] | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a class whose declared capabilities and methods disagree: a capability
+        declared without its methods, or methods of a capability it does not declare (the
+        library would never call them)."""
+        super().__init_subclass__(**kwargs)
+        caps = cls.capabilities
+        for capability, methods, defined in (
+            ("streaming", "stream_groups", callable(getattr(cls, "stream_groups", None))),
+            ("sleep", "sleep and wake_up", _overrides(cls, "sleep", "wake_up")),
+            ("adapters", "load_adapter", _overrides(cls, "load_adapter")),
+        ):
+            if getattr(caps, capability) != defined:
+                raise TypeError(
+                    f"{cls.__name__}: the {capability} capability and its methods ({methods}) "
+                    f"go together: {'define them' if not defined else 'declare it'} "
+                    f"(capabilities = EngineCapabilities({capability}=True)), or neither."
+                )
+
+    @classmethod
+    def from_setup(cls, setup: EngineSetup) -> RolloutEngine:
+        """Build the engine selected by name for the engine session: ``cls(**setup.kwargs)``.
+        Override it to take the model path, tokenizer, seed or module of ``setup``."""
+        return cls(**setup.kwargs)
 
     @abc.abstractmethod
     def generate(
@@ -170,3 +254,8 @@ class RolloutEngine(abc.ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional
         """Restore :meth:`state_dict` (default: nothing to restore)."""
+
+
+def _overrides(cls: type, *methods: str) -> bool:
+    """True when ``cls`` replaces any of the :class:`RolloutEngine` defaults ``methods``."""
+    return any(getattr(cls, m) is not getattr(RolloutEngine, m) for m in methods)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from dapo_lightning import interrupt
 from dapo_lightning.logprobs import position_ids_from_mask
-from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
+from dapo_lightning.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingConfig
 
 
 def process_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
@@ -76,6 +76,19 @@ class HFRolloutEngine(RolloutEngine):
             with :class:`~dapo_lightning.interrupt.StopRequested` (default: a SIGTERM / SIGINT
             stop request, :func:`dapo_lightning.interrupt.should_stop`).
     """
+
+    @classmethod
+    def from_setup(cls, setup: EngineSetup) -> HFRolloutEngine:
+        """An engine sampling with ``setup.sampling_module()`` (the policy, or its own unsharded
+        copy when the policy is sharded), seeded with ``seed + rank``."""
+        if setup.sampling_module is None:
+            raise ValueError(
+                f"{cls.__name__} samples with the policy module: create_engine('hf') needs "
+                "model=<the policy module>."
+            )
+        module, owned = setup.sampling_module()
+        seed = setup.seed + setup.rank
+        return cls(module, setup.tokenizer, seed=seed, owns_model=owned, **setup.kwargs)
 
     def __init__(
         self,

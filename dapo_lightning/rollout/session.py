@@ -2,10 +2,12 @@
 
 It owns, for one rank:
 
-* building the engine on first use (``"hf"``: sampling with the policy module itself, or its
-  own unsharded copy when the policy is sharded; ``"vllm"``: an in-process ``vllm.LLM``; or
-  an engine object given by the user);
-* waking a sleep-mode engine for generation and putting it back to sleep after;
+* building the engine on first use, by name (:data:`~dapo_lightning.rollout.engines.ENGINES`:
+  the class's ``from_setup`` gets an :class:`~dapo_lightning.rollout.base.EngineSetup`; ``"hf"``
+  samples with the policy module itself, or its own unsharded copy when the policy is sharded;
+  ``"vllm"`` is an in-process ``vllm.LLM``), or an engine object given by the user;
+* waking a sleep-mode engine for generation and putting it back to sleep after (engines that
+  declare the ``sleep`` capability);
 * the weight version the engine holds, and the push of the policy's weights when the trainer's
   version is newer: gathered, full, checkpoint-named tensors (tied weights included; see
   docs/design.md, "the tied-embedding trap") from whatever wraps the policy (DDP, FSDP1,
@@ -14,8 +16,8 @@ It owns, for one rank:
 A LoRA policy (a peft model, :mod:`dapo_lightning.lora`) is pushed as the merged model: base
 names, ``W + scaling * B @ A`` per adapted layer, computed beside the training weights
 (:func:`~dapo_lightning.lora.merged_named_tensors`). An engine built to serve adapters itself
-(vLLM with ``engine_kwargs: {enable_lora: true, max_lora_rank: R}``: its ``lora_enabled``)
-gets the adapter weights only
+(the ``adapters`` capability, switched on: vLLM with ``engine_kwargs: {enable_lora: true,
+max_lora_rank: R}`` sets its ``lora_enabled``) gets the adapter weights only
 (:meth:`~dapo_lightning.rollout.vllm.VLLMRolloutEngine.load_adapter`).
 The HF engine sharing the policy needs nothing pushed: peft's forward includes the adapters.
 
@@ -34,8 +36,8 @@ from typing import Any
 from torch import nn
 
 from dapo_lightning.lora import adapter_named_tensors, is_peft_model, merged_named_tensors
-from dapo_lightning.rollout.base import RolloutEngine
-from dapo_lightning.rollout.engines import check_engine, create_engine
+from dapo_lightning.rollout.base import EngineSetup, RolloutEngine
+from dapo_lightning.rollout.engines import check_engine, engine_class
 from dapo_lightning.weights import full_named_tensors, is_sharded
 
 
@@ -43,7 +45,8 @@ class EngineSession:
     """One rank's rollout engine: built lazily, awake while generating, with current weights.
 
     Args:
-        engine: ``"hf"``, ``"vllm"``, or an engine object (a
+        engine: ``"hf"``, ``"vllm"``, another registered name or dotted path, or an engine
+            object (a
             :class:`~dapo_lightning.rollout.base.RolloutEngine` subclass: the optional
             capabilities the session uses, ``model``, ``sleep_mode`` / ``wake_up`` / ``sleep``,
             ``lora_enabled`` / ``load_adapter``, ``state_dict`` / ``load_state_dict``, have
@@ -110,20 +113,23 @@ class EngineSession:
         return self._engine
 
     def _build(self) -> RolloutEngine:
-        if self.kind == "vllm":
-            return create_engine(
-                "vllm", model_path=self.model_path, seed=self.seed, **self.engine_kwargs
-            )
-        policy = self._policy_module()
-        own = is_sharded(policy)
-        return create_engine(
-            "hf",
-            model=self._unsharded_copy() if own else policy,
+        setup = EngineSetup(
+            dict(self.engine_kwargs),
+            model_path=self.model_path,
             tokenizer=self.tokenizer,
-            seed=self.seed + self.rank,
-            owns_model=own,
-            **self.engine_kwargs,
+            seed=self.seed,
+            rank=self.rank,
+            sampling_module=self._sampling_module,
         )
+        return engine_class(str(self.kind)).from_setup(setup)
+
+    def _sampling_module(self) -> tuple[nn.Module, bool]:
+        """The module an engine that samples with the policy uses, and whether it is its own:
+        the policy itself, or an unsharded copy when the policy is sharded."""
+        policy = self._policy_module()
+        if is_sharded(policy):
+            return self._unsharded_copy(), True
+        return policy, False
 
     def _policy_module(self) -> nn.Module:
         if self._policy is None:
@@ -173,7 +179,7 @@ class EngineSession:
         engine = self.engine
         if not is_peft_model(policy):
             engine.load_weights(full_named_tensors(policy))
-        elif engine.lora_enabled:
+        elif engine.capabilities.adapters and engine.lora_enabled:
             config = policy.peft_config[policy.active_adapter]
             engine.load_adapter(adapter_named_tensors(policy), config)
         else:
@@ -183,7 +189,7 @@ class EngineSession:
     def generating(self, version: int) -> Iterator[RolloutEngine]:
         """Wake a sleep-mode engine, bring its weights to ``version``, yield it, sleep again."""
         engine = self.engine
-        sleeps = bool(engine.sleep_mode)
+        sleeps = engine.capabilities.sleep and bool(engine.sleep_mode)
         if sleeps:
             engine.wake_up()
         try:

@@ -47,7 +47,14 @@ from dapo_lightning.interrupt import StopRequested, stop_requested
 from dapo_lightning.interrupt import should_stop as should_stop_requested
 from dapo_lightning.logging_setup import quiet_known_warnings, quiet_partial_reload
 from dapo_lightning.precision import resolve_dtype
-from dapo_lightning.rollout.base import DRAIN, Completion, RolloutEngine, SamplingConfig
+from dapo_lightning.rollout.base import (
+    DRAIN,
+    Completion,
+    EngineCapabilities,
+    EngineSetup,
+    RolloutEngine,
+    SamplingConfig,
+)
 from dapo_lightning.rollout.vllm_requests import completions, not_started, sampling_params
 from dapo_lightning.rollout.vllm_setup import (
     INSTALL_HINT,
@@ -110,6 +117,17 @@ class VLLMRolloutEngine(RolloutEngine):
             ``enable_lora=True`` (with ``max_lora_rank`` >= the adapters' ``r``) makes the
             engine session push a LoRA policy's adapters only (:meth:`load_adapter`).
     """
+
+    capabilities = EngineCapabilities(
+        streaming=True, tensor_parallel=True, sleep=True, adapters=True
+    )
+    needs_model_path = True
+    requires_package = ("vllm", _INSTALL_HINT)
+
+    @classmethod
+    def from_setup(cls, setup: EngineSetup) -> VLLMRolloutEngine:
+        """An engine on the run's checkpoint (``setup.model_path``) with the run's seed."""
+        return cls(str(setup.model_path), seed=setup.seed, **setup.kwargs)
 
     def __init__(
         self,

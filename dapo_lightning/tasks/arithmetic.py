@@ -28,7 +28,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from dapo_lightning.rewards import register_reward
 from dapo_lightning.rewards.base import RewardResult
+from dapo_lightning.tasks.base import register_task
 
 #: Default (operand range, ops) per difficulty level.
 LEVELS: dict[int, tuple[tuple[int, int], tuple[str, ...]]] = {
@@ -43,6 +45,11 @@ _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * 
 _INT_RE = re.compile(r"-?\d+")
 
 
+@register_task(
+    "arithmetic",
+    reward="arithmetic",
+    description="'a+b=' problems by difficulty level; plain-text prompts, exact answer",
+)
 def make_arithmetic_rows(
     num_prompts: int = 256,
     level: int = 1,
@@ -100,6 +107,7 @@ def make_arithmetic_rows(
     ]
 
 
+@register_reward("arithmetic")
 class ArithmeticReward:
     """+1 when the response gives the right integer, else -1 (reward name ``"arithmetic"``).
 

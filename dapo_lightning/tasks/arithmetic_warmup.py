@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from dapo_lightning.data.sources import encode_prompt
+from dapo_lightning.prompts import encode_prompt
 from dapo_lightning.tasks.arithmetic import make_arithmetic_rows
 from dapo_lightning.testing import make_tiny_checkpoint, make_tiny_tokenizer
 

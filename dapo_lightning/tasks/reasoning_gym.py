@@ -60,8 +60,10 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from dapo_lightning.rewards import register_reward
 from dapo_lightning.rewards.base import RewardResult
 from dapo_lightning.rewards.dapo import extract_answer_line, extract_boxed
+from dapo_lightning.tasks.base import register_task
 from dapo_lightning.tasks.word_problems import last_number_text
 
 #: How to install the package this task needs.
@@ -294,6 +296,12 @@ def check_task_kwargs(**task_kwargs: Any) -> None:
             )
 
 
+@register_task(
+    "reasoning_gym",
+    reward="reasoning_gym",
+    description="reasoning-gym datasets or a weighted mix (tasks extra); their own scorer",
+    check=check_task_kwargs,
+)
 def make_reasoning_gym_rows(
     *,
     seed: int = 0,
@@ -360,6 +368,7 @@ def make_reasoning_gym_rows(
     return rows
 
 
+@register_reward("reasoning_gym")
 class ReasoningGymReward:
     """The reasoning-gym dataset's own ``score_answer`` on the extracted answer (reward name
     ``"reasoning_gym"``; see the module docstring for the extraction and the score).

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from dapo_lightning.rewards import register_reward
 from dapo_lightning.rewards.base import RewardResult
+from dapo_lightning.tasks.base import register_task
 
 #: The instruction appended to every problem (``instruction=`` replaces it). Measured on
 #: SmolLM2-135M-Instruct (``make_word_problem_rows(64, seed=0)``, HF ``generate``, 64 new
@@ -189,6 +191,11 @@ def _pick_templates(names: Sequence[str] | str | None) -> list[Template]:
     return [known[n] for n in names]
 
 
+@register_task(
+    "word_problems",
+    reward="last_number",
+    description="two-step word problems, numbers 1-10, chat prompts; last number scored",
+)
 def make_word_problem_rows(
     num_prompts: int = 256,
     *,
@@ -271,6 +278,7 @@ def last_number_text(text: str) -> str | None:
     return found[-1].replace(",", "") if found else None
 
 
+@register_reward("last_number")
 class LastNumberReward:
     """+1 when the last number of the response equals the answer, else -1 (reward name
     ``"last_number"``).

@@ -1,0 +1,61 @@
+"""A prompt and its record: the value types every layer shares (the data module loads them,
+environments start episodes from them, tasks encode them), and the encoding of a prompt to token
+ids. Loading them from files is :mod:`dapo_lightning.data.sources`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dapo_lightning.checks import ConfigError
+
+Prompt = str | list[dict[str, str]]
+
+
+class PromptDataError(ConfigError):
+    """A row of a prompt file cannot be used; the message names the row, the field and the fix."""
+
+
+#: Row fields kept in :attr:`PromptRecord.meta`: ``difficulty`` (the arithmetic task's level),
+#: ``split`` (``"train"`` / ``"val"``: a task's own held-out set) and ``reward_kwargs`` (a dict of
+#: keyword arguments the reward gets with this prompt's responses, e.g. what a scorer needs).
+ROW_META_KEYS = ("difficulty", "split", "reward_kwargs")
+
+
+@dataclass
+class PromptRecord:
+    """One prompt with its answer.
+
+    Args:
+        uid: Stable id (per-prompt statistics and de-duplication use it).
+        prompt: Text or chat messages.
+        answer: Ground truth, as a string.
+        data_source: Source name, or None.
+        prompt_ids: Token ids after the chat template (set by
+            :func:`~dapo_lightning.data.sources.tokenize_records`).
+        meta: Extra fields (:data:`ROW_META_KEYS`).
+    """
+
+    uid: str
+    prompt: Prompt
+    answer: str
+    data_source: str | None = None
+    prompt_ids: list[int] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, apply_chat_template: bool) -> list[int]:
+    """Token ids of a prompt; strings become one user message when the chat template is applied."""
+    if apply_chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not isinstance(prompt, str):
+        raise PromptDataError(
+            "a prompt is a list of chat messages but prompts.apply_chat_template is false: set "
+            "it true or give plain-text prompts."
+        )
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+__all__ = ["ROW_META_KEYS", "Prompt", "PromptDataError", "PromptRecord", "encode_prompt"]
