@@ -173,7 +173,7 @@ def test_repeated_skips_reach_collapse_detector_and_stop(tiny_checkpoint, tmp_pa
 def test_skip_nonfinite_off_lets_nan_through(tiny_checkpoint, tmp_path):
     """Negative control: with the guard off, the NaN reaches the weights."""
     module, _, _ = _fit(
-        tiny_checkpoint, _poisoned_batch(), tmp_path, steps=1, skip_nonfinite=False, loss=TIS_2
+        tiny_checkpoint, _poisoned_batch(), tmp_path, steps=1, optimizer_step=dict(skip_nonfinite=False), loss=TIS_2
     )
     assert module.skipped_updates == 0
     assert any(not torch.isfinite(p).all() for p in module.policy.parameters())
@@ -295,7 +295,7 @@ def test_step_that_leaves_nonfinite_weights_is_undone(tiny_checkpoint, tmp_path)
 def test_negative_control_eps0_without_the_guard_makes_nan_weights(tiny_checkpoint, tmp_path):
     module, _, _ = _fit(
         tiny_checkpoint, fixed_batch(), tmp_path, steps=1, optimizer=_adam_eps0,
-        module_setup=_zero_grad_on_one_weight, skip_nonfinite=False,
+        module_setup=_zero_grad_on_one_weight, optimizer_step=dict(skip_nonfinite=False),
     )  # fmt: skip
     assert any(not torch.isfinite(p).all() for p in module.policy.parameters())
 

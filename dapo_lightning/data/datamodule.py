@@ -26,8 +26,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
+from dapo_lightning.contract import PolicyHandle, RolloutSpec
 from dapo_lightning.data.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.data.difficulty import PromptSelectionConfig
@@ -217,6 +219,11 @@ class DAPODataModule(pl.LightningDataModule):
         #: uids drawn at each training step (this rank), for logging and tests.
         self.drawn_log: list[list[str]] = []
         self._pending_state: dict[str, Any] | None = None
+        #: The weights to sample with and their version, from the module
+        #: (:meth:`publish_policy`); None before the first.
+        self.policy_handle: PolicyHandle | None = None
+        #: The producer's and engine's state before the last batch (:meth:`rewind_rollout_batch`).
+        self._batch_start: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     @property
     def max_prompt_length(self) -> int:
@@ -309,7 +316,7 @@ class DAPODataModule(pl.LightningDataModule):
             in_process=self.scoring.in_process,
         )
         self.session = self._make_session(rank)
-        self.session.attach(lambda: self.trainer.lightning_module.policy)
+        self.session.attach(self._published_policy)
         pad = self.tokenizer.pad_token_id
         pad = pad if pad is not None else self.tokenizer.eos_token_id
         self.producer = RolloutProducer(
@@ -389,9 +396,35 @@ class DAPODataModule(pl.LightningDataModule):
         chunks = math.ceil(len(shard) / self.validation.batch_size)
         return DataLoader(_Tickets(ValidationTicket, chunks), batch_size=None)
 
-    # --------------------------------------------------------------- rollouts
+    # ------------------------------------------------- the contract (dapo_lightning.contract)
+    def rollout_spec(self) -> RolloutSpec:
+        """What every rollout batch of this run will be (the module checks it at fit start)."""
+        return RolloutSpec(
+            group_size=self.dynamic_sampling.n,
+            train_batch_size=self.dynamic_sampling.train_batch_size,
+            max_prompt_length=self.max_prompt_length,
+            max_response_tokens=self.sampling.max_tokens,
+        )
+
+    def publish_policy(self, handle: PolicyHandle) -> None:
+        """Sample from now on with ``handle``'s weights, stamped with its version: the engine
+        session pushes them at the next generation (waking a sleep-mode engine first)."""
+        self.policy_handle = handle
+
+    def _published_policy(self) -> nn.Module:
+        if self.policy_handle is None:
+            raise RuntimeError(
+                "DAPODataModule has no policy to sample with: the module publishes one at the "
+                "start of training and of validation (DAPOModule does); a module of your own "
+                "calls datamodule.publish_policy(PolicyHandle(policy, version))."
+            )
+        return self.policy_handle.policy
+
     def _policy_version(self) -> int:
-        return int(getattr(self.trainer.lightning_module, "policy_version", 0))
+        """The version of the last published weights (0 before any)."""
+        return self.policy_handle.version if self.policy_handle is not None else 0
+
+    # --------------------------------------------------------------- rollouts
 
     def next_rollout_batch(self) -> RolloutBatch | EndOfTraining:
         """Generate, score, shape and filter the rollouts of the current step."""
@@ -415,7 +448,7 @@ class DAPODataModule(pl.LightningDataModule):
         """Put the producer and the engine's RNG back to before the last
         :meth:`next_rollout_batch` (a stop dropped its update before any weight changed: on
         resume the same rollouts are generated again)."""
-        start = getattr(self, "_batch_start", None)
+        start = self._batch_start
         if start is None or self.producer is None:
             return
         self.producer.load_state_dict(start[0])
