@@ -196,11 +196,23 @@ def test_cli_eps_high_below_eps_low(capsys):
             {"loss": {"rollout_correction": {"stale_tis_cap": nan}}},
             r"^model\.loss\.rollout_correction\.stale_tis_cap=nan is not finite",
         ),
-        ({"gradient_clip_val": -1.0}, "model.gradient_clip_val must be >= 0.*flip the gradient"),
-        ({"gradient_clip_val": nan}, "model.gradient_clip_val=nan is not finite"),
-        ({"gradient_clip_val": inf}, "model.gradient_clip_val=inf is not finite"),
+        (
+            {"optimizer_step": {"gradient_clip_val": -1.0}},
+            "model.optimizer_step.gradient_clip_val must be >= 0.*flip the gradient",
+        ),
+        (
+            {"optimizer_step": {"gradient_clip_val": nan}},
+            "model.optimizer_step.gradient_clip_val=nan is not finite",
+        ),
+        (
+            {"optimizer_step": {"gradient_clip_val": inf}},
+            "model.optimizer_step.gradient_clip_val=inf is not finite",
+        ),
         ({"loss": {"kl_coef": -0.1}}, r"^model\.loss\.kl_coef must be >= 0"),
-        ({"warmup_steps": -1}, r"model\.warmup_steps must be an integer >= 0 \(optimizer updates"),
+        (
+            {"optimizer_step": {"warmup_steps": -1}},
+            r"model\.optimizer_step\.warmup_steps must be an integer >= 0 \(optimizer updates",
+        ),
         ({"parity_check_every": -1}, r"model\.parity_check_every must be an integer >= 0"),
         (
             {"batching": {"max_tokens_per_micro_batch": 0}},
@@ -944,8 +956,8 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
     ("args", "fragments"),
     [
         (
-            ["--model.gradient_clip_val=.nan"],
-            ["DAPOModule: model.gradient_clip_val=nan is not finite"],
+            ["--model.optimizer_step.gradient_clip_val=.nan"],
+            ["OptimizerStepConfig: model.optimizer_step.gradient_clip_val=nan is not finite"],
         ),
         (
             ["--model.batching.micro_batch_size=0"],
@@ -958,7 +970,10 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
             ],
             ["error: CollapseDetector.max_rollbacks must be an integer >= 0"],
         ),  # fmt: skip
-        (["--model.gradient_clip_val=.inf"], ["gradient_clip_val=inf is not finite"]),
+        (
+            ["--model.optimizer_step.gradient_clip_val=.inf"],
+            ["optimizer_step.gradient_clip_val=inf is not finite"],
+        ),
         (
             ["--model.init_args.loss.clip_ratio_high=.nan"],
             ["error: PolicyLossConfig: model.loss.clip_ratio_high=nan is not finite"],

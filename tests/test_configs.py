@@ -161,7 +161,7 @@ def test_paper_config_numbers(capsys):
     mini = m["batching"]["mini_batch_size"]
     assert (ds["train_batch_size"], ds["n"], mini) == (512, 16, 32)
     assert ds["train_batch_size"] // mini == 16  # updates per rollout step
-    assert m["warmup_steps"] == 20 * 16  # 20 rollout steps of warm-up
+    assert m["optimizer_step"]["warmup_steps"] == 20 * 16  # 20 rollout steps of warm-up
     assert d["sampling"]["max_tokens"] == 20480
     overlong = [c for c in t["callbacks"] if c["class_path"].endswith("OverlongRewardShaping")]
     assert overlong[0]["init_args"]["buffer_length"] == 4096

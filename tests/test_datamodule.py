@@ -9,6 +9,7 @@ import torch
 from test_producer import ScriptedEngine, config_with_selection
 from transformers import AutoModelForCausalLM
 
+from dapo_lightning.contract import PolicyHandle
 from dapo_lightning.data import (
     DAPODataModule,
     DynamicSamplingConfig,
@@ -21,7 +22,9 @@ from dapo_lightning.rollout import SamplingConfig
 
 
 class ToyModule(pl.LightningModule):
-    """Owns ``policy`` and bumps ``policy_version`` once per step (a stand-in for DAPOModule)."""
+    """Owns ``policy`` and bumps ``policy_version`` once per step (a stand-in for DAPOModule);
+    like it, publishes its weights and version to the data side (dapo_lightning.contract) at
+    the start of training and of validation, and after each step."""
 
     def __init__(self, path):
         super().__init__()
@@ -44,6 +47,18 @@ class ToyModule(pl.LightningModule):
         )
         self.optimizers().step()  # an empty update: Lightning counts steps by optimizer steps
         self.policy_version += 1  # one "optimizer update"
+
+    def _publish(self):
+        self.trainer.datamodule.publish_policy(PolicyHandle(self.policy, self.policy_version))
+
+    def on_train_start(self):
+        self._publish()
+
+    def on_validation_start(self):
+        self._publish()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self._publish()
 
     def validation_step(self, batch, batch_idx):
         assert isinstance(batch, ScoredRollouts)
