@@ -551,9 +551,10 @@ def choose_run_threads(config: Namespace, to_create: tuple[str, Path] | None) ->
 def _warmup_task_kwargs(config: Namespace) -> dict[str, Any]:
     """The warm-up sees the problems the data module will serve."""
     data = (config.get("data") or Namespace()).get("init_args") or Namespace()
-    task_kwargs = dict(data.get("task_kwargs") or {})
+    prompts = data.get("prompts") or Namespace()
+    task_kwargs = dict(prompts.get("task_kwargs") or {})
     task_kwargs.setdefault("task_seed", task_kwargs.pop("seed", data.get("seed") or 0))
-    chat = (data.get("prompts") or Namespace()).get("apply_chat_template")
+    chat = prompts.get("apply_chat_template")
     if chat is not None:
         task_kwargs["apply_chat_template"] = bool(chat)
     return task_kwargs

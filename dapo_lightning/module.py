@@ -84,6 +84,42 @@ def default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01)
 
 
+def updates_left(trainer: Any) -> float:
+    """Optimizer updates before ``trainer.max_steps`` (inf when it is unset).
+
+    A rollout step runs one update per mini-batch, and with ``on_exhausted: train_on_kept``
+    their number varies; Lightning checks ``max_steps`` only between training steps, so the
+    step's loop stops here itself and ``max_steps`` counts updates exactly. Every rank has the
+    same ``global_step``, so all stop at the same update.
+    """
+    max_steps = trainer.max_steps
+    if max_steps is None or max_steps < 0:
+        return math.inf
+    return max_steps - trainer.global_step
+
+
+def rollout_step_values(
+    batch: RolloutBatch, step: StepTensors, version: int, seconds: float, module: DAPOModule
+) -> dict[str, float]:
+    """The rollout step's metrics, reduced over ranks; staleness and parity against
+    ``version``, the policy version before this step's updates (after them every row would
+    look stale); parity every ``parity_check_every`` rollout steps."""
+    every = module.hparams.parity_check_every
+    check = bool(every) and module.rollout_step % every == 0
+    acc = rollout_step_metrics(batch, version, seconds, step.trainer_logp if check else None)
+    values = acc.reduce(module.adapter.reduce)
+    gen_s = values.get("data/gen_seconds", 0.0)
+    values.update(
+        {
+            "rollout/step": float(module.rollout_step),
+            "rollout/tokens_per_second": values.pop("rollout/tokens") / max(seconds + gen_s, 1e-9),
+            "time/generation_s": gen_s,
+            "update/skipped_total": float(module.skipped_updates),
+        }
+    )
+    return values
+
+
 class DAPOModule(LightningModule):
     """The DAPO policy update (Yu et al. 2025) with exact token-level gradient accumulation.
 
@@ -122,11 +158,8 @@ class DAPOModule(LightningModule):
 
     Example::
 
-        module = DAPOModule(
-            "Qwen/Qwen2.5-0.5B",
-            loss=PolicyLossConfig(clip_ratio_high=0.28),
-            batching=BatchingConfig(mini_batch_size=32, micro_batch_size=8),
-        )
+        module = DAPOModule("Qwen/Qwen2.5-0.5B", loss=PolicyLossConfig(clip_ratio_high=0.28),
+                            batching=BatchingConfig(mini_batch_size=32, micro_batch_size=8))
         trainer = Trainer(max_steps=100)
         trainer.fit(module, datamodule=DAPODataModule(...))
     """
@@ -185,7 +218,6 @@ class DAPOModule(LightningModule):
         #: The copy a stop inside a rollout step restores (buffers reused from step to step).
         self.step_start = StepStart()
 
-    # ------------------------------------------------------------------ counters (the loop's)
     @property
     def policy_version(self) -> int:
         """Weight changes so far (the version stamped on rollouts sampled after them)."""
@@ -214,7 +246,6 @@ class DAPOModule(LightningModule):
         """Counts non-finite updates, holds the pre-step snapshot (:mod:`~dapo_lightning.step_guard`)."""
         return self.updater.nonfinite_guard
 
-    # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
         """Load the policy (with ``lora``: wrap it with adapters; and, with ``kl_coef > 0``, a
         frozen reference); where the strategy expects it (FSDP2), shard it (each decoder
@@ -242,9 +273,7 @@ class DAPOModule(LightningModule):
         """Check the data's declared spec against the module's settings before any rollout."""
         warn_undeclared_dapo_hooks(self.trainer)
         if self.channel is not None:
-            check_data_settings(
-                self.loss, self.batching, self.channel.rollout_spec(), self.policy
-            )
+            check_data_settings(self.loss, self.batching, self.channel.rollout_spec(), self.policy)
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -276,7 +305,6 @@ class DAPOModule(LightningModule):
         model = model if model is not None else self.policy
         return batch_log_probs(model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
-    # ------------------------------------------------------------------ the policy handle
     def publish_policy(self) -> None:
         """The one call that hands the data side the weights to sample with and their version.
         Made at the start of training and of each validation, and after each rollout step's
@@ -284,28 +312,14 @@ class DAPOModule(LightningModule):
         if self.channel is not None:
             self.channel.publish_policy(PolicyHandle(self.policy, self.policy_version))
 
-    def on_train_start(self) -> None:
+    def on_train_start(self) -> None:  # the start handle (after any checkpoint is restored)
         self.publish_policy()
 
-    def on_validation_start(self) -> None:
+    def on_validation_start(self) -> None:  # also for `validate`, which has no train start
         self.publish_policy()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.publish_policy()
-
-    # ------------------------------------------------------------------ the DAPO step
-    def updates_left(self) -> float:
-        """Optimizer updates before ``trainer.max_steps`` (inf when it is unset).
-
-        A rollout step runs one update per mini-batch, and with ``on_exhausted: train_on_kept``
-        their number varies; Lightning checks ``max_steps`` only between training steps, so the
-        step's loop stops here itself and ``max_steps`` counts updates exactly. Every rank has the
-        same ``global_step``, so all stop at the same update.
-        """
-        max_steps = self.trainer.max_steps
-        if max_steps is None or max_steps < 0:
-            return math.inf
-        return max_steps - self.trainer.global_step
+        self.publish_policy()  # after each rollout step's updates
 
     def training_step(self, batch: RolloutBatch | EndOfTraining, batch_idx: int) -> None:
         if isinstance(batch, EndOfTraining):
@@ -318,7 +332,8 @@ class DAPOModule(LightningModule):
         self.updater.bind(self.policy, self.optimizers(), self.lr_schedulers(), self.ref_policy)
         step = self.updater.run(batch, self._step_context())
         self.rollout_step += 1
-        self._log_rollout_step(batch, step, version, time.perf_counter() - t_start)
+        values = rollout_step_values(batch, step, version, time.perf_counter() - t_start, self)
+        self.log_dict(values, on_step=True, on_epoch=False, batch_size=max(batch.batch_size, 1))
         # Lightning logs self.log() values (rollout/*, the validation after this step) at its
         # batch counter, which counts rollout steps: with several updates per step, put it at
         # updates done - 1, as with one (update/* are at global_step; plot's x axis is updates).
@@ -329,7 +344,7 @@ class DAPOModule(LightningModule):
         channel = self.channel
         return StepContext(
             train_batch_size=channel.rollout_spec().train_batch_size if channel else None,
-            updates_left=self.updates_left,
+            updates_left=lambda: updates_left(self.trainer),
             on_update=self._on_update,
             take_step_start=self._take_step_start,
             rewind=channel.rewind_rollout_batch if channel else StepContext.rewind,
@@ -365,34 +380,10 @@ class DAPOModule(LightningModule):
                 )
         call_dapo_hook(self.trainer, "on_dapo_update", metrics)
 
-    def _log_rollout_step(
-        self, batch: RolloutBatch, step: StepTensors, version: int, seconds: float
-    ) -> None:
-        """Logs the step's metrics; staleness and parity against ``version``, the policy version
-        before this step's updates (after them every row would look stale)."""
-        every = self.hparams.parity_check_every
-        check = bool(every) and self.rollout_step % every == 0
-        acc = rollout_step_metrics(batch, version, seconds, step.trainer_logp if check else None)
-        values = acc.reduce(self.adapter.reduce)
-        gen_s = values.get("data/gen_seconds", 0.0)
-        values.update(
-            {
-                "rollout/step": float(self.rollout_step),
-                "rollout/tokens_per_second": values.pop("rollout/tokens")
-                / max(seconds + gen_s, 1e-9),
-                "time/generation_s": gen_s,
-                "update/skipped_total": float(self.skipped_updates),
-            }
-        )
-        self.log_dict(values, on_step=True, on_epoch=False, batch_size=max(batch.batch_size, 1))
-
-    # ------------------------------------------------------------------ validation
     def validation_step(self, batch: ScoredRollouts, batch_idx: int) -> None:
-
         metrics = validation_metrics(batch)
         self.log_dict(metrics, on_epoch=True, sync_dist=True, batch_size=len(batch))
 
-    # ------------------------------------------------------------------ checkpoints
     def _dapo_state(self) -> dict[str, Any]:
         """The module's counters and the global RNGs (a checkpoint's ``"dapo"`` entry)."""
         return {

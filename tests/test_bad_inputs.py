@@ -61,7 +61,7 @@ BASE = [
     "--model=dapo_lightning.DAPOModule",
     "--model.model_name_or_path=/nonexistent",
     "--data=dapo_lightning.DAPODataModule",
-    "--data.task=arithmetic",
+    "--data.prompts.task=arithmetic",
     "--trainer.logger=false",
 ]
 
@@ -250,9 +250,21 @@ def test_module_missing_model_path(tmp_path):
     ("kwargs", "error", "match"),
     [
         ({}, ValueError, "exactly one of train_files"),
-        ({"task": "algebra"}, ValueError, "task='algebra' is not a built-in task"),
-        ({"task": "arithmetic", "engine": "sglang"}, ValueError, "engine='sglang'"),
-        ({"task": "arithmetic", "steps_per_epoch": 0}, ValueError, "steps_per_epoch must be"),
+        (
+            {"prompts": PromptConfig(task="algebra")},
+            ValueError,
+            "task='algebra' is not a built-in task",
+        ),
+        (
+            {"prompts": PromptConfig(task="arithmetic"), "engine": "sglang"},
+            ValueError,
+            "engine='sglang'",
+        ),
+        (
+            {"prompts": PromptConfig(task="arithmetic"), "steps_per_epoch": 0},
+            ValueError,
+            "steps_per_epoch must be",
+        ),
     ],
 )
 def test_datamodule_bad_arguments(tiny_checkpoint, kwargs, error, match):
@@ -343,9 +355,12 @@ PROMPT_FIELDS = {f.name for f in dataclasses.fields(PromptConfig)}
 
 def _dm(path: Any, dynamic: dict[str, Any] | None = None, **kw: Any) -> DAPODataModule:
     args: dict[str, Any] = dict(
-        task="arithmetic",
-        task_kwargs={"num_prompts": 8},
-        prompts=PromptConfig(apply_chat_template=False, max_prompt_length=16),
+        prompts=PromptConfig(
+            task="arithmetic",
+            task_kwargs={"num_prompts": 8},
+            apply_chat_template=False,
+            max_prompt_length=16,
+        ),
         reward="arithmetic",
         scoring=ScoringConfig(in_process=True),
         sampling=SamplingConfig(max_tokens=4),
@@ -533,8 +548,12 @@ def test_bad_prompt_rows(tiny_checkpoint, tmp_path, content, match):
     path = _rows_file(tmp_path, content)
     dm = DAPODataModule(
         str(tiny_checkpoint),
-        train_files=str(path),
-        prompts=PromptConfig(answer_key="answer", apply_chat_template=False, max_prompt_length=16),
+        prompts=PromptConfig(
+            train_files=str(path),
+            answer_key="answer",
+            apply_chat_template=False,
+            max_prompt_length=16,
+        ),
         reward="arithmetic",
         scoring=ScoringConfig(in_process=True),
         sampling=SamplingConfig(max_tokens=4),
@@ -545,7 +564,9 @@ def test_bad_prompt_rows(tiny_checkpoint, tmp_path, content, match):
 
 
 def test_missing_prompt_file(tiny_checkpoint, tmp_path):
-    dm = DAPODataModule(str(tiny_checkpoint), train_files=str(tmp_path / "nope.jsonl"))
+    dm = DAPODataModule(
+        str(tiny_checkpoint), prompts=PromptConfig(train_files=str(tmp_path / "nope.jsonl"))
+    )
     with pytest.raises(FileNotFoundError, match="check the path in train_files"):
         dm.setup("fit")
 
@@ -553,7 +574,7 @@ def test_missing_prompt_file(tiny_checkpoint, tmp_path):
 def test_unknown_prompt_file_type(tiny_checkpoint, tmp_path):
     path = tmp_path / "prompts.csv"
     path.write_text("prompt,answer\n1+1=,2\n")
-    dm = DAPODataModule(str(tiny_checkpoint), train_files=str(path))
+    dm = DAPODataModule(str(tiny_checkpoint), prompts=PromptConfig(train_files=str(path)))
     with pytest.raises(PromptDataError, match="unknown prompt file type '.csv'"):
         dm.setup("fit")
 
@@ -723,8 +744,8 @@ def _files_dm(path: Any, train_files: str, **kw: Any) -> DAPODataModule:
     from dapo_lightning.data.producer import DynamicSamplingConfig
 
     args: dict[str, Any] = dict(
-        train_files=train_files,
         prompts=PromptConfig(
+            train_files=train_files,
             prompt_key="prompt",
             answer_key="answer",
             apply_chat_template=False,
@@ -790,7 +811,7 @@ def test_missing_relative_path_is_not_a_hub_lookup(tiny_checkpoint, tmp_path, mo
 def test_reward_class_path_that_does_not_import(tiny_checkpoint):
     cli = build_cli(
         ["--model=dapo_lightning.DAPOModule", f"--model.model_name_or_path={tiny_checkpoint}",
-         "--data=dapo_lightning.DAPODataModule", "--data.task=arithmetic",
+         "--data=dapo_lightning.DAPODataModule", "--data.prompts.task=arithmetic",
          "--data.prompts.apply_chat_template=false", "--data.scoring.in_process=true",
          '--data.reward={"class_path": "my_rewards.ExactMatch"}', "--trainer.logger=false"],
         run=False,
@@ -911,10 +932,12 @@ model:
 data:
   class_path: dapo_lightning.DAPODataModule
   init_args:
-    task: arithmetic
-    task_kwargs: {{level: 1, num_prompts: 16}}
     scoring: {{in_process: true}}
-    prompts: {{apply_chat_template: false, max_prompt_length: 16}}
+    prompts:
+      task: arithmetic
+      task_kwargs: {{level: 1, num_prompts: 16}}
+      apply_chat_template: false
+      max_prompt_length: 16
     sampling: {{max_tokens: 4}}
     dynamic_sampling: {{n: 2, train_batch_size: 2, filter_metric: null}}
 trainer:
@@ -1050,7 +1073,7 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
             ],
         ),
         (
-            ["--data.task=null", "--data.train_files=."],
+            ["--data.prompts.task=null", "--data.prompts.train_files=."],
             ["train_files / validation.files:", "is a folder but not one written by datasets"],
         ),
     ],

@@ -96,8 +96,7 @@ def scripted_dm(path, **dynamic_sampling):
     settings.update(dynamic_sampling)
     return DAPODataModule(
         str(path),
-        task="arithmetic",
-        task_kwargs={"num_prompts": 40},
+        prompts=PromptConfig(task="arithmetic", task_kwargs={"num_prompts": 40}),
         reward="arithmetic",
         scoring=ScoringConfig(in_process=True),
         engine=ScriptedEngine(),
@@ -122,8 +121,6 @@ def test_on_policy_version_stamps_in_fit(tiny_checkpoint, tmp_path):
 def test_hf_engine_fit_with_validation(tiny_checkpoint, tmp_path):
     dm = DAPODataModule(
         str(tiny_checkpoint),
-        task="arithmetic",
-        task_kwargs={"num_prompts": 20},
         reward="arithmetic",
         scoring=ScoringConfig(reward_kwargs={"strict": False}, in_process=False),
         engine="hf",
@@ -131,7 +128,9 @@ def test_hf_engine_fit_with_validation(tiny_checkpoint, tmp_path):
         # a random tiny model solves nothing: no variance to filter on
         dynamic_sampling=DynamicSamplingConfig(n=3, train_batch_size=2, filter_metric=None),
         validation=ValidationConfig(fraction=0.2, n=2, batch_size=3),
-        prompts=PromptConfig(max_prompt_length=64),
+        prompts=PromptConfig(
+            task="arithmetic", task_kwargs={"num_prompts": 20}, max_prompt_length=64
+        ),
     )
     module = ToyModule(tiny_checkpoint)
     try:
@@ -190,8 +189,8 @@ def test_constructor_errors(tiny_checkpoint):
     with pytest.raises(ValueError, match="exactly one of train_files"):
         DAPODataModule(str(tiny_checkpoint))
     with pytest.raises(ValueError, match="engine='nope'"):
-        DAPODataModule(str(tiny_checkpoint), task="arithmetic", engine="nope")
+        DAPODataModule(str(tiny_checkpoint), prompts=PromptConfig(task="arithmetic"), engine="nope")
     with pytest.raises(ValueError, match="n >= 2"):
         scripted_dm(tiny_checkpoint, train_batch_size=3, gen_batch_size=None, n=1)
     with pytest.raises(ValueError, match="task='nope' is unknown|nope"):
-        DAPODataModule(str(tiny_checkpoint), task="nope")
+        DAPODataModule(str(tiny_checkpoint), prompts=PromptConfig(task="nope"))
