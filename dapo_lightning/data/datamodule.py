@@ -221,7 +221,7 @@ class DAPODataModule(pl.LightningDataModule):
         return self.session._engine if self.session is not None else None
 
     def _rank_world(self) -> tuple[int, int]:
-        trainer = getattr(self, "trainer", None)
+        trainer = self.trainer
         if trainer is None:
             return 0, 1
         return int(trainer.global_rank), int(trainer.world_size)
@@ -230,7 +230,7 @@ class DAPODataModule(pl.LightningDataModule):
         """Load the tokenizer and prompts, build the reward runner, session and producer (once)."""
         if self.producer is not None:
             return
-        warn_undeclared_dapo_hooks(getattr(self, "trainer", None))
+        warn_undeclared_dapo_hooks(self.trainer)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.model_name_or_path)
         train, val = load_prompt_sets(
