@@ -18,7 +18,3 @@ def set_logging_step(trainer: Any, step: int) -> None:
     """Make Lightning log the next ``self.log`` values (and validations) at ``step``."""
     trainer.fit_loop.epoch_loop._batches_that_stepped = step
 
-
-def logging_step(trainer: Any) -> int:
-    """The step Lightning logs ``self.log`` values at now."""
-    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
