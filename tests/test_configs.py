@@ -145,7 +145,7 @@ def test_gpu_configs(name, capsys):
     assert m["optimizer"]["init_args"]["lr"] == 1e-6
     ds = d["dynamic_sampling"]
     assert ds["n"] == 16 and d["sampling"]["temperature"] == 1.0 and ds["filter_metric"] == "acc"
-    assert d["reward"] == "dapo" and d["train_files"] and d["validation"]["files"]
+    assert d["reward"] == "dapo" and d["prompts"]["train_files"] and d["validation"]["files"]
     updates = ds["train_batch_size"] // m["batching"]["mini_batch_size"]
     assert t["max_steps"] % updates == 0, "max_steps should be a whole number of rollout steps"
     if name == "single_gpu_1.5b.yaml":

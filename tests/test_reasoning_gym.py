@@ -12,6 +12,7 @@ reasoning_gym = pytest.importorskip(
 )
 
 from dapo_lightning.data.config import PromptConfig, ValidationConfig  # noqa: E402
+from dapo_lightning.data.loading import load_prompt_sets  # noqa: E402
 from dapo_lightning.data.datamodule import DAPODataModule  # noqa: E402
 from dapo_lightning.data.difficulty import PromptSelectionConfig  # noqa: E402
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
@@ -195,6 +196,13 @@ def test_too_few_distinct_questions_says_so():
         )
 
 
+def _records(dm):
+    """The data module's train and held-out records, loaded as its setup loads them."""
+    return load_prompt_sets(
+        dm.task, dm.task_kwargs, dm.train_files, dm.fields, dm.prompts, dm.validation, dm.seed
+    )
+
+
 def test_data_module_holds_out_the_tasks_val_rows():
     dm = DAPODataModule(
         "unused",
@@ -203,7 +211,7 @@ def test_data_module_holds_out_the_tasks_val_rows():
         ),
         seed=3,
     )
-    train, val = dm._load_records()
+    train, val = _records(dm)
     assert (len(train), len(val)) == (24, 8)
     assert {r.meta["split"] for r in train} == {"train"} and {r.meta["split"] for r in val} == {
         "val"
@@ -215,7 +223,7 @@ def test_data_module_holds_out_the_tasks_val_rows():
         validation=ValidationConfig(fraction=0.2),
     )
     with pytest.raises(ValueError, match="own held-out problems.*validation.fraction: 0"):
-        dm._load_records()
+        _records(dm)
 
 
 class AnswerEngine(RolloutEngine):
