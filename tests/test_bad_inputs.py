@@ -1073,7 +1073,8 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
             ],
         ),
         (
-            ["--data.prompts.task=null", "--data.prompts.train_files=."],
+            # one JSON value: jsonargparse reads a dotted `=null` inside a nested dataclass as "None"
+            ['--data.prompts={"train_files": ".", "task": null}'],
             ["train_files / validation.files:", "is a folder but not one written by datasets"],
         ),
     ],
