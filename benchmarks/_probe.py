@@ -117,7 +117,8 @@ class StepProbe(Callback):
         self._old_s = 0.0
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        original = pl_module._old_log_probs
+        loop = pl_module.updater  # the update loop's old-log-prob pass (update_loop.py)
+        original = loop.old_log_probs
 
         def timed_old_log_probs(batch: Any) -> Any:
             start = time.perf_counter()
@@ -126,7 +127,7 @@ class StepProbe(Callback):
             finally:
                 self._old_s += time.perf_counter() - start
 
-        pl_module._old_log_probs = timed_old_log_probs
+        loop.old_log_probs = timed_old_log_probs
         self._t_end = time.perf_counter()
         self.sampler.label = "generation"
 

@@ -24,6 +24,8 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.seed import isolate_rng
 from typing_extensions import override
 
+from dapo_lightning.log_step import set_logging_step
+
 
 class ValidateAtStart(Callback):
     """Validate once before training starts, logged at step -1 (use with
@@ -43,11 +45,11 @@ class ValidateAtStart(Callback):
         first_loop_iter = trainer._logger_connector._first_loop_iter
         trainer.validating = True
         call._call_lightning_module_hook(trainer, "on_validation_model_zero_grad")
-        loop._batches_that_stepped = -1  # the logging step (see the module docstring)
+        set_logging_step(trainer, -1)  # see the module docstring
         try:
             with isolate_rng():
                 loop.val_loop.run()
         finally:
-            loop._batches_that_stepped = 0
+            set_logging_step(trainer, 0)
         trainer.training = True
         trainer._logger_connector._first_loop_iter = first_loop_iter

@@ -4,7 +4,8 @@ Public API::
 
     from dapo_lightning import DAPOModule, DAPODataModule
     from dapo_lightning import compute_policy_loss, compute_advantages
-    from dapo_lightning import PolicyLossConfig, BatchingConfig, RolloutCorrection
+    from dapo_lightning import PolicyLossConfig, BatchingConfig, OptimizerStepConfig
+    from dapo_lightning import PolicyHandle, RolloutSpec, RolloutChannel, UpdateLoop
     from dapo_lightning import register_policy_objective, register_advantage_estimator
     from dapo_lightning import register_reward, register_task, register_environment, register_engine
     from dapo_lightning.callbacks import OverlongRewardShaping, EntropyScheduler, CollapseDetector
@@ -22,6 +23,7 @@ from dapo_lightning.advantages import (
     compute_advantages,
     register_advantage_estimator,
 )
+from dapo_lightning.contract import PolicyHandle, RolloutChannel, RolloutSpec
 from dapo_lightning.data import (
     DAPODataModule,
     DynamicSamplingConfig,
@@ -57,7 +59,8 @@ from dapo_lightning.rollout_correction import RolloutCorrection
 from dapo_lightning.schedules import WarmupConstantLR, WarmupCosineLR
 from dapo_lightning.strategy import StrategyAdapter
 from dapo_lightning.tasks import register_task
-from dapo_lightning.update import BatchingConfig
+from dapo_lightning.update import BatchingConfig, OptimizerStepConfig
+from dapo_lightning.update_loop import StepContext, UpdateLoop
 
 __version__ = "0.1.0"
 
@@ -77,17 +80,23 @@ __all__ = [
     "LoraSettings",
     "LossInputs",
     "MetricAccumulator",
+    "OptimizerStepConfig",
+    "PolicyHandle",
     "PolicyLossConfig",
     "PromptConfig",
     "PromptSelectionConfig",
     "RolloutBatch",
+    "RolloutChannel",
     "RolloutCorrection",
     "RolloutEngine",
     "RolloutProducer",
+    "RolloutSpec",
     "SamplingConfig",
     "ScoredRollouts",
     "ScoringConfig",
+    "StepContext",
     "StrategyAdapter",
+    "UpdateLoop",
     "ValidationConfig",
     "VLLMRolloutEngine",
     "WarmupConstantLR",

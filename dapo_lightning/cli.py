@@ -84,6 +84,7 @@ from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.datamodule import DAPODataModule
 from dapo_lightning.export import atomic_folder, export_main
 from dapo_lightning.interrupt import STOP_SIGNALS, exit_on_stop
+from dapo_lightning.log_step import set_logging_step
 from dapo_lightning.logging_setup import quiet_known_warnings
 from dapo_lightning.models import make_model_main
 from dapo_lightning.module import DAPOModule
@@ -369,7 +370,7 @@ def continue_update_count(trainer: Trainer, ckpt_path: str | os.PathLike[str]) -
     if loops is not None:
         trainer.fit_loop.load_state_dict(loops)
     update = int(state.get("global_step", 0))
-    trainer.fit_loop.epoch_loop._batches_that_stepped = update - 1  # the logging step
+    set_logging_step(trainer, update - 1)
     return update
 
 
@@ -550,9 +551,10 @@ def choose_run_threads(config: Namespace, to_create: tuple[str, Path] | None) ->
 def _warmup_task_kwargs(config: Namespace) -> dict[str, Any]:
     """The warm-up sees the problems the data module will serve."""
     data = (config.get("data") or Namespace()).get("init_args") or Namespace()
-    task_kwargs = dict(data.get("task_kwargs") or {})
+    prompts = data.get("prompts") or Namespace()
+    task_kwargs = dict(prompts.get("task_kwargs") or {})
     task_kwargs.setdefault("task_seed", task_kwargs.pop("seed", data.get("seed") or 0))
-    chat = (data.get("prompts") or Namespace()).get("apply_chat_template")
+    chat = prompts.get("apply_chat_template")
     if chat is not None:
         task_kwargs["apply_chat_template"] = bool(chat)
     return task_kwargs

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from dapo_lightning.ranks import reduce_over_ranks
+from dapo_lightning.weights import is_sharded
 
 StrategyKind = Literal["single", "ddp", "fsdp1", "fsdp2", "deepspeed"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -167,18 +168,21 @@ def grad_norm(parameters: Iterable[Tensor], max_norm: float | None) -> float:
 
 
 class StrategyAdapter:
-    """The update loop's view of ``module.trainer.strategy`` (see the module docstring).
+    """The update loop's view of ``module.trainer.strategy`` (see the module docstring): what
+    differs between strategies is answered here, as capabilities, never by the caller testing
+    :attr:`kind`.
 
     Args:
-        module: The LightningModule whose trainer's strategy is adapted.
+        module: The LightningModule whose trainer's strategy is adapted; None (or a module not
+            attached to a trainer): one process, plain ``backward`` and ``optimizer.step``.
     """
 
-    def __init__(self, module: LightningModule) -> None:
+    def __init__(self, module: LightningModule | None) -> None:
         self.module = module
 
     @property
     def _trainer(self) -> Any:
-        return self.module._trainer
+        return self.module._trainer if self.module is not None else None
 
     @property
     def strategy(self) -> Strategy | None:
@@ -198,6 +202,18 @@ class StrategyAdapter:
         """What each micro-batch loss is multiplied by to undo the ranks' gradient averaging."""
         return float(self.world_size)
 
+    @property
+    def steps_in_engine(self) -> bool:
+        """True when the strategy clips and steps inside its own engine (DeepSpeed): the norm is
+        known only after the step, and a step cannot be snapshot or undone from outside."""
+        return self.kind == "deepspeed"
+
+    def shard_policy(self, policy: torch.nn.Module, sharding: ShardingConfig) -> None:
+        """Shard ``policy`` in place where the strategy expects the module to do it (FSDP2:
+        :func:`shard_policy` over the module's device mesh); no-op elsewhere or when sharded."""
+        if self.kind == "fsdp2" and not is_sharded(policy):
+            shard_policy(policy, self.module.device_mesh, sharding)
+
     def reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:
         """``op`` (``"sum"``, ``"max"``, ``"min"``) of ``tensor`` over ranks (a new tensor)."""
         if self.world_size == 1:
@@ -212,6 +228,9 @@ class StrategyAdapter:
 
     def backward(self, loss: Tensor, last: bool) -> None:
         """Backward of one micro-batch; gradients sync on the ``last`` one where allowed."""
+        if self._trainer is None:
+            loss.backward()
+            return
         kind = self.kind
         if kind == "deepspeed":
             deepspeed_backward(self.strategy.deepspeed_engine, loss, last)
@@ -220,11 +239,21 @@ class StrategyAdapter:
         with self.strategy.block_backward_sync() if no_sync else contextlib.nullcontext():
             self.module.manual_backward(loss)
 
-    def clip_grad_norm(self, max_norm: float | None) -> float:
-        """Gradient norm before clipping, clipped to ``max_norm`` (None or 0: no clipping).
+    def optimizer_step(self, optimizer: Any, before_step: Callable[[Any], None]) -> None:
+        """One optimizer step with ``before_step(optimizer)`` (norm, clip, checks) right before
+        it. Under a trainer, Lightning's optimizer runs the precision plugin, which unscales the
+        gradients and calls the module's ``on_before_optimizer_step``; the module calls
+        ``before_step`` there. Without one, this calls it, then steps."""
+        if self._trainer is None:
+            before_step(optimizer)
+        optimizer.step()
+
+    def clip_grad_norm(self, parameters: Iterable[Tensor], max_norm: float | None) -> float:
+        """Gradient norm of ``parameters`` before clipping, clipped to ``max_norm`` (None or 0:
+        no clipping).
 
         DeepSpeed clips inside ``engine.step()``; its norm is read after the step
-        (:meth:`deepspeed_grad_norm`) and this returns ``nan`` (not finite means "not known").
+        (:meth:`grad_norm_after_step`) and this returns ``nan`` (not finite means "not known").
         """
         kind = self.kind
         if kind == "deepspeed":
@@ -232,11 +261,12 @@ class StrategyAdapter:
         if kind == "fsdp1":
             wrapped = self.strategy.model
             return float(wrapped.clip_grad_norm_(max_norm if max_norm else math.inf))
-        return grad_norm(self.module.parameters(), max_norm)
+        return grad_norm(parameters, max_norm)
 
-    def deepspeed_grad_norm(self) -> float | None:
-        """DeepSpeed's norm of the last step (None for other strategies)."""
-        if self.kind != "deepspeed":
+    def grad_norm_after_step(self) -> float | None:
+        """The norm of the last step where the strategy takes it inside the step (DeepSpeed);
+        None elsewhere (:meth:`clip_grad_norm` gave it before the step)."""
+        if not self.steps_in_engine:
             return None
         norm = self.strategy.deepspeed_engine.get_global_grad_norm()
         return math.nan if norm is None else float(norm)

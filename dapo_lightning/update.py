@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from dapo_lightning.advantages import advantage_estimator
 from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.checks import ConfigError, check_count, check_finite
+from dapo_lightning.contract import RolloutSpec
 from dapo_lightning.loss import LOSS_PATH, PolicyLossConfig
 from dapo_lightning.metrics import ReduceOp
 from dapo_lightning.objectives import objective_params, policy_objective
@@ -36,6 +37,7 @@ LOSS_METRIC_OPS: dict[str, ReduceOp] = {
 #: ``loss.LOSS_PATH``, ``model.loss``).
 MODEL_PATH = "model"
 BATCHING_PATH = f"{MODEL_PATH}.batching"
+OPTIMIZER_STEP_PATH = f"{MODEL_PATH}.optimizer_step"
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,38 @@ class BatchingConfig:
             "padded tokens per micro-batch; null: no cap", none_ok=True,
         )  # fmt: skip
         check_count(f"{path}.ppo_epochs", self.ppo_epochs, 1, "passes over each rollout batch")
+
+
+_CLIP_FIX = "Give the max gradient norm (paper 1.0), or 0 / null for no clipping."
+
+
+@dataclass(frozen=True)
+class OptimizerStepConfig:
+    """What each optimizer update does around ``optimizer.step()`` (YAML
+    ``model.init_args.optimizer_step.*``).
+
+    Args:
+        gradient_clip_val: Max global gradient norm (paper/verl 1.0); None or 0 disables it.
+        skip_nonfinite: Skip an update whose gradient norm is not finite (counted in
+            ``update/skipped_nonfinite``), and undo one that leaves non-finite weights, instead
+            of corrupting the weights.
+        warmup_steps: Warm-up length of the default LR scheduler, in optimizer updates
+            (linear, then constant: the paper's schedule).
+    """
+
+    gradient_clip_val: float | None = 1.0
+    skip_nonfinite: bool = True
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        path, clip = OPTIMIZER_STEP_PATH, self.gradient_clip_val
+        check_finite(f"{path}.gradient_clip_val", clip, _CLIP_FIX, none_ok=True)
+        if clip is not None and not clip >= 0:
+            raise ConfigError(
+                f"{path}.gradient_clip_val must be >= 0 (0 or null: no clipping), got {clip}; "
+                "a negative norm bound would flip the gradient."
+            )
+        check_count(f"{path}.warmup_steps", self.warmup_steps, 0, "optimizer updates")
 
 
 def split_groups(num_groups: int, parts: int) -> list[range]:
@@ -202,9 +236,6 @@ class StepTensors:
         return self.old_log_probs if self.old_log_probs is not None else self.parity_logp
 
 
-_CLIP_FIX = "Give the max gradient norm (paper 1.0), or 0 / null for no clipping."
-
-
 def check_module_settings(hp: Any, loss: PolicyLossConfig, *, has_policy: bool) -> None:
     """Raise a ValueError naming the field and the fix for an invalid module setting (the
     config groups validate their own fields; here: the names they refer to, and the rest)."""
@@ -215,47 +246,38 @@ def check_module_settings(hp: Any, loss: PolicyLossConfig, *, has_policy: bool) 
         )
     objective_params(policy_objective(loss.objective), loss.objective_kwargs)
     advantage_estimator(loss.advantage_estimator)
-    clip = hp.gradient_clip_val
-    check_finite(f"{MODEL_PATH}.gradient_clip_val", clip, _CLIP_FIX, none_ok=True)
-    if clip is not None and not clip >= 0:
-        raise ConfigError(
-            f"{MODEL_PATH}.gradient_clip_val must be >= 0 (0 or null: no clipping), got {clip}; "
-            "a negative norm bound would flip the gradient."
-        )
-    check_count(f"{MODEL_PATH}.warmup_steps", hp.warmup_steps, 0, "optimizer updates")
     check_count(
         f"{MODEL_PATH}.parity_check_every", hp.parity_check_every, 0, "rollout steps; 0: off"
     )
 
 
 def check_data_settings(
-    loss: PolicyLossConfig, batching: BatchingConfig, data: Any, policy: nn.Module | None
+    loss: PolicyLossConfig, batching: BatchingConfig, spec: RolloutSpec, policy: nn.Module | None
 ) -> None:
     """Raise a clear error for data settings this module cannot train on (before any generation
-    is wasted). ``data`` is the run's :class:`~dapo_lightning.data.datamodule.DAPODataModule`."""
-    config = data.dynamic_sampling
+    is wasted). ``spec`` is what the data side declares its batches will be."""
     context = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
-    longest = data.max_prompt_length + data.sampling.max_tokens
+    longest = spec.max_prompt_length + spec.max_response_tokens
     if isinstance(context, int) and longest > context:
         raise ConfigError(
-            f"data.prompts.max_prompt_length={data.max_prompt_length} + data.sampling.max_tokens="
-            f"{data.sampling.max_tokens} = {longest} tokens exceeds the model's context "
+            f"data.prompts.max_prompt_length={spec.max_prompt_length} + data.sampling.max_tokens="
+            f"{spec.max_response_tokens} = {longest} tokens exceeds the model's context "
             f"(max_position_embeddings={context}). Fix: lower prompts.max_prompt_length or "
             "sampling.max_tokens so that their sum fits the context."
         )
     least = advantage_estimator(loss.advantage_estimator).traits["min_group_size"]
-    if config.n < least:
+    if spec.group_size < least:
         raise ConfigError(
-            f"data.dynamic_sampling.n={config.n} with {LOSS_PATH}.advantage_estimator="
+            f"data.dynamic_sampling.n={spec.group_size} with {LOSS_PATH}.advantage_estimator="
             f"{loss.advantage_estimator!r}, which needs {least} responses per prompt (a group of "
             "one has no std / no other responses to compare with). Fix: n >= 2 (paper 16), or "
             "advantage_estimator 'dr_grpo' / 'reinforce_baseline'."
         )
     mini = batching.mini_batch_size
-    if mini is not None and config.train_batch_size % mini:
+    if mini is not None and spec.train_batch_size % mini:
         raise ConfigError(
             f"{BATCHING_PATH}.mini_batch_size={mini} does not divide data.dynamic_sampling."
-            f"train_batch_size={config.train_batch_size} (prompts per rollout step). Fix: choose "
+            f"train_batch_size={spec.train_batch_size} (prompts per rollout step). Fix: choose "
             "a divisor of train_batch_size, or null for one update per rollout step (on the "
             "command line: --model.init_args.batching '{\"mini_batch_size\": null}'; "
             "jsonargparse refuses --model.init_args.batching.mini_batch_size null)."

@@ -189,9 +189,12 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
     )
     dm = DAPODataModule(
         model_dir,
-        task="arithmetic",
-        task_kwargs={"num_prompts": 24},
-        prompts=PromptConfig(apply_chat_template=False, max_prompt_length=16),
+        prompts=PromptConfig(
+            task="arithmetic",
+            task_kwargs={"num_prompts": 24},
+            apply_chat_template=False,
+            max_prompt_length=16,
+        ),
         reward=FirstTokenParity(tokenizer),
         scoring=ScoringConfig(in_process=True),
         engine="hf",

@@ -88,7 +88,7 @@ def fit_update(
     torch.manual_seed(0)
     kwargs = dict(
         optimizer=sgd,
-        gradient_clip_val=None,
+        optimizer_step=dict(gradient_clip_val=None),
         batching=BatchingConfig(micro_batch_size=micro_batch_size, **(batching or {})),
         parity_check_every=0,
     )

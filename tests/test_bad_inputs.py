@@ -61,7 +61,7 @@ BASE = [
     "--model=dapo_lightning.DAPOModule",
     "--model.model_name_or_path=/nonexistent",
     "--data=dapo_lightning.DAPODataModule",
-    "--data.task=arithmetic",
+    "--data.prompts.task=arithmetic",
     "--trainer.logger=false",
 ]
 
@@ -196,11 +196,23 @@ def test_cli_eps_high_below_eps_low(capsys):
             {"loss": {"rollout_correction": {"stale_tis_cap": nan}}},
             r"^model\.loss\.rollout_correction\.stale_tis_cap=nan is not finite",
         ),
-        ({"gradient_clip_val": -1.0}, "model.gradient_clip_val must be >= 0.*flip the gradient"),
-        ({"gradient_clip_val": nan}, "model.gradient_clip_val=nan is not finite"),
-        ({"gradient_clip_val": inf}, "model.gradient_clip_val=inf is not finite"),
+        (
+            {"optimizer_step": {"gradient_clip_val": -1.0}},
+            "model.optimizer_step.gradient_clip_val must be >= 0.*flip the gradient",
+        ),
+        (
+            {"optimizer_step": {"gradient_clip_val": nan}},
+            "model.optimizer_step.gradient_clip_val=nan is not finite",
+        ),
+        (
+            {"optimizer_step": {"gradient_clip_val": inf}},
+            "model.optimizer_step.gradient_clip_val=inf is not finite",
+        ),
         ({"loss": {"kl_coef": -0.1}}, r"^model\.loss\.kl_coef must be >= 0"),
-        ({"warmup_steps": -1}, r"model\.warmup_steps must be an integer >= 0 \(optimizer updates"),
+        (
+            {"optimizer_step": {"warmup_steps": -1}},
+            r"model\.optimizer_step\.warmup_steps must be an integer >= 0 \(optimizer updates",
+        ),
         ({"parity_check_every": -1}, r"model\.parity_check_every must be an integer >= 0"),
         (
             {"batching": {"max_tokens_per_micro_batch": 0}},
@@ -238,9 +250,21 @@ def test_module_missing_model_path(tmp_path):
     ("kwargs", "error", "match"),
     [
         ({}, ValueError, "exactly one of train_files"),
-        ({"task": "algebra"}, ValueError, "task='algebra' is not a built-in task"),
-        ({"task": "arithmetic", "engine": "sglang"}, ValueError, "engine='sglang'"),
-        ({"task": "arithmetic", "steps_per_epoch": 0}, ValueError, "steps_per_epoch must be"),
+        (
+            {"prompts": PromptConfig(task="algebra")},
+            ValueError,
+            "task='algebra' is not a built-in task",
+        ),
+        (
+            {"prompts": PromptConfig(task="arithmetic"), "engine": "sglang"},
+            ValueError,
+            "engine='sglang'",
+        ),
+        (
+            {"prompts": PromptConfig(task="arithmetic"), "steps_per_epoch": 0},
+            ValueError,
+            "steps_per_epoch must be",
+        ),
     ],
 )
 def test_datamodule_bad_arguments(tiny_checkpoint, kwargs, error, match):
@@ -331,9 +355,12 @@ PROMPT_FIELDS = {f.name for f in dataclasses.fields(PromptConfig)}
 
 def _dm(path: Any, dynamic: dict[str, Any] | None = None, **kw: Any) -> DAPODataModule:
     args: dict[str, Any] = dict(
-        task="arithmetic",
-        task_kwargs={"num_prompts": 8},
-        prompts=PromptConfig(apply_chat_template=False, max_prompt_length=16),
+        prompts=PromptConfig(
+            task="arithmetic",
+            task_kwargs={"num_prompts": 8},
+            apply_chat_template=False,
+            max_prompt_length=16,
+        ),
         reward="arithmetic",
         scoring=ScoringConfig(in_process=True),
         sampling=SamplingConfig(max_tokens=4),
@@ -511,8 +538,12 @@ def test_bad_prompt_rows(tiny_checkpoint, tmp_path, content, match):
     path = _rows_file(tmp_path, content)
     dm = DAPODataModule(
         str(tiny_checkpoint),
-        train_files=str(path),
-        prompts=PromptConfig(answer_key="answer", apply_chat_template=False, max_prompt_length=16),
+        prompts=PromptConfig(
+            train_files=str(path),
+            answer_key="answer",
+            apply_chat_template=False,
+            max_prompt_length=16,
+        ),
         reward="arithmetic",
         scoring=ScoringConfig(in_process=True),
         sampling=SamplingConfig(max_tokens=4),
@@ -523,7 +554,9 @@ def test_bad_prompt_rows(tiny_checkpoint, tmp_path, content, match):
 
 
 def test_missing_prompt_file(tiny_checkpoint, tmp_path):
-    dm = DAPODataModule(str(tiny_checkpoint), train_files=str(tmp_path / "nope.jsonl"))
+    dm = DAPODataModule(
+        str(tiny_checkpoint), prompts=PromptConfig(train_files=str(tmp_path / "nope.jsonl"))
+    )
     with pytest.raises(FileNotFoundError, match="check the path in train_files"):
         dm.setup("fit")
 
@@ -531,7 +564,7 @@ def test_missing_prompt_file(tiny_checkpoint, tmp_path):
 def test_unknown_prompt_file_type(tiny_checkpoint, tmp_path):
     path = tmp_path / "prompts.csv"
     path.write_text("prompt,answer\n1+1=,2\n")
-    dm = DAPODataModule(str(tiny_checkpoint), train_files=str(path))
+    dm = DAPODataModule(str(tiny_checkpoint), prompts=PromptConfig(train_files=str(path)))
     with pytest.raises(PromptDataError, match="unknown prompt file type '.csv'"):
         dm.setup("fit")
 
@@ -701,8 +734,8 @@ def _files_dm(path: Any, train_files: str, **kw: Any) -> DAPODataModule:
     from dapo_lightning.data.producer import DynamicSamplingConfig
 
     args: dict[str, Any] = dict(
-        train_files=train_files,
         prompts=PromptConfig(
+            train_files=train_files,
             prompt_key="prompt",
             answer_key="answer",
             apply_chat_template=False,
@@ -768,7 +801,7 @@ def test_missing_relative_path_is_not_a_hub_lookup(tiny_checkpoint, tmp_path, mo
 def test_reward_class_path_that_does_not_import(tiny_checkpoint):
     cli = build_cli(
         ["--model=dapo_lightning.DAPOModule", f"--model.model_name_or_path={tiny_checkpoint}",
-         "--data=dapo_lightning.DAPODataModule", "--data.task=arithmetic",
+         "--data=dapo_lightning.DAPODataModule", "--data.prompts.task=arithmetic",
          "--data.prompts.apply_chat_template=false", "--data.scoring.in_process=true",
          '--data.reward={"class_path": "my_rewards.ExactMatch"}', "--trainer.logger=false"],
         run=False,
@@ -908,8 +941,8 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
     ("args", "fragments"),
     [
         (
-            ["--model.gradient_clip_val=.nan"],
-            ["DAPOModule: model.gradient_clip_val=nan is not finite"],
+            ["--model.optimizer_step.gradient_clip_val=.nan"],
+            ["OptimizerStepConfig: model.optimizer_step.gradient_clip_val=nan is not finite"],
         ),
         (
             ["--model.batching.micro_batch_size=0"],
@@ -922,7 +955,10 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
             ],
             ["error: CollapseDetector.max_rollbacks must be an integer >= 0"],
         ),  # fmt: skip
-        (["--model.gradient_clip_val=.inf"], ["gradient_clip_val=inf is not finite"]),
+        (
+            ["--model.optimizer_step.gradient_clip_val=.inf"],
+            ["optimizer_step.gradient_clip_val=inf is not finite"],
+        ),
         (
             ["--model.init_args.loss.clip_ratio_high=.nan"],
             ["error: PolicyLossConfig: model.loss.clip_ratio_high=nan is not finite"],
@@ -999,7 +1035,8 @@ def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
             ],
         ),
         (
-            ["--data.task=null", "--data.train_files=."],
+            # one JSON value: jsonargparse reads a dotted `=null` inside a nested dataclass as "None"
+            ['--data.prompts={"train_files": ".", "task": null}'],
             ["train_files / validation.files:", "is a folder but not one written by datasets"],
         ),
     ],

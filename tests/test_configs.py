@@ -145,7 +145,7 @@ def test_gpu_configs(name, capsys):
     assert m["optimizer"]["init_args"]["lr"] == 1e-6
     ds = d["dynamic_sampling"]
     assert ds["n"] == 16 and d["sampling"]["temperature"] == 1.0 and ds["filter_metric"] == "acc"
-    assert d["reward"] == "dapo" and d["train_files"] and d["validation"]["files"]
+    assert d["reward"] == "dapo" and d["prompts"]["train_files"] and d["validation"]["files"]
     updates = ds["train_batch_size"] // m["batching"]["mini_batch_size"]
     assert t["max_steps"] % updates == 0, "max_steps should be a whole number of rollout steps"
     if name == "single_gpu_1.5b.yaml":
@@ -161,7 +161,7 @@ def test_paper_config_numbers(capsys):
     mini = m["batching"]["mini_batch_size"]
     assert (ds["train_batch_size"], ds["n"], mini) == (512, 16, 32)
     assert ds["train_batch_size"] // mini == 16  # updates per rollout step
-    assert m["warmup_steps"] == 20 * 16  # 20 rollout steps of warm-up
+    assert m["optimizer_step"]["warmup_steps"] == 20 * 16  # 20 rollout steps of warm-up
     assert d["sampling"]["max_tokens"] == 20480
     overlong = [c for c in t["callbacks"] if c["class_path"].endswith("OverlongRewardShaping")]
     assert overlong[0]["init_args"]["buffer_length"] == 4096

@@ -9,6 +9,7 @@ import torch
 from test_producer import ScriptedEngine, config_with_selection
 from transformers import AutoModelForCausalLM
 
+from dapo_lightning.contract import PolicyHandle
 from dapo_lightning.data import (
     DAPODataModule,
     DynamicSamplingConfig,
@@ -22,7 +23,9 @@ from tests._harness import make_trainer
 
 
 class ToyModule(pl.LightningModule):
-    """Owns ``policy`` and bumps ``policy_version`` once per step (a stand-in for DAPOModule)."""
+    """Owns ``policy`` and bumps ``policy_version`` once per step (a stand-in for DAPOModule);
+    like it, publishes its weights and version to the data side (dapo_lightning.contract) at
+    the start of training and of validation, and after each step."""
 
     def __init__(self, path):
         super().__init__()
@@ -45,6 +48,18 @@ class ToyModule(pl.LightningModule):
         )
         self.optimizers().step()  # an empty update: Lightning counts steps by optimizer steps
         self.policy_version += 1  # one "optimizer update"
+
+    def _publish(self):
+        self.trainer.datamodule.publish_policy(PolicyHandle(self.policy, self.policy_version))
+
+    def on_train_start(self):
+        self._publish()
+
+    def on_validation_start(self):
+        self._publish()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self._publish()
 
     def validation_step(self, batch, batch_idx):
         assert isinstance(batch, ScoredRollouts)
@@ -74,8 +89,7 @@ def scripted_dm(path, **dynamic_sampling):
     settings.update(dynamic_sampling)
     return DAPODataModule(
         str(path),
-        task="arithmetic",
-        task_kwargs={"num_prompts": 40},
+        prompts=PromptConfig(task="arithmetic", task_kwargs={"num_prompts": 40}),
         reward="arithmetic",
         scoring=ScoringConfig(in_process=True),
         engine=ScriptedEngine(),
@@ -100,8 +114,6 @@ def test_on_policy_version_stamps_in_fit(tiny_checkpoint, tmp_path):
 def test_hf_engine_fit_with_validation(tiny_checkpoint, tmp_path):
     dm = DAPODataModule(
         str(tiny_checkpoint),
-        task="arithmetic",
-        task_kwargs={"num_prompts": 20},
         reward="arithmetic",
         scoring=ScoringConfig(reward_kwargs={"strict": False}, in_process=False),
         engine="hf",
@@ -109,7 +121,9 @@ def test_hf_engine_fit_with_validation(tiny_checkpoint, tmp_path):
         # a random tiny model solves nothing: no variance to filter on
         dynamic_sampling=DynamicSamplingConfig(n=3, train_batch_size=2, filter_metric=None),
         validation=ValidationConfig(fraction=0.2, n=2, batch_size=3),
-        prompts=PromptConfig(max_prompt_length=64),
+        prompts=PromptConfig(
+            task="arithmetic", task_kwargs={"num_prompts": 20}, max_prompt_length=64
+        ),
     )
     module = ToyModule(tiny_checkpoint)
     try:
@@ -168,8 +182,8 @@ def test_constructor_errors(tiny_checkpoint):
     with pytest.raises(ValueError, match="exactly one of train_files"):
         DAPODataModule(str(tiny_checkpoint))
     with pytest.raises(ValueError, match="engine='nope'"):
-        DAPODataModule(str(tiny_checkpoint), task="arithmetic", engine="nope")
+        DAPODataModule(str(tiny_checkpoint), prompts=PromptConfig(task="arithmetic"), engine="nope")
     with pytest.raises(ValueError, match="n >= 2"):
         scripted_dm(tiny_checkpoint, train_batch_size=3, gen_batch_size=None, n=1)
     with pytest.raises(ValueError, match="task='nope' is unknown|nope"):
-        DAPODataModule(str(tiny_checkpoint), task="nope")
+        DAPODataModule(str(tiny_checkpoint), prompts=PromptConfig(task="nope"))

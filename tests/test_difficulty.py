@@ -162,7 +162,7 @@ model:
     batching: {{mini_batch_size: null}}
 data:
   init_args:
-    task_kwargs: {{level: 1, num_prompts: 10}}
+    prompts: {{task_kwargs: {{level: 1, num_prompts: 10}}}}
     reward: {{class_path: _length_reward.EvenLengthReward}}
     sampling: {{max_tokens: 4}}
     dynamic_sampling:

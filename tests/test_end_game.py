@@ -26,12 +26,12 @@ def test_a_solved_training_set_stops_the_fit_with_a_final_checkpoint(tiny_checkp
     all-correct visit; when none is left the module stops the run and the guard saves."""
     data = DAPODataModule(
         str(tiny_checkpoint),
-        task="arithmetic",
-        task_kwargs={"num_prompts": 8},
         reward="arithmetic",
         scoring=ScoringConfig(in_process=True),
         engine=ScriptedEngine(rate=lambda p: 1.0),
-        prompts=PromptConfig(max_prompt_length=64),
+        prompts=PromptConfig(
+            task="arithmetic", task_kwargs={"num_prompts": 8}, max_prompt_length=64
+        ),
         sampling=SamplingConfig(max_tokens=8),
         # no filter: all-right groups are trained on (zero advantage) until they retire
         dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=4, filter_metric=None),

@@ -258,7 +258,7 @@ def gpu_fit(
     from dapo_lightning.weights import full_named_tensors
 
     torch.manual_seed(0)
-    kwargs = dict(optimizer=sgd, gradient_clip_val=None, parity_check_every=0)
+    kwargs = dict(optimizer=sgd, optimizer_step=dict(gradient_clip_val=None), parity_check_every=0)
     micro = module_kwargs.pop("micro_batch_size", 4)
     kwargs.update(module_kwargs, batching=BatchingConfig(micro_batch_size=micro))
     module = DAPOModule(str(checkpoint), **kwargs)
@@ -395,7 +395,9 @@ def test_fp16_mixed_with_a_grad_scaler_clips_after_unscaling(
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     clip, lr = 1e-3, 0.1
-    kw = dict(optimizer=lambda p: torch.optim.SGD(p, lr=lr), gradient_clip_val=clip)
+    kw = dict(
+        optimizer=lambda p: torch.optim.SGD(p, lr=lr), optimizer_step=dict(gradient_clip_val=clip)
+    )
     d32, u32, _ = gpu_fit(tiny_checkpoint, **kw)
     dbf, ubf, _ = gpu_fit(tiny_checkpoint, precision="bf16-mixed", **kw)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)

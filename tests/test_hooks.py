@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 from dapo_lightning import DAPODataModule, hooks
+from dapo_lightning.data.config import PromptConfig
 from dapo_lightning.hooks import (
     DAPO_HOOKS,
     DAPOCallback,
@@ -129,7 +130,7 @@ def test_an_engine_object_must_subclass_the_protocol(tiny_checkpoint):
             return None
 
     with pytest.raises(TypeError, match=r"data.engine \(Duck\) does not subclass .*RolloutEngine"):
-        DAPODataModule(str(tiny_checkpoint), task="arithmetic", engine=Duck())
+        DAPODataModule(str(tiny_checkpoint), prompts=PromptConfig(task="arithmetic"), engine=Duck())
 
     class Minimal(RolloutEngine):
         def generate(self, prompts, n, sampling):

@@ -76,7 +76,7 @@ def lora_module(checkpoint, *, mini_batch_size, micro_batch_size=3, dtype=torch.
         lora=SETTINGS,
         optimizer=lambda p: torch.optim.SGD(p, lr=LR),
         batching=BatchingConfig(mini_batch_size, micro_batch_size),
-        gradient_clip_val=None,
+        optimizer_step=dict(gradient_clip_val=None),
         parity_check_every=0,
     )
     module.configure_model()

@@ -220,9 +220,8 @@ def test_warmup_steps_once_per_update_and_clipping_applies(tiny_checkpoint):
     module = DAPOModule(
         str(tiny_checkpoint),
         optimizer=lambda p: torch.optim.SGD(p, lr=0.4),
-        warmup_steps=4,
+        optimizer_step=dict(warmup_steps=4, gradient_clip_val=1e-3),
         batching=BatchingConfig(mini_batch_size=1),
-        gradient_clip_val=1e-3,
         parity_check_every=0,
     )
     module.configure_model()
@@ -289,7 +288,7 @@ def test_micro_batch_rows_respect_limits():
         (dict(loss=dict(clip_ratio_c=0.5)), "clip_ratio_c"),
         (dict(loss=dict(loss_agg_mode="mean")), "loss_agg_mode"),
         (dict(batching=dict(micro_batch_size=0)), "micro_batch_size"),
-        (dict(gradient_clip_val=-1.0), "gradient_clip_val"),
+        (dict(optimizer_step=dict(gradient_clip_val=-1.0)), "gradient_clip_val"),
         (dict(loss=dict(kl_coef=-0.1)), "kl_coef"),
     ],
 )
@@ -314,7 +313,7 @@ def test_old_log_probs_are_taken_in_eval_mode(tmp_path):
     module = DAPOModule(str(ckpt))
     module.configure_model()
     batch = make_random_rollout_batch(num_groups=2, group_size=2)
-    old = module._old_log_probs(batch)
+    old = module.updater.old_log_probs(batch)
     assert module.policy.training
     args = (batch.input_ids, batch.attention_mask, batch.response_width)
     with torch.no_grad():

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import dapo_lightning.module as module_lib
+import dapo_lightning.update_loop as module_lib  # where the update loop calls policy_loss
 from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.loss import PolicyLossConfig
 from dapo_lightning.module import DAPOModule
@@ -104,7 +104,7 @@ def module_updates(checkpoint, batch, mini_batch_size, micro_batch_size=3, **mod
         policy=policy,
         optimizer=lambda p: torch.optim.SGD(p, lr=LR),
         batching=BatchingConfig(mini_batch_size, micro_batch_size),
-        gradient_clip_val=None,
+        optimizer_step=dict(gradient_clip_val=None),
         parity_check_every=0,
         **module_kw,
     )

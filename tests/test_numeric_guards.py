@@ -167,7 +167,12 @@ def test_repeated_skips_reach_collapse_detector_and_stop(tiny_checkpoint, tmp_pa
 def test_skip_nonfinite_off_lets_nan_through(tiny_checkpoint, tmp_path):
     """Negative control: with the guard off, the NaN reaches the weights."""
     module, _, _ = _fit(
-        tiny_checkpoint, _poisoned_batch(), tmp_path, steps=1, skip_nonfinite=False, loss=TIS_2
+        tiny_checkpoint,
+        _poisoned_batch(),
+        tmp_path,
+        steps=1,
+        optimizer_step=dict(skip_nonfinite=False),
+        loss=TIS_2,
     )
     assert module.skipped_updates == 0
     assert any(not torch.isfinite(p).all() for p in module.policy.parameters())
@@ -192,9 +197,12 @@ def test_trust_remote_code_is_never_enabled(tiny_checkpoint, monkeypatch):
     DAPOModule(str(tiny_checkpoint), loss=PolicyLossConfig(kl_coef=0.0)).configure_model()
     dm = DAPODataModule(
         str(tiny_checkpoint),
-        task="arithmetic",
-        task_kwargs={"num_prompts": 4},
-        prompts=PromptConfig(apply_chat_template=False, max_prompt_length=16),
+        prompts=PromptConfig(
+            task="arithmetic",
+            task_kwargs={"num_prompts": 4},
+            apply_chat_template=False,
+            max_prompt_length=16,
+        ),
         scoring=ScoringConfig(in_process=True),
         sampling=SamplingConfig(max_tokens=4),
         dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=2),
@@ -225,9 +233,12 @@ def test_rewards_run_in_worker_processes_with_timeout_by_default(tiny_checkpoint
     assert sig["scoring"].default.timeout_s > 0
     dm = DAPODataModule(
         str(tiny_checkpoint),
-        task="arithmetic",
-        task_kwargs={"num_prompts": 4},
-        prompts=PromptConfig(apply_chat_template=False, max_prompt_length=16),
+        prompts=PromptConfig(
+            task="arithmetic",
+            task_kwargs={"num_prompts": 4},
+            apply_chat_template=False,
+            max_prompt_length=16,
+        ),
         reward="arithmetic",
         sampling=SamplingConfig(max_tokens=4),
         dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=2),
@@ -289,7 +300,7 @@ def test_step_that_leaves_nonfinite_weights_is_undone(tiny_checkpoint, tmp_path)
 def test_negative_control_eps0_without_the_guard_makes_nan_weights(tiny_checkpoint, tmp_path):
     module, _, _ = _fit(
         tiny_checkpoint, fixed_batch(), tmp_path, steps=1, optimizer=_adam_eps0,
-        module_setup=_zero_grad_on_one_weight, skip_nonfinite=False,
+        module_setup=_zero_grad_on_one_weight, optimizer_step=dict(skip_nonfinite=False),
     )  # fmt: skip
     assert any(not torch.isfinite(p).all() for p in module.policy.parameters())
 

@@ -11,7 +11,8 @@ reasoning_gym = pytest.importorskip(
     "reasoning_gym", reason="the tasks extra: pip install reasoning-gym"
 )
 
-from dapo_lightning.data.config import ValidationConfig  # noqa: E402
+from dapo_lightning.data.config import PromptConfig, ValidationConfig  # noqa: E402
+from dapo_lightning.data.loading import load_prompt_sets  # noqa: E402
 from dapo_lightning.data.datamodule import DAPODataModule  # noqa: E402
 from dapo_lightning.data.difficulty import PromptSelectionConfig  # noqa: E402
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
@@ -177,7 +178,7 @@ def test_a_weighted_mix_splits_by_weight_and_interleaves():
 )
 def test_bad_names_fail_when_the_data_module_is_built(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        DAPODataModule("unused", task="reasoning_gym", task_kwargs=kwargs)
+        DAPODataModule("unused", prompts=PromptConfig(task="reasoning_gym", task_kwargs=kwargs))
 
 
 def test_too_few_distinct_questions_says_so():
@@ -195,14 +196,22 @@ def test_too_few_distinct_questions_says_so():
         )
 
 
+def _records(dm):
+    """The data module's train and held-out records, loaded as its setup loads them."""
+    return load_prompt_sets(
+        dm.task, dm.task_kwargs, dm.train_files, dm.fields, dm.prompts, dm.validation, dm.seed
+    )
+
+
 def test_data_module_holds_out_the_tasks_val_rows():
     dm = DAPODataModule(
         "unused",
-        task="reasoning_gym",
-        task_kwargs={"dataset": "chain_sum", "size": 24, "val_size": 8},
+        prompts=PromptConfig(
+            task="reasoning_gym", task_kwargs={"dataset": "chain_sum", "size": 24, "val_size": 8}
+        ),
         seed=3,
     )
-    train, val = dm._load_records()
+    train, val = _records(dm)
     assert (len(train), len(val)) == (24, 8)
     assert {r.meta["split"] for r in train} == {"train"} and {r.meta["split"] for r in val} == {
         "val"
@@ -210,12 +219,11 @@ def test_data_module_holds_out_the_tasks_val_rows():
     assert not {r.prompt[0]["content"] for r in train} & {r.prompt[0]["content"] for r in val}
     dm = DAPODataModule(
         "unused",
-        task="reasoning_gym",
-        task_kwargs={"dataset": "chain_sum"},
+        prompts=PromptConfig(task="reasoning_gym", task_kwargs={"dataset": "chain_sum"}),
         validation=ValidationConfig(fraction=0.2),
     )
     with pytest.raises(ValueError, match="own held-out problems.*validation.fraction: 0"):
-        dm._load_records()
+        _records(dm)
 
 
 class AnswerEngine(RolloutEngine):

@@ -73,12 +73,12 @@ def test_fp16_mixed_clips_after_unscaling(tiny_checkpoint):
     """With a GradScaler (scale 2**12) the clip must see the true gradient: the update has the
     clipped norm lr * clip, not lr * clip / scale as when clipping scaled gradients."""
     clip, lr = 1e-3, 0.1
-    _, rec32, delta32, _ = _fit(tiny_checkpoint, gradient_clip_val=clip)
+    _, rec32, delta32, _ = _fit(tiny_checkpoint, optimizer_step=dict(gradient_clip_val=clip))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     _, rec16, delta16, trainer = _fit(
         tiny_checkpoint,
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
-        gradient_clip_val=clip,
+        optimizer_step=dict(gradient_clip_val=clip),
     )
     assert trainer.precision == "16-mixed"
     assert rec16.updates[0]["skipped_nonfinite"] == 0.0

@@ -90,7 +90,7 @@ def test_cli_refuses_a_bad_thread_setting(tiny_checkpoint):
     with pytest.raises(ConfigError, match="threads must be 'auto' or a positive integer, got 0"):
         build_cli(
             ["--model", "DAPOModule", "--model.model_name_or_path", str(tiny_checkpoint),
-             "--data", "DAPODataModule", "--data.task", "arithmetic", "--threads", "0"],
+             "--data", "DAPODataModule", "--data.prompts.task", "arithmetic", "--threads", "0"],
             run=False,
         )  # fmt: skip
     assert torch.get_num_threads() == threads

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dapo_lightning.checks import ConfigError
-from dapo_lightning.data import DAPODataModule
+from dapo_lightning.data import DAPODataModule, PromptConfig
 from dapo_lightning.envs import ENVIRONMENTS, EnvironmentConfig, environment_factory
 from dapo_lightning.registry import ImportPathError, Registry, import_object
 from dapo_lightning.rewards import get_reward
@@ -240,8 +240,7 @@ def _override(path: Path, run_dir: Path, model_dir: Path, log: Path) -> Path:
                 batching: {{mini_batch_size: null}}  # one update per rollout step
             data:
               init_args:
-                task: user_sums
-                task_kwargs: {{level: 1, num_prompts: 10}}
+                prompts: {{task: user_sums, task_kwargs: {{level: 1, num_prompts: 10}}}}
                 reward: user_exact
                 scoring: {{in_process: true, reward_kwargs: {{log_path: {log}}}}}
                 engine: user_hf
@@ -318,8 +317,7 @@ def test_the_data_module_shards_by_the_declared_capability_not_the_name():
     """Ranks per engine come from ``tensor_parallel_size`` only for an engine that declares
     tensor parallelism (it was the string "vllm")."""
     kwargs = {"tensor_parallel_size": 2}
-    declared = DAPODataModule(
-        task="arithmetic", engine="tensor_parallel_test", engine_kwargs=kwargs
-    )
+    prompts = PromptConfig(task="arithmetic")
+    declared = DAPODataModule(prompts=prompts, engine="tensor_parallel_test", engine_kwargs=kwargs)
     assert declared._tp_size == 2
-    assert DAPODataModule(task="arithmetic", engine="hf", engine_kwargs=kwargs)._tp_size == 1
+    assert DAPODataModule(prompts=prompts, engine="hf", engine_kwargs=kwargs)._tp_size == 1

@@ -1,5 +1,5 @@
 """The data module's setting groups besides sampling: where the prompts' fields are and how
-they are prepared (:class:`PromptConfig`), how responses are scored (:class:`ScoringConfig`)
+they are prepared, from files or a built-in task (:class:`PromptConfig`), how responses are scored (:class:`ScoringConfig`)
 and how the held-out set is validated (:class:`ValidationConfig`).
 
 Each is declared, documented and validated here once (NaN and infinities refused, the field
@@ -8,7 +8,8 @@ module takes them whole. YAML::
 
     data:
       init_args:
-        prompts: {prompt_key: question, answer_key: answer, max_prompt_length: 512}
+        prompts: {train_files: data/train.jsonl, prompt_key: question, answer_key: answer,
+                  max_prompt_length: 512}
         scoring: {timeout_s: 10.0, workers: 4}
         validation: {files: data/test.jsonl, n: 4, temperature: 0.6}
 """
@@ -31,9 +32,16 @@ def _finite(owner: str, name: str, value: float, fix: str) -> None:
 
 @dataclass
 class PromptConfig:
-    """Where a prompt row's fields are, and how prompts become token ids.
+    """Where the training prompts come from, where a row's fields are, and how prompts become
+    token ids.
 
     Args:
+        train_files: Prompt files (JSONL, Parquet, a ``save_to_disk`` folder or a hub name).
+        task: A built-in task instead of files (:data:`dapo_lightning.tasks.TASKS`:
+            ``"arithmetic"``, ``"word_problems"``, ``"reasoning_gym"``). A task whose rows carry
+            a ``split`` field holds out its own ``"val"`` rows (then ``validation.fraction``
+            must be 0). Exactly one of ``train_files`` and ``task`` is given.
+        task_kwargs: Options of the task's problem generator (``seed`` defaults to the run's).
         prompt_key: Field holding the prompt (string or chat messages).
         answer_key: Field holding the ground truth; dotted paths reach nested fields.
         uid_key: Field holding a stable prompt id; None hashes the prompt text.
@@ -45,9 +53,12 @@ class PromptConfig:
         overlong_prompts: Prompts over ``max_prompt_length`` tokens: ``"error"`` or
             ``"drop"`` (counted in ``data/dropped_prompts``).
 
-    A built-in task (``data.task``) brings its own fields; the keys are not read then.
+    A built-in task (``data.prompts.task``) brings its own fields; the keys are not read then.
     """
 
+    train_files: str | list[str] | None = None
+    task: str | None = None
+    task_kwargs: dict[str, Any] = field(default_factory=dict)
     prompt_key: str = "prompt"
     answer_key: str = "reward_model.ground_truth"
     uid_key: str | None = None

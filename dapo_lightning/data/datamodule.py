@@ -21,7 +21,6 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,18 +28,25 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
+from dapo_lightning.contract import PolicyHandle, RolloutSpec
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.data.difficulty import PromptSelectionConfig
-from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer, TrainingComplete
+from dapo_lightning.data.loading import (
+    as_file_list,
+    engine_group_shard,
+    load_prompt_sets,
+    load_tokenizer,
+    make_reward_runner,
+    prompt_task,
+    tokenize_prompt_sets,
+)
+from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer
 from dapo_lightning.data.rank_layout import RankLayout
 from dapo_lightning.data.sources import (
     FieldMap,
     PromptRecord,
-    load_prompt_records,
-    records_from_rows,
-    split_train_val,
-    tokenize_records,
 )
+from dapo_lightning.data.stream import RolloutStream
 from dapo_lightning.envs import (
     EnvironmentConfig,
     EpisodeSession,
@@ -49,11 +55,10 @@ from dapo_lightning.envs import (
 )
 from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
 from dapo_lightning.ranks import gather_objects, sum_over_ranks
-from dapo_lightning.rewards import RewardRunner, get_reward
+from dapo_lightning.rewards import RewardRunner
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.engines import check_engine, engine_capabilities
 from dapo_lightning.rollout.session import EngineSession
-from dapo_lightning.tasks import get_task
 
 
 @dataclass(frozen=True)
@@ -87,14 +92,6 @@ class _Tickets(IterableDataset):
         return self.length
 
 
-def _as_list(files: str | Path | list[str] | None) -> list[str] | None:
-    if files is None:
-        return None
-    if isinstance(files, (str, Path)):
-        return [str(files)]
-    return [str(f) for f in files]
-
-
 # The data module's hyper-parameters (saved in checkpoints) hold these plain dataclasses:
 # allow them in ``torch.load(weights_only=True)``.
 torch.serialization.add_safe_globals(
@@ -121,13 +118,9 @@ class DAPODataModule(pl.LightningDataModule):
     Args:
         model_name_or_path: Checkpoint folder or hub id; the tokenizer is loaded from it in
             ``setup()`` (and the vLLM engine, with ``engine="vllm"``).
-        train_files: Prompt files (JSONL, Parquet, a ``save_to_disk`` folder or a hub name).
-        task: A built-in task instead of files (:data:`dapo_lightning.tasks.TASKS`:
-            ``"arithmetic"``, ``"word_problems"``, ``"reasoning_gym"``). A task whose rows carry
-            a ``split`` field holds out its own ``"val"`` rows (then ``validation.fraction`` must be 0).
-        task_kwargs: Options of the task's problem generator (``seed`` defaults to the run's).
-        prompts: Where the prompt rows' fields are, the chat template, de-duplication and the
-            prompt length (:class:`~dapo_lightning.data.config.PromptConfig`).
+        prompts: Where the prompts come from (``train_files`` or a built-in ``task`` and its
+            ``task_kwargs``), where a row's fields are, the chat template, de-duplication and
+            the prompt length (:class:`~dapo_lightning.data.config.PromptConfig`).
         reward: "dapo" (paper "Answer:" rule), "math_verify", "arithmetic", "last_number", or a
             reward object; None: the task's reward (else "dapo").
         scoring: The reward's options, timeout, workers and failure budget
@@ -156,9 +149,6 @@ class DAPODataModule(pl.LightningDataModule):
         self,
         model_name_or_path: str | None = None,
         *,
-        train_files: str | list[str] | None = None,
-        task: str | None = None,
-        task_kwargs: dict[str, Any] | None = None,
         prompts: PromptConfig = PromptConfig(),  # noqa: B008 - a plain dataclass
         reward: str | Any | None = None,
         scoring: ScoringConfig = ScoringConfig(),  # noqa: B008 - a plain dataclass
@@ -172,14 +162,7 @@ class DAPODataModule(pl.LightningDataModule):
         environment: EnvironmentConfig | None = None,
     ) -> None:
         super().__init__()
-        if (train_files is None) == (task is None):
-            raise ValueError(
-                "DAPODataModule needs exactly one of train_files (prompt files) or task "
-                "(a built-in task, see dapo_lightning.tasks.TASKS)."
-            )
-        self.task = get_task(task) if task is not None else None
-        if self.task is not None and self.task.check is not None:
-            self.task.check(**(task_kwargs or {}))
+        self.task = prompt_task(prompts)
         check_engine(
             engine, model_name_or_path, field="data.engine", path_field="data.model_name_or_path"
         )
@@ -187,8 +170,8 @@ class DAPODataModule(pl.LightningDataModule):
             raise ValueError(f"steps_per_epoch must be >= 1 or None, got {steps_per_epoch}.")
         self.save_hyperparameters(ignore=["reward", "engine"])
         self.model_name_or_path = model_name_or_path
-        self.train_files = _as_list(train_files)
-        self.task_kwargs = dict(task_kwargs or {})
+        self.train_files = as_file_list(prompts.train_files)
+        self.task_kwargs = dict(prompts.task_kwargs or {})
         #: Prompt fields and preparation; the reward's runner settings; validation.
         self.prompts, self.scoring, self.validation = prompts, scoring, validation
         self.fields = prompts.field_map()
@@ -199,7 +182,7 @@ class DAPODataModule(pl.LightningDataModule):
         self.engine_kwargs = dict(engine_kwargs or {})
         #: Sampling settings of training rollouts (the module reads them from each batch).
         self.sampling = dataclasses.replace(sampling)
-        #: Dynamic-sampling settings (the module checks its mini-batches against them).
+        #: Dynamic-sampling settings (declared to the module by :meth:`rollout_spec`).
         self.dynamic_sampling = dynamic_sampling
         #: Sampling settings of validation.
         self.val_sampling = dataclasses.replace(sampling, temperature=validation.temperature)
@@ -218,6 +201,8 @@ class DAPODataModule(pl.LightningDataModule):
         #: uids drawn at each training step (this rank), for logging and tests.
         self.drawn_log: list[list[str]] = []
         self._pending_state: dict[str, Any] | None = None
+        #: This rank's rollouts (session, producer, published weights), built in ``setup``.
+        self.stream: RolloutStream | None = None
 
     @property
     def max_prompt_length(self) -> int:
@@ -236,81 +221,33 @@ class DAPODataModule(pl.LightningDataModule):
         """The rollout engine once built (None before the first generation)."""
         return self.session._engine if self.session is not None else None
 
-    # ----------------------------------------------------------------- set-up
     def _rank_world(self) -> tuple[int, int]:
-        trainer = getattr(self, "trainer", None)
+        trainer = self.trainer
         if trainer is None:
             return 0, 1
         return int(trainer.global_rank), int(trainer.world_size)
-
-    def _load_records(self) -> tuple[list[PromptRecord], list[PromptRecord]]:
-        if self.task is not None:
-            rows = self.task.make_rows(**{"seed": self.seed, **self.task_kwargs})
-            records = records_from_rows(rows, self.fields, name=self.task.name)
-            if any("split" in r.meta for r in records):  # the task holds out its own problems
-                if self.validation.fraction > 0 or self.validation.files is not None:
-                    raise ValueError(
-                        f"task={self.task.name!r} has its own held-out problems (its rows' "
-                        "split): set validation.fraction: 0 and no validation.files."
-                    )
-                split = [r.meta.get("split") == "val" for r in records]
-                return [r for r, v in zip(records, split) if not v], [
-                    r for r, v in zip(records, split) if v
-                ]
-        else:
-            records = load_prompt_records(self.train_files, self.fields, dedup=self.prompts.dedup)
-        val_files = _as_list(self.validation.files)
-        if val_files is not None:
-            return records, load_prompt_records(val_files, self.fields, dedup=self.prompts.dedup)
-        if self.validation.fraction > 0:
-            return split_train_val(records, self.validation.fraction, self.seed)
-        return records, []
-
-    def _load_tokenizer(self) -> Any:
-        if self.model_name_or_path is None:
-            raise ValueError("DAPODataModule needs model_name_or_path to load the tokenizer.")
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(self.model_name_or_path)
-        except OSError as err:
-            raise FileNotFoundError(
-                f"data.model_name_or_path={self.model_name_or_path!r}: no tokenizer could be "
-                f"loaded ({err}). Fix: give an existing folder written by save_pretrained or "
-                "a hub id (with network access)."
-            ) from err
 
     def setup(self, stage: str | None = None) -> None:
         """Load the tokenizer and prompts, build the reward runner, session and producer (once)."""
         if self.producer is not None:
             return
-        warn_undeclared_dapo_hooks(getattr(self, "trainer", None))
+        warn_undeclared_dapo_hooks(self.trainer)
         if self.tokenizer is None:
-            self.tokenizer = self._load_tokenizer()
-        train, val = self._load_records()
+            self.tokenizer = load_tokenizer(self.model_name_or_path)
+        train, val = load_prompt_sets(
+            self.task, self.task_kwargs, self.train_files, self.fields, self.prompts,
+            self.validation, self.seed,
+        )  # fmt: skip
         if self._make_env is not None and self.environment.add_instructions:
             instructions = getattr(self._make_env(), "instructions", None)
             text = instructions() if callable(instructions) else None
             with_instructions(train + val, text, self.prompts.apply_chat_template)
-        tok_kw = dict(
-            apply_chat_template=self.prompts.apply_chat_template,
-            max_prompt_length=self.prompts.max_prompt_length,
-            overlong_prompts=self.prompts.overlong_prompts,
+        self.train_records, self.val_records, self.dropped_prompts = tokenize_prompt_sets(
+            train, val, self.tokenizer, self.prompts
         )
-        self.train_records, self.dropped_prompts = tokenize_records(train, self.tokenizer, **tok_kw)
-        if val:
-            self.val_records, dropped_val = tokenize_records(val, self.tokenizer, **tok_kw)
-            self.dropped_prompts += dropped_val
         rank, world = self._rank_world()
-        self.reward_runner = RewardRunner(
-            get_reward(self.reward, **self.scoring.reward_kwargs),
-            timeout_s=self.scoring.timeout_s,
-            num_workers=self.scoring.workers,
-            max_failure_frac=self.scoring.max_failure_frac,
-            in_process=self.scoring.in_process,
-        )
+        self.reward_runner = make_reward_runner(self.reward, self.scoring)
         self.session = self._make_session(rank)
-        self.session.attach(lambda: self.trainer.lightning_module.policy)
         pad = self.tokenizer.pad_token_id
         pad = pad if pad is not None else self.tokenizer.eos_token_id
         self.producer = RolloutProducer(
@@ -326,6 +263,7 @@ class DAPODataModule(pl.LightningDataModule):
             sync=self._sum_over_ranks,
             on_scored=lambda rollouts: call_dapo_hook(self.trainer, "on_rollouts_scored", rollouts),
         )
+        self.stream = RolloutStream(self.session, self.producer, self.drawn_log)
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
 
@@ -359,7 +297,6 @@ class DAPODataModule(pl.LightningDataModule):
         if self.reward_runner is not None:
             self.reward_runner.close()
 
-    # ------------------------------------------------------------ dataloaders
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_Tickets(RolloutTicket, self.steps_per_epoch), batch_size=None)
 
@@ -371,15 +308,8 @@ class DAPODataModule(pl.LightningDataModule):
         return int(self.engine_kwargs.get("tensor_parallel_size", 1))
 
     def _val_shard(self) -> list[PromptRecord]:
-        """This engine group's held-out prompts (the ranks of one engine share them)."""
         rank, world = self._rank_world()
-        rank, world = rank // self._tp_size, world // self._tp_size
-        if not self.val_records:
-            return []
-        per_rank = math.ceil(len(self.val_records) / world)
-        # Wrap around so every rank has the same number of chunks (a few prompts count twice).
-        padded = [self.val_records[i % len(self.val_records)] for i in range(per_rank * world)]
-        return padded[rank::world]
+        return engine_group_shard(self.val_records, rank, world, self._tp_size)
 
     def val_dataloader(self) -> DataLoader | list:
         shard = self._val_shard()
@@ -388,52 +318,40 @@ class DAPODataModule(pl.LightningDataModule):
         chunks = math.ceil(len(shard) / self.validation.batch_size)
         return DataLoader(_Tickets(ValidationTicket, chunks), batch_size=None)
 
-    # --------------------------------------------------------------- rollouts
-    def _policy_version(self) -> int:
-        return int(getattr(self.trainer.lightning_module, "policy_version", 0))
+    def rollout_spec(self) -> RolloutSpec:
+        """What every rollout batch of this run will be (the module checks it at fit start)."""
+        return RolloutSpec(
+            group_size=self.dynamic_sampling.n,
+            train_batch_size=self.dynamic_sampling.train_batch_size,
+            max_prompt_length=self.max_prompt_length,
+            max_response_tokens=self.sampling.max_tokens,
+        )
 
-    def next_rollout_batch(self) -> RolloutBatch | EndOfTraining:
-        """Generate, score, shape and filter the rollouts of the current step."""
-        if self.producer is None:
-            raise RuntimeError("call setup() before generating rollouts.")
-        episodes = isinstance(self.session, EpisodeSession)
-        if episodes:
-            self.session.take_stats()  # validation's episodes are not this step's
-        self._batch_start = (self.producer.state_dict(), self.session.state_dict())
-        try:
-            batch = self.producer.next_batch(self._policy_version())
-        except TrainingComplete as done:
-            return EndOfTraining(str(done))
-        batch.stats["data/dropped_prompts"] = float(self.dropped_prompts)
-        if episodes:
-            batch.stats.update(self.session.take_stats())
-        self.drawn_log.append(list(self.producer.drawn_uids))
-        return batch
+    def publish_policy(self, handle: PolicyHandle) -> None:
+        """Sample from now on with ``handle``'s weights, stamped with its version: the engine
+        session pushes them at the next generation (waking a sleep-mode engine first)."""
+        self._ready("publishing a policy").policy_handle = handle
 
     def rewind_rollout_batch(self) -> None:
         """Put the producer and the engine's RNG back to before the last
-        :meth:`next_rollout_batch` (a stop dropped its update before any weight changed: on
-        resume the same rollouts are generated again)."""
-        start = getattr(self, "_batch_start", None)
-        if start is None or self.producer is None:
-            return
-        self.producer.load_state_dict(start[0])
-        self.session.load_state_dict(start[1])
-        if self.drawn_log:
-            self.drawn_log.pop()
-        self._batch_start = None
+        :meth:`next_rollout_batch` (on resume the same rollouts are generated again)."""
+        if self.stream is not None:
+            self.stream.rewind()
+
+    def _ready(self, doing: str) -> RolloutStream:
+        if self.stream is None:
+            raise RuntimeError(f"call setup() before {doing}.")
+        return self.stream
+
+    def next_rollout_batch(self) -> RolloutBatch | EndOfTraining:
+        """Generate, score, shape and filter the rollouts of the current step."""
+        return self._ready("generating rollouts").next_batch(self.dropped_prompts)
 
     def validation_rollouts(self, index: int) -> ScoredRollouts:
         """``validation.n`` scored responses for each prompt of validation chunk ``index``."""
-        if self.producer is None:
-            raise RuntimeError("call setup() before validating.")
-        shard = self._val_shard()
-        chunk = shard[index * self.validation.batch_size : (index + 1) * self.validation.batch_size]
-        version = self._policy_version()
-        with self.session.generating(version):
-            return self.producer.score(
-                chunk, [self.validation.n] * len(chunk), self.val_sampling, version
-            )
+        stream, size = self._ready("validating"), self.validation.batch_size
+        chunk = self._val_shard()[index * size : (index + 1) * size]
+        return stream.validate(chunk, self.validation.n, self.val_sampling)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Turn a ticket into its rollouts, right before the step that consumes them."""
@@ -454,7 +372,6 @@ class DAPODataModule(pl.LightningDataModule):
             return batch
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Every rank's prompt cursor, RNGs, per-prompt statistics, carried groups and engine
         RNG (ranks draw different prompts: each resumes its own). Collective: Lightning calls

@@ -8,12 +8,13 @@ returns a value in [0, 1]. This module turns them into rows for :class:`DAPOData
 
     data:
       init_args:
-        task: reasoning_gym
-        task_kwargs:
-          dataset: basic_arithmetic                # or datasets: [{name, weight, config}, ...]
-          config: {min_terms: 2, max_terms: 2, max_digits: 1, operators: ["+", "-"]}
-          size: 256                                # training problems
-          val_size: 64                             # held-out problems (another seed)
+        prompts:
+          task: reasoning_gym
+          task_kwargs:
+            dataset: basic_arithmetic              # or datasets: [{name, weight, config}, ...]
+            config: {min_terms: 2, max_terms: 2, max_digits: 1, operators: ["+", "-"]}
+            size: 256                              # training problems
+            val_size: 64                           # held-out problems (another seed)
 
 Rows are::
 

@@ -1,0 +1,91 @@
+"""One rank's rollouts without Lightning: the engine session and the rollout producer, the
+weights the module published last (:class:`~dapo_lightning.contract.PolicyHandle`), and the
+start of the batch under way, so that a stop can rewind it. ``DAPODataModule`` builds one in
+``setup`` and hands its Lightning hooks to it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
+from dapo_lightning.contract import PolicyHandle
+from dapo_lightning.data.producer import RolloutProducer, TrainingComplete
+from dapo_lightning.data.sources import PromptRecord
+from dapo_lightning.envs import EpisodeSession
+from dapo_lightning.rollout.base import SamplingConfig
+from dapo_lightning.rollout.session import EngineSession
+
+
+class RolloutStream:
+    """Training batches and validation rollouts of one rank, sampled with the last published
+    weights and stamped with their version.
+
+    Args:
+        session: The engine session (its weights come from :meth:`policy`).
+        producer: The dynamic-sampling producer on ``session``.
+        drawn_log: Where the uids drawn at each step are appended (logging, tests).
+    """
+
+    def __init__(
+        self, session: EngineSession, producer: RolloutProducer, drawn_log: list[list[str]]
+    ) -> None:
+        self.session, self.producer, self.drawn_log = session, producer, drawn_log
+        #: The weights to sample with and their version (None before the first publish).
+        self.policy_handle: PolicyHandle | None = None
+        #: The producer's and engine's state before the last batch (:meth:`rewind`).
+        self.batch_start: tuple[dict[str, Any], dict[str, Any]] | None = None
+        session.attach(self.policy)
+
+    def policy(self) -> nn.Module:
+        """The published policy module (the engine session pushes its weights)."""
+        if self.policy_handle is None:
+            raise RuntimeError(
+                "DAPODataModule has no policy to sample with: the module publishes one at the "
+                "start of training and of validation (DAPOModule does); a module of your own "
+                "calls datamodule.publish_policy(PolicyHandle(policy, version))."
+            )
+        return self.policy_handle.policy
+
+    @property
+    def version(self) -> int:
+        """The version of the published weights (0 before any)."""
+        return self.policy_handle.version if self.policy_handle is not None else 0
+
+    def next_batch(self, dropped_prompts: int) -> RolloutBatch | EndOfTraining:
+        """Generate, score, shape and filter the rollouts of the current step."""
+        episodes = isinstance(self.session, EpisodeSession)
+        if episodes:
+            self.session.take_stats()  # validation's episodes are not this step's
+        self.batch_start = (self.producer.state_dict(), self.session.state_dict())
+        try:
+            batch = self.producer.next_batch(self.version)
+        except TrainingComplete as done:
+            return EndOfTraining(str(done))
+        batch.stats["data/dropped_prompts"] = float(dropped_prompts)
+        if episodes:
+            batch.stats.update(self.session.take_stats())
+        self.drawn_log.append(list(self.producer.drawn_uids))
+        return batch
+
+    def rewind(self) -> None:
+        """Put the producer and the engine's RNG back to before the last :meth:`next_batch` (a
+        stop dropped its update before any weight changed: on resume the same rollouts are
+        generated again)."""
+        start = self.batch_start
+        if start is None:
+            return
+        self.producer.load_state_dict(start[0])
+        self.session.load_state_dict(start[1])
+        if self.drawn_log:
+            self.drawn_log.pop()
+        self.batch_start = None
+
+    def validate(
+        self, chunk: list[PromptRecord], n: int, sampling: SamplingConfig
+    ) -> ScoredRollouts:
+        """``n`` scored responses for each prompt of ``chunk``."""
+        version = self.version
+        with self.session.generating(version):
+            return self.producer.score(chunk, [n] * len(chunk), sampling, version)
