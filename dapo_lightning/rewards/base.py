@@ -110,7 +110,7 @@ class _Round:
         """A job failed: a single sample fails, a chunk is retried one sample at a time (one
         bad sample never fails its neighbours)."""
         if len(idx) > 1:
-            self.pending.extend([i] for i in idx)
+            self.pending.extendleft([i] for i in reversed(idx))  # next: isolate the bad one
         else:
             self.results[idx[0]] = failure_result(reward, reason)
             self.failures += 1
@@ -184,6 +184,7 @@ class RewardRunner:
         #: True once the reward returned a result (until then a call's limit is timeout_s).
         self.scored_once = False
         self._strikes = 0  # timeouts and worker deaths before the first score
+        self._last_strike = ""
 
     # ------------------------------------------------------------------ public
     def score(
@@ -308,7 +309,7 @@ class RewardRunner:
             self._give_up(
                 rnd,
                 f"not scored: the reward has not scored one response and timed out or ended its "
-                f"worker {self._strikes} times",
+                f"worker {self._strikes} times (the last: {self._last_strike})",
             )
 
     def _give_up(self, rnd: _Round, reason: str) -> None:
@@ -372,6 +373,7 @@ class RewardRunner:
         self._workers.remove(w)
         if job is not None:
             self._strikes += 0 if self.scored_once else 1
+            self._last_strike = reason
             rnd.fail(job[1], reason, self.reward)
 
     def _budget(self, n: int) -> float:
