@@ -419,19 +419,22 @@ def test_sigterm_while_an_in_process_reward_hangs_exits_143_with_the_last_update
 def test_process_group_sigterm_while_reward_workers_start_exits_143(tiny_checkpoint, tmp_path):
     """Issue 38 item 3: SIGTERM to the whole process group while the reward workers start (how
     SLURM and ``timeout`` signal) killed the starting workers and the run ended with exit 1 and
-    a false "put the training code under ``if __name__ == '__main__'``" error. Now the workers
-    start with the stop signals blocked, the fit honours the stop (nothing to save before the
+    a false "put the training code under ``if __name__ == '__main__'``" error (the dead
+    worker was seen before the stop request, here while the fit process starts the second
+    worker). Now the workers start with the stop signals blocked, the fit honours the stop (nothing to save before the
     first update) and exits 143, and no process of the group is left behind."""
     proc = start_fit(
         tmp_path, tiny_checkpoint, "_bad_rewards.StartsSlowly", "{workers: 2, timeout_s: 10}"
     )
     marker = tmp_path / "marker.txt"
 
-    def workers_starting() -> bool:  # a line written by a worker, not by the fit process
+    def workers_starting() -> bool:  # worker 1 is starting, the fit process starts worker 2
         lines = marker.read_text().splitlines() if marker.exists() else []
-        return any(int(line.split()[1]) != proc.pid for line in lines)
+        return f"pickling {proc.pid}" in lines and any(
+            line.startswith("starting") and int(line.split()[1]) != proc.pid for line in lines
+        )
 
-    wait_for(proc, workers_starting, "no reward worker started")
+    wait_for(proc, workers_starting, "the reward workers did not start")
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-4000:]

@@ -258,6 +258,21 @@ class RewardRunner:
         n = len(responses)
         size = max(1, min(self.chunk_size, math.ceil(n / self.num_workers)))  # all busy
         rnd = _Round(n, size)
+        try:
+            self._run_round(rnd, responses, gts, extra_kwargs)
+        except StopRequested:
+            self._kill_all()  # a hanging reward would hold the stop otherwise
+            raise
+        return [r for r in rnd.results if r is not None]
+
+    def _run_round(
+        self,
+        rnd: _Round,
+        responses: list[str],
+        gts: list[str],
+        extra_kwargs: list[dict[str, Any]],
+    ) -> None:
+        n = rnd.n
         while rnd.pending or any(w.job is not None for w in self._workers):
             self._raise_if_stopping()
             now = time.monotonic()
@@ -276,7 +291,6 @@ class RewardRunner:
             ready = wait([w.conn for w in self._workers], timeout=self._wait_s(rnd.deadline))
             self._collect(ready, rnd)
             self._check_verdicts(rnd)
-        return [r for r in rnd.results if r is not None]
 
     def _send(
         self,
@@ -382,7 +396,9 @@ class RewardRunner:
     def _raise_if_stopping(self) -> None:
         reason = stop_requested()
         if reason is not None:
-            for w in self._workers:
-                w.kill()  # a hanging reward would hold the stop otherwise
-            self._workers = []
             raise StopRequested(reason)
+
+    def _kill_all(self) -> None:
+        for w in self._workers:
+            w.kill()
+        self._workers = []

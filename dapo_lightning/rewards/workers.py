@@ -17,9 +17,11 @@ reward, then answers each job ``(job_id, responses, ground_truths, kw)`` with
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import multiprocessing as mp
+import multiprocessing.util
 import os
 import pickle
 import queue
@@ -27,6 +29,7 @@ import signal
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from typing import Any
 
@@ -35,6 +38,22 @@ from dapo_lightning.interrupt import STOP_SIGNALS, StopRequested, stop_requested
 
 #: Most seconds a fresh worker may take to import the reward before the run fails.
 WORKER_START_S = 120.0
+
+#: The worker processes alive in this process (killed at exit, see :func:`_kill_at_exit`).
+_LIVE: weakref.WeakSet[ProcessWorker] = weakref.WeakSet()
+
+
+def _kill_at_exit() -> None:
+    """Kill the worker processes still alive when the training process exits (an exception
+    that skipped :meth:`RewardRunner.close`): they ignore SIGTERM, so ``multiprocessing``'s own
+    exit handler (terminate, then wait) would wait for a hung one forever. Registered after
+    that handler (``multiprocessing.util`` is imported first), so it runs before it."""
+    for worker in list(_LIVE):
+        with contextlib.suppress(Exception):
+            worker.kill()
+
+
+atexit.register(_kill_at_exit)
 
 
 class WorkerAbandoned(SystemExit):
@@ -107,6 +126,7 @@ class ProcessWorker:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
+        _LIVE.add(self)
         self.started = time.monotonic()
         self.ready = False
         self.job: tuple[int, list[int], float, float] | None = None  # id, samples, start, limit
