@@ -377,7 +377,8 @@ class RewardRunner:
                 rnd.results[i] = r
             self.scored_once = True
         elif idx:
-            rnd.fail(idx, f"error: {str(payload).strip()[-300:]}", self.reward)
+            last = (str(payload).strip().splitlines() or [""])[-1]  # the exception's line
+            rnd.fail(idx, f"error: {last[-300:]}", self.reward)
 
     def _lose(self, w: Worker, rnd: _Round, reason: str) -> None:
         """``w`` timed out or died: kill it (a fresh one replaces it when there is work), fail
