@@ -1134,3 +1134,32 @@ def test_nonfinite_steps_through_the_cli_keep_the_last_good_checkpoint(
     assert all(
         torch.isfinite(v).all() for v in saved["state_dict"].values() if v.is_floating_point()
     )
+
+
+@pytest.mark.parametrize(
+    ("reward", "fragments"),
+    [
+        (
+            "_bad_rewards.NaNScore",
+            ["error: data.reward: reward NaNScore returned score=nan at position 0", "finite"],
+        ),
+        (
+            "_bad_rewards.StringScore",
+            [
+                "error: data.reward: reward StringScore returned RewardResult(score='high')",
+                "the field score must be a number (a str is not)",
+            ],
+        ),
+    ],
+)
+def test_cli_reward_returning_nan_or_a_string_is_one_line_exit_2(
+    tiny_checkpoint, tmp_path, capfd, reward, fragments
+):
+    """Issue 38 item 7: a reward returning a NaN or a string score ended the fit with a
+    traceback and exit 1; it is a bug of the reward: one ``error:`` line naming data.reward,
+    the reward and the fix, exit 2."""
+    config = fit_config(tmp_path, tiny_checkpoint)
+    code, err = fit_main(
+        [f"--config={config}", f'--data.reward={{"class_path": "{reward}"}}'], capfd
+    )
+    assert_one_error_line(code, err, *fragments)

@@ -4,9 +4,17 @@
 from __future__ import annotations
 
 import math
+import os
+import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from dapo_lightning.rewards import (
     DAPOAnswerReward,
@@ -202,3 +210,241 @@ def test_numpy_and_tensor_scores_are_numbers():
         runner = RewardRunner(_ReturnsBadResult(score=score, acc=acc), in_process=True)
         (result,) = runner.score(["a"], ["a"])
         assert float(result.score) == float(score)
+
+
+# ------------------------------------------- issue 38: deadlines, stops and failing rounds
+# Real hangs (an hour's sleep), real worker processes (fork: a worker starts in milliseconds;
+# spawn imports torch again, 5-100 s on these shared cores) and real stop requests.
+
+
+@pytest.mark.timeout(120)
+def test_in_process_reward_that_hangs_times_out_and_its_neighbours_score():
+    """Issue 38 item 2: in-process scoring had no timeout (the hang held the round for its
+    hour). The batch call times out after timeout_s, the samples are retried one by one: the
+    hanging one fails as a timeout, the others score."""
+    runner = RewardRunner(HangingReward(), in_process=True, timeout_s=1.0, max_failure_frac=0.5)
+    t0 = time.monotonic()
+    res = runner.score(["1", "HANG", "2"], ["1", "1", "2"])
+    elapsed = time.monotonic() - t0
+    runner.close()
+    assert [r.acc for r in res] == [True, False, True]
+    assert res[1].extra["reward_failure"] == "timeout" and runner.last_failures == 1
+    assert elapsed < 2 * 1.0 + 5.0, elapsed  # the batch call's second, then the sample's
+
+
+@pytest.mark.timeout(120)
+def test_stop_request_while_an_in_process_reward_hangs_raises_at_once():
+    """Issue 38 item 2: a hanging in-process reward ignored SIGTERM's stop request. Now the
+    wait for the scoring thread sees it within STOP_POLL_S and raises StopRequested."""
+    import threading
+
+    from dapo_lightning.interrupt import StopRequested, clear_stop_request, request_stop
+
+    runner = RewardRunner(HangingReward(), in_process=True, timeout_s=300.0)
+    timer = threading.Timer(1.0, request_stop, args=("SIGTERM",))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StopRequested, match="SIGTERM"):
+            runner.score(["HANG", "1"], ["1", "1"])
+        assert time.monotonic() - t0 < 1.0 + 5.0
+    finally:
+        clear_stop_request()
+        runner.close()
+
+
+@pytest.mark.timeout(240)
+def test_worker_reward_that_hangs_on_everything_fails_a_big_round_in_about_two_timeouts():
+    """Issue 38 item 4: 64 samples on 2 workers with timeout_s=3 took the round's budget of
+    3 s x 32 + 5 s = 101 s to fail. A reward that has not scored once and times out twice per
+    worker now fails the round: about 2 x timeout_s (plus the fork of the replacements)."""
+    from _bad_rewards import HangsAlways
+
+    runner = RewardRunner(HangsAlways(), timeout_s=3.0, num_workers=2, mp_context="fork")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RewardFailureError, match=r"64 of 64 responses .*HangsAlways") as info:
+            runner.score(["x"] * 64, ["1"] * 64)
+        elapsed = time.monotonic() - t0
+    finally:
+        runner.close()
+    assert "timeout" in str(info.value) and "has not scored one response" in str(info.value)
+    assert elapsed < 2 * 3.0 + 10.0, elapsed  # generous: shared cores
+
+
+@pytest.mark.timeout(240)
+def test_round_stops_as_soon_as_the_failed_share_passes_max_failure_frac():
+    """Issue 38 item 4: a reward that worked, then hangs on everything: 40 samples, 2 workers,
+    1 s each, max_failure_frac=0.1. The round stops at the 5th timeout (3 waves of 1 s), not
+    after the budget of 1 s x 20 + 5 s; the rest counts as failed."""
+    runner = RewardRunner(
+        HangingReward(), timeout_s=1.0, num_workers=2, chunk_size=1, mp_context="fork"
+    )
+    try:
+        assert [r.acc for r in runner.score(["1", "2"], ["1", "2"])] == [True, True]
+        t0 = time.monotonic()
+        with pytest.raises(RewardFailureError, match=r"40 of 40 responses") as info:
+            runner.score(["HANG"] * 40, ["1"] * 40)
+        elapsed = time.monotonic() - t0
+    finally:
+        runner.close()
+    assert re.search(r"scoring stopped after [56] of 40 failed", str(info.value))  # > 4
+    assert elapsed < 3 * 1.0 + 8.0, elapsed
+
+
+@pytest.mark.timeout(240)
+def test_reward_that_ends_its_worker_fails_fast_naming_the_exit_code():
+    """Issue 38 item 3: a reward calling os._exit made the pool respawn workers for minutes and
+    ended with the missing-``__main__``-guard message. Now the dead worker is a failure named
+    by its exit code, and a reward that never scored stops after 2 deaths per worker."""
+    from _bad_rewards import ExitsInWorker
+
+    runner = RewardRunner(ExitsInWorker(), num_workers=1, timeout_s=30.0, mp_context="fork")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RewardFailureError, match=r"40 of 40 .*ExitsInWorker") as info:
+            runner.score(["a"] * 40, ["1"] * 40)
+    finally:
+        runner.close()
+    message = str(info.value)
+    assert "worker process ended while scoring (exit code 3)" in message, message
+    assert "__main__" not in message
+    assert time.monotonic() - t0 < 20.0
+
+
+def test_reward_output_errors_name_the_field_and_are_config_errors():
+    """Issue 38 item 7: a NaN or string score is a bug of the reward: a ConfigError (the CLI's
+    one ``error:`` line, exit 2) starting with the field, data.reward."""
+    from _bad_rewards import NaNScore, StringScore
+
+    from dapo_lightning.checks import ConfigError
+
+    for reward, match in (
+        (NaNScore(), r"^data\.reward: reward NaNScore returned score=nan at position 0"),
+        (StringScore(), r"^data\.reward: reward StringScore returned RewardResult\(score='high'\)"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            RewardRunner(reward, in_process=True).score(["a"], ["1"])
+
+
+# ----------------------------------------------- issue 38: stops of a real `dapo-lightning fit`
+TESTS = Path(__file__).resolve().parent
+FIT = """
+model:
+  class_path: dapo_lightning.DAPOModule
+  init_args:
+    model_name_or_path: {model}
+    batching: {{micro_batch_size: 8}}
+    parity_check_every: 0
+data:
+  class_path: dapo_lightning.DAPODataModule
+  init_args:
+    task: arithmetic
+    task_kwargs: {{level: 1, num_prompts: 16}}
+    reward: {{class_path: {reward}, init_args: {{marker: {marker}}}}}
+    scoring: {scoring}
+    prompts: {{apply_chat_template: false, max_prompt_length: 16}}
+    sampling: {{max_tokens: 4}}
+    dynamic_sampling: {{n: 2, train_batch_size: 2, filter_metric: null}}
+trainer:
+  max_steps: 5
+  logger: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  accelerator: cpu
+  default_root_dir: {run}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{dirpath: checkpoints, save_last: true, save_top_k: 0, every_n_train_steps: 100}}
+"""
+
+
+def start_fit(tmp_path: Path, model: Path, reward: str, scoring: str) -> subprocess.Popen:
+    """``python -m dapo_lightning fit`` on a config of FIT, in a session of its own (so the
+    whole process group can be signalled, as SLURM and ``timeout`` do); tests/ importable."""
+    config = tmp_path / "fit.yaml"
+    marker, run = tmp_path / "marker.txt", tmp_path / "run"
+    config.write_text(
+        FIT.format(model=model, reward=reward, marker=marker, scoring=scoring, run=run)
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "dapo_lightning", "fit", f"--config={config}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def wait_for(proc: subprocess.Popen, ready: Any, what: str, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_while_an_in_process_reward_hangs_exits_143_with_the_last_update_saved(
+    tiny_checkpoint, tmp_path
+):
+    """Issue 38 item 2: ``scoring.in_process: true`` (the quickstart's) with a reward that hangs
+    in update 2 ignored SIGTERM twice (SLURM then SIGKILLs: the work since the last save is
+    lost). Now the stop reaches the wait for the scoring thread: update 1 is saved, exit 143
+    within 30 s, and the checkpoint resumes."""
+    proc = start_fit(
+        tmp_path, tiny_checkpoint, "_hanging_reward.HangsAfterCalls",
+        "{in_process: true, timeout_s: 300}",
+    )  # fmt: skip
+    marker = tmp_path / "marker.txt"
+    wait_for(
+        proc, lambda: marker.exists() and len(marker.read_text().splitlines()) >= 2,
+        "the reward was never called twice",
+    )  # fmt: skip
+    time.sleep(0.5)  # well inside the hang
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-4000:]
+    assert time.monotonic() - t0 < 30
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 1 and saved["state_dict"], err[-4000:]
+    assert "Saved" in err and "update 1" in err
+
+
+@pytest.mark.timeout(600)
+def test_process_group_sigterm_while_reward_workers_start_exits_143(tiny_checkpoint, tmp_path):
+    """Issue 38 item 3: SIGTERM to the whole process group while the reward workers start (how
+    SLURM and ``timeout`` signal) killed the starting workers and the run ended with exit 1 and
+    a false "put the training code under ``if __name__ == '__main__'``" error (the dead
+    worker was seen before the stop request, here while the fit process starts the second
+    worker). Now the workers start with the stop signals blocked, the fit honours the stop (nothing to save before the
+    first update) and exits 143, and no process of the group is left behind."""
+    proc = start_fit(
+        tmp_path, tiny_checkpoint, "_bad_rewards.StartsSlowly", "{workers: 2, timeout_s: 10}"
+    )
+    marker = tmp_path / "marker.txt"
+
+    def workers_starting() -> bool:  # worker 1 is starting, the fit process starts worker 2
+        lines = marker.read_text().splitlines() if marker.exists() else []
+        return f"pickling {proc.pid}" in lines and any(
+            line.startswith("starting") and int(line.split()[1]) != proc.pid for line in lines
+        )
+
+    wait_for(proc, workers_starting, "the reward workers did not start")
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-4000:]
+    assert "__main__" not in err and "Traceback" not in err, err[-4000:]
+    assert "SIGTERM: nothing to save yet" in err, err[-4000:]
+    deadline = time.monotonic() + 10
+    while True:  # the workers were killed with their parent's stop
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "a reward worker outlived the fit"
+        time.sleep(0.1)

@@ -103,8 +103,9 @@ class ScoringConfig:
         workers: Reward worker processes.
         max_failure_frac: Largest share of a round whose scoring may fail before the run
             stops with an error, in [0, 1].
-        in_process: Score in the training process without timeouts (fast, for trusted
-            rewards and tests; needed for a reward that cannot be pickled).
+        in_process: Score on a thread of the training process (fast, for trusted rewards
+            and tests; needed for a reward that cannot be pickled): ``timeout_s`` and a stop
+            still apply, but a timed-out call is abandoned, not killed.
     """
 
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
