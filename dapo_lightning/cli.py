@@ -58,13 +58,14 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 from jsonargparse import DefaultHelpFormatter, Namespace
@@ -78,6 +79,7 @@ from dapo_lightning.callbacks.summary import replace_default_summary
 from dapo_lightning.checkpoint import (
     CheckpointDiskFullError,
     NonFiniteCheckpointError,
+    check_ckpt_path,
     find_resume_checkpoint,
 )
 from dapo_lightning.checks import ConfigError
@@ -89,7 +91,7 @@ from dapo_lightning.models import make_model_main
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.plot import plot_main
 from dapo_lightning.precision import resolve_trainer_precision
-from dapo_lightning.run_lock import RunDirLockedError
+from dapo_lightning.run_lock import RunDirLockedError, check_run_dirs_writable
 from dapo_lightning.step_guard import NonFiniteUpdatesError
 from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
 from dapo_lightning.testing import make_tiny_checkpoint, tiny_num_parameters
@@ -133,6 +135,44 @@ class StrictArgumentParser(LightningArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        """jsonargparse's error, with a non-finite number said in one line
+        (:func:`nonfinite_message`; by the parser that prints it, not by the nested parsers
+        whose messages it quotes)."""
+        shorter = nonfinite_message(message) if self.exit_on_error else None
+        super().error(shorter or message, ex)
+
+
+_NONFINITE = r"[+-]?(?:nan|inf|infinity)"
+#: The innermost line of a type error naming the value, when it is a NaN / infinity spelled
+#: plainly (``nan``: YAML reads it as a string; ``.nan`` reaches the class's own check).
+_NONFINITE_VALUE = re.compile(rf"^( *).*\b(?:Given|Got) value: ({_NONFINITE})\s*$", re.I | re.M)
+#: The outer line of a nested one: ``Given value: NestedArg(key='loss.eps', val='nan')``.
+_NONFINITE_NESTED = re.compile(rf"NestedArg\(key='([^']+)', val='({_NONFINITE})'\)", re.I)
+_PARSER_KEY = re.compile(r'^( *)(?:- )?Parser key "([^"]+)"')
+
+
+def nonfinite_message(message: str) -> str | None:
+    """``model.gradient_clip_val=nan is not finite...`` for jsonargparse's 12-17-line union dump
+    of a plain ``nan`` / ``inf`` given for a number; None for any other message. The field is
+    the chain of ``Parser key`` lines the value line is nested in (by indentation)."""
+    found = _NONFINITE_VALUE.search(message)
+    if found is not None:
+        depth, keys = len(found.group(1)), []
+        for line in reversed(message[: found.start()].splitlines()):
+            key = _PARSER_KEY.match(line)
+            if key is not None and len(key.group(1)) < depth:
+                depth = len(key.group(1))
+                keys.insert(0, key.group(2))
+        field, value = ".".join(keys), found.group(2)
+    elif (nested := _NONFINITE_NESTED.search(message)) is not None:
+        outer = _PARSER_KEY.match(message)
+        field = ".".join([outer.group(2), nested.group(1)] if outer else [nested.group(1)])
+        value = nested.group(2)
+    else:
+        return None
+    return f"{field or 'a setting'}={value} is not finite. Give a finite number."
 
 
 @dataclass
@@ -226,6 +266,8 @@ class DAPOLightningCLI(LightningCLI):
         if self.subcommand == "validate":
             separate_validate_logs(config)
         fill_data_seed(config)
+        if self.subcommand == "fit":  # before a model is written or loaded
+            check_run_dirs_writable(*run_dirs(config))
         self._model_to_create = model_to_create(config)
         choose_run_threads(config, self._model_to_create)
 
@@ -244,9 +286,11 @@ class DAPOLightningCLI(LightningCLI):
             raise ConfigError(
                 text if text.startswith(f"{owner}.") else f"{owner}: {text}"
             ) from original
+        config = self.config[self.subcommand] if self.subcommand else self.config
         if self._model_to_create is not None:
-            config = self.config[self.subcommand] if self.subcommand else self.config
             write_model(config, *self._model_to_create)
+        if self.subcommand in self.subcommands():  # not for run=False (parser checks)
+            check_model_source(config.model.init_args.get("model_name_or_path"))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The configured Trainer, with a :class:`~dapo_lightning.callbacks.RunGuard` first
@@ -265,6 +309,7 @@ class DAPOLightningCLI(LightningCLI):
 
     def _resolve_ckpt_path(self, ckpt_path: Any) -> Any:
         if ckpt_path != AUTO_CKPT:
+            check_ckpt_path(ckpt_path)  # missing, a plain folder, cut short: one error line
             return ckpt_path
         resolved = resolve_auto_checkpoint(self.trainer)
         if self.trainer.is_global_zero:
@@ -279,7 +324,9 @@ class DAPOLightningCLI(LightningCLI):
         ckpt_path: str | None = None,
         **kwargs: Any,
     ) -> None:
-        """``trainer.fit`` with ``ckpt_path="auto"`` resolved first."""
+        """``trainer.fit`` with ``ckpt_path="auto"`` resolved first, the batch sizes checked
+        against the ranks before any rank is started."""
+        check_world_split(self.trainer, datamodule)
         self.trainer.fit(
             model, datamodule=datamodule, ckpt_path=self._resolve_ckpt_path(ckpt_path), **kwargs
         )
@@ -502,6 +549,84 @@ def _stop_signals_exit(outcome: str) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def run_dirs(config: Namespace) -> tuple[str | None, list[str]]:
+    """The run directory (``trainer.default_root_dir``) and the ``dirpath`` of each configured
+    ``ModelCheckpoint``, as :func:`resolve_run_paths` left them."""
+    trainer = config.get("trainer") or Namespace()
+    folders = [
+        str(section.init_args.dirpath)
+        for section in _sections(trainer.get("callbacks"))
+        if str(section.get("class_path", "")).endswith("ModelCheckpoint")
+        and section.init_args.get("dirpath")
+    ]
+    root = trainer.get("default_root_dir")
+    return (None if root is None else str(root)), folders
+
+
+def check_model_source(value: str | None) -> None:
+    """Raise :class:`ConfigError` when ``model.model_name_or_path`` can be neither a local
+    folder nor a reachable hub model: a path that does not exist, or a hub id that is not in
+    the local cache while the hub cannot be reached (or has no such model). Without this the
+    first sign was three chained tracebacks from the tokenizer's loader."""
+    if value is None or Path(value).expanduser().exists():
+        return  # None: DAPOModule says what is missing
+    fix = (
+        "Fix: give the folder of a model written by save_pretrained, or a hub id "
+        "such as Qwen/Qwen2.5-0.5B-Instruct; --create_model_if_missing tiny writes the tiny "
+        "test model."
+    )
+    if value.startswith(("/", ".", "~")) or not _HUB_ID.fullmatch(value):
+        raise ConfigError(f"model.model_name_or_path: {value} does not exist. {fix}")
+    problem = hub_problem(value)
+    if problem is not None:
+        raise ConfigError(
+            f"model.model_name_or_path: {value!r} is no local folder and {problem}. Fix: correct "
+            f"the path, or download the model where there is network (`hf download {value} "
+            "--local-dir DIR`) and give DIR."
+        )
+
+
+def hub_problem(repo_id: str) -> str | None:
+    """Why the hub model ``repo_id`` cannot be loaded here, or None when it can (it is in the
+    local cache, or the hub answers that it exists, or says something this check cannot judge,
+    such as a gated model)."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return "it is not in the local hub cache (HF_HUB_OFFLINE is set)"
+    host = constants.ENDPOINT.split("://", 1)[-1].split("/", 1)[0]
+    try:
+        socket.create_connection((host, 443), timeout=5).close()
+    except OSError as error:
+        return f"the hub ({constants.ENDPOINT}) cannot be reached ({error})"
+    try:
+        HfApi().model_info(repo_id, timeout=10)
+    except RepositoryNotFoundError:
+        return f"the hub ({constants.ENDPOINT}) has no such model"
+    except Exception:  # noqa: BLE001 - gated, rate limited...: the loader will say
+        return None
+    return None
+
+
+def check_world_split(trainer: Trainer, datamodule: Any) -> None:
+    """Raise :class:`ConfigError` before any rank starts when the data's batch sizes do not
+    split over ``trainer.world_size`` ranks (each rank would raise it alone, with a traceback
+    each). The prompt count is checked later, when the data is loaded."""
+    sampling = getattr(datamodule, "dynamic_sampling", None)
+    if sampling is None or trainer.world_size <= 1:
+        return
+    try:  # the prompts are not loaded yet: only the split over ranks is checked here
+        sampling.check_split(trainer.world_size, num_prompts=sys.maxsize)
+    except ValueError as error:
+        raise ConfigError(
+            f"data.dynamic_sampling.{error} Or run on a number of ranks (trainer.devices x "
+            f"trainer.num_nodes, now {trainer.world_size}) that divides it."
+        ) from None
 
 
 def _local_processes(config: Namespace) -> int:
