@@ -57,6 +57,7 @@ from dapo_lightning.checkpoint import (
     newest_checkpoint,
     optimizer_settings,
 )
+from dapo_lightning.checks import ConfigError
 from dapo_lightning.hooks import DAPOCallback
 from dapo_lightning.interrupt import (
     StopRequested,
@@ -67,7 +68,6 @@ from dapo_lightning.interrupt import (
     request_stop,
     stop_requested,
 )
-from dapo_lightning.checks import ConfigError
 from dapo_lightning.run_lock import RunDirLockedError, RunLock, check_run_dirs_writable
 from dapo_lightning.step_guard import NonFiniteUpdatesError
 
