@@ -142,13 +142,8 @@ def main(args: list[str] | None = None) -> None:
     # Before Lightning and vLLM print them, and before export / make-model load a model
     # (transformers imports deepspeed, which logs its CPU-accelerator line): logging_setup.py.
     quiet_known_warnings()
-    if argv and argv[0] == "plot":
-        plot_main(argv[1:])
-        return
-    if argv and argv[0] == "export":
-        export_main(argv[1:])
-        return
-    if argv and argv[0] == "make-model":
-        make_model_main(argv[1:])
+    other = {"plot": plot_main, "export": export_main, "make-model": make_model_main}
+    if argv[0] in other:  # the commands of OTHER_COMMANDS
+        other[argv[0]](argv[1:])
         return
     _run_lightning(args)

@@ -25,8 +25,8 @@ from dapo_lightning.cli.model_source import (
 )
 from dapo_lightning.cli.parser import (
     SUBCOMMAND_HELP,
+    DAPOHelpFormatter,
     StrictArgumentParser,
-    _HelpFormatter,
     allow_auto_precision,
 )
 from dapo_lightning.cli.run_setup import (
@@ -210,7 +210,7 @@ def build_cli(args: list[str] | None = None, *, run: bool = True) -> DAPOLightni
             }
             for name, what in descriptions.items()
         }
-        | {"formatter_class": _HelpFormatter},  # the main parser's: subcommands inherit it
+        | {"formatter_class": DAPOHelpFormatter},  # the main parser's: subcommands inherit it
         run=run,
         args=args,
     )

@@ -22,7 +22,7 @@ DAPO options (the Trainer's follow below):
 """
 
 
-class _HelpFormatter(DefaultHelpFormatter):
+class DAPOHelpFormatter(DefaultHelpFormatter):
     """jsonargparse's help, with the description's own line breaks kept."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
