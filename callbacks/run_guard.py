@@ -329,11 +329,17 @@ def _continue_last(trainer: pl.Trainer) -> None:
     ``last_model_path`` of its restored state, and ``ModelCheckpoint.load_state_dict`` drops
     that path whenever the checkpoint's ``dirpath`` differs from the current one: after a copy
     or a move of the run directory, every resume wrote ``last-v1.ckpt`` and left ``last.ckpt``
-    behind, stale. The run directory is this fit's (it holds the lock) and it resumed from the
-    newest update there, so its ``last.ckpt`` is the one to continue.
+    behind, stale. When the fit resumed from a checkpoint of this run directory (its checkpoint
+    folder, or a requeue's ``hpc_ckpt`` in the run directory: what ``--ckpt_path auto`` picks,
+    the highest update there), that ``last.ckpt`` is this run's and the one to continue; a
+    resume from a checkpoint elsewhere leaves Lightning's naming as it is.
     """
+    resumed_in = Path(str(trainer.ckpt_path)).absolute().parent.resolve()
     for checkpoint in trainer.checkpoint_callbacks:
         if not isinstance(checkpoint, ModelCheckpoint) or not checkpoint.save_last:
+            continue
+        here = {Path(str(checkpoint.dirpath)).resolve(), Path(trainer.default_root_dir).resolve()}
+        if resumed_in not in here:
             continue
         last = checkpoint.format_checkpoint_name(
             checkpoint._monitor_candidates(trainer), checkpoint.CHECKPOINT_NAME_LAST
