@@ -18,12 +18,17 @@ resuming").
   of an optimizer step, and on several ranks only for a stop every rank takes part in (a
   collective save cannot wait for a rank that failed alone).
 * **One fit per run directory**: a lock file (:class:`RunLock`) in ``trainer.default_root_dir``.
+  The run directory and the checkpoint folder are tried for writing at ``setup``, before any
+  training time is spent (:func:`~dapo_lightning.run_lock.check_run_dirs_writable`).
 * **Checkpoint files**: Lightning's plain ``TorchCheckpointIO`` is replaced by
   :class:`~dapo_lightning.checkpoint.AtomicCheckpointIO` (atomic writes, the previous
   ``last.ckpt`` kept as ``last-previous.ckpt``, a clear error on a full disk).
 * **Resume**: the config applies. Where the checkpoint's module / data hyper-parameters or the
   optimizer's (learning rate, weight decay, ...) differ from the config, the config's values are
-  used and each difference is printed.
+  used and each difference is printed. The weights are the checkpoint's: a changed
+  ``model_name_or_path`` is printed as what it is (the architecture and tokenizer come from
+  it, the weights do not). The resumed run keeps writing ``last.ckpt`` where it resumed, also
+  when the run directory was copied or moved (:func:`_continue_last`).
 
 Multi-rank: every rank takes part in the saves (``trainer.save_checkpoint`` is collective) and in
 the stop decision; only global rank 0 writes files and prints.
@@ -31,6 +36,7 @@ the stop decision; only global rank 0 writes files and prints.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -51,6 +57,7 @@ from dapo_lightning.checkpoint import (
     newest_checkpoint,
     optimizer_settings,
 )
+from dapo_lightning.checks import ConfigError
 from dapo_lightning.hooks import DAPOCallback
 from dapo_lightning.interrupt import (
     StopRequested,
@@ -61,7 +68,7 @@ from dapo_lightning.interrupt import (
     request_stop,
     stop_requested,
 )
-from dapo_lightning.run_lock import RunDirLockedError, RunLock
+from dapo_lightning.run_lock import RunDirLockedError, RunLock, check_run_dirs_writable
 from dapo_lightning.step_guard import NonFiniteUpdatesError
 
 #: Exceptions every rank raises together: the state can be saved collectively.
@@ -93,6 +100,7 @@ class RunGuard(DAPOCallback):
         self._restore_signals = None
         self._configured_optim: list[list[dict[str, Any]]] = []
         self._resume_notes: list[str] = []
+        self._weights_note: str | None = None
         self._started = False
         self._in_optimizer_step = False
         self._saved_step = -1
@@ -105,6 +113,7 @@ class RunGuard(DAPOCallback):
             return
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        _check_writable(trainer)
         if self.lock:
             self._lock = RunLock.acquire_for(trainer, Path(trainer.default_root_dir))
 
@@ -120,10 +129,12 @@ class RunGuard(DAPOCallback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        self._resume_notes = _hparam_changes("model", checkpoint.get("hyper_parameters"), pl_module)
-        self._resume_notes += _hparam_changes(
+        notes = _hparam_changes("model", checkpoint.get("hyper_parameters"), pl_module)
+        notes += _hparam_changes(
             "data", checkpoint.get("datamodule_hyper_parameters"), trainer.datamodule
         )
+        self._weights_note = _weights_note(notes)
+        self._resume_notes = [n for n in notes if not _is_weight_source(n)]
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -131,11 +142,13 @@ class RunGuard(DAPOCallback):
         self._started = True
         self._saved_step = trainer.global_step  # a fresh start has nothing new; a resume is on disk
         if trainer.ckpt_path:
+            _continue_last(trainer)
             notes = self._resume_notes + apply_optimizer_settings(trainer, self._configured_optim)
             head = f"Resuming from {trainer.ckpt_path} at update {trainer.global_step}"
             if notes:
                 head += "; the config applies where it differs from the checkpoint:"
-            _say(trainer, "\n  ".join([head, *notes]))
+            weights = [self._weights_note] if self._weights_note else []
+            _say(trainer, "\n  ".join([head, *notes, *weights]))
 
     # ------------------------------------------------------------------ between updates
     @override
@@ -294,6 +307,47 @@ def _last_path(checkpoint: ModelCheckpoint) -> Path:
     return Path(checkpoint.dirpath or ".") / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt"
 
 
+def _check_writable(trainer: pl.Trainer) -> None:
+    """:func:`~dapo_lightning.run_lock.check_run_dirs_writable` for the run directory and the
+    configured checkpoint folders, on global rank 0; every rank raises alike."""
+    problem = None
+    if trainer.is_global_zero:
+        folders = [c.dirpath for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
+        try:
+            check_run_dirs_writable(trainer.default_root_dir, folders)
+        except ConfigError as error:
+            problem = str(error)
+    problem = trainer.strategy.broadcast(problem)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _continue_last(trainer: pl.Trainer) -> None:
+    """After a resume, let each ``save_last`` ModelCheckpoint write ``last.ckpt`` again.
+
+    Lightning versions the name (``last-v1.ckpt``) when ``last.ckpt`` exists but is not the
+    ``last_model_path`` of its restored state, and ``ModelCheckpoint.load_state_dict`` drops
+    that path whenever the checkpoint's ``dirpath`` differs from the current one: after a copy
+    or a move of the run directory, every resume wrote ``last-v1.ckpt`` and left ``last.ckpt``
+    behind, stale. When the fit resumed from a checkpoint of this run directory (its checkpoint
+    folder, or a requeue's ``hpc_ckpt`` in the run directory: what ``--ckpt_path auto`` picks,
+    the highest update there), that ``last.ckpt`` is this run's and the one to continue; a
+    resume from a checkpoint elsewhere leaves Lightning's naming as it is.
+    """
+    resumed_in = Path(str(trainer.ckpt_path)).absolute().parent.resolve()
+    for checkpoint in trainer.checkpoint_callbacks:
+        if not isinstance(checkpoint, ModelCheckpoint) or not checkpoint.save_last:
+            continue
+        here = {Path(str(checkpoint.dirpath)).resolve(), Path(trainer.default_root_dir).resolve()}
+        if resumed_in not in here:
+            continue
+        last = checkpoint.format_checkpoint_name(
+            checkpoint._monitor_candidates(trainer), checkpoint.CHECKPOINT_NAME_LAST
+        )
+        if checkpoint.last_model_path != last and os.path.exists(last):
+            checkpoint.last_model_path = last
+
+
 def _stop_on_any_rank(trainer: pl.Trainer) -> str | None:
     """The stop request of any rank, recorded on every rank (a collective: a signal that
     reached one rank stops all of them after the same step, with the same exit status)."""
@@ -347,6 +401,29 @@ def _hparam_changes(section: str, saved: Any, obj: Any) -> list[str]:
         if differs:
             out.append(f"{section}.{key}: {saved[key]!r} (checkpoint) -> {value!r} (config)")
     return out
+
+
+#: The settings naming the model the run was started from (``data``'s is linked to ``model``'s).
+_WEIGHT_SOURCES = ("model.model_name_or_path: ", "data.model_name_or_path: ")
+
+
+def _is_weight_source(note: str) -> bool:
+    return note.startswith(_WEIGHT_SOURCES)
+
+
+def _weights_note(notes: list[str]) -> str | None:
+    """What a changed ``model_name_or_path`` on a resume means, said truthfully: the weights
+    continue from the checkpoint (Lightning restores the module's ``state_dict``); the new
+    path gave the architecture and the tokenizer only."""
+    changed = next((n for n in notes if n.startswith(_WEIGHT_SOURCES[0])), None)
+    changed = changed or next((n for n in notes if _is_weight_source(n)), None)
+    if changed is None:
+        return None
+    return (
+        f"{changed}: the weights continue from the checkpoint, not "
+        "from that model (it gave the architecture and the tokenizer only). To train from its "
+        "weights, start a fresh run: another --trainer.default_root_dir, no --ckpt_path."
+    )
 
 
 def _say(trainer: pl.Trainer, message: str) -> None:

@@ -50,6 +50,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from dapo_lightning.checks import ConfigError
 from dapo_lightning.step_guard import all_finite
 
 #: What a disk-full failure raises as (EDQUOT: a quota is full, the same to the user).
@@ -247,28 +248,49 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 _HPC_CKPT = re.compile(r"hpc_ckpt_\d+\.ckpt")
 
 
-def checkpoint_error(path: str | os.PathLike[str]) -> str | None:
-    """Why the checkpoint at ``path`` cannot be resumed from, or None when it loads.
+def _load_header(path: Path) -> dict[str, Any]:
+    """The checkpoint's top-level dict, tensors memory-mapped (reads little more than the
+    file's index); a sharded folder's ``meta.pt`` (FSDP), else ``{}`` for a folder."""
+    if path.is_dir():
+        meta = path / "meta.pt"
+        return torch.load(meta, map_location="cpu", weights_only=True) if meta.is_file() else {}
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
-    A file is opened the way a resume opens it (``torch.load`` of the whole structure, tensors
-    memory-mapped, so this reads little more than the file's index): a truncated or empty file
-    fails here. A checkpoint holding objects that ``weights_only`` refuses counts as loadable
-    (its structure is complete). A folder (sharded FSDP / DeepSpeed checkpoint) must not be empty.
+
+def inspect_checkpoint(path: str | os.PathLike[str]) -> tuple[int | None, str | None]:
+    """``(update, None)`` for a checkpoint that loads, ``(None, why)`` for one that does not.
+
+    The update is the checkpoint's own ``global_step`` (None where it cannot be read: a sharded
+    folder without ``meta.pt``, a file holding objects ``weights_only`` refuses). A file is
+    opened the way a resume opens it (``torch.load`` of the whole structure, tensors
+    memory-mapped): a truncated or empty file fails here. A checkpoint holding objects that
+    ``weights_only`` refuses counts as loadable (its structure is complete). A folder (sharded
+    FSDP / DeepSpeed checkpoint) must not be empty.
     """
     path = Path(path)
-    if path.is_dir():
-        return None if any(path.iterdir()) else "empty checkpoint folder"
+    if path.is_dir() and not any(path.iterdir()):
+        return None, "empty checkpoint folder"
     try:
-        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        header = _load_header(path)
     except Exception as error:  # noqa: BLE001 - every failure to load is a reason to skip it
         if "Weights only load failed" in str(error):
-            return None
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    return None
+            return None, None
+        if path.is_dir():
+            return None, None  # a sharded folder whose metadata is not ours to judge
+        return None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    step = header.get("global_step") if isinstance(header, dict) else None
+    return (int(step) if isinstance(step, int) else None), None
+
+
+def checkpoint_error(path: str | os.PathLike[str]) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed from, or None when it loads
+    (see :func:`inspect_checkpoint`)."""
+    return inspect_checkpoint(path)[1]
 
 
 def resume_candidates(trainer: Any) -> list[str]:
-    """The checkpoints ``trainer`` could resume from, newest (modified last) first.
+    """The checkpoints ``trainer`` could resume from, modified last first (the order only
+    breaks ties: :func:`find_resume_checkpoint` ranks them by their update).
 
     Candidates: every ``last*.ckpt`` (``last-previous.ckpt`` included) in the ``dirpath`` of the
     trainer's ``ModelCheckpoint`` callbacks, and every ``hpc_ckpt_<n>.ckpt`` in
@@ -282,26 +304,33 @@ def resume_candidates(trainer: Any) -> list[str]:
     if root.is_dir():
         found |= {str(p) for p in root.iterdir() if _HPC_CKPT.fullmatch(p.name)}
     existing = [p for p in found if os.path.exists(p)]
-    return sorted(existing, key=os.path.getmtime, reverse=True)
+    return sorted(existing, key=lambda p: (os.path.getmtime(p), p), reverse=True)
 
 
 def find_resume_checkpoint(trainer: Any, report: Callable[[str], None] | None = None) -> str | None:
-    """The newest loadable checkpoint of :func:`resume_candidates`, or None to start fresh.
+    """The loadable checkpoint of :func:`resume_candidates` with the highest update, or None to
+    start fresh.
 
-    Each unloadable one (see :func:`checkpoint_error`) is skipped and reported, so a run whose
+    The update is read from each checkpoint (its ``global_step``), never taken from the file's
+    modification time: a ``cp -r`` or ``rsync`` of a run directory gives its files new times in
+    any order. Among equal updates (or updates that cannot be read) the file modified last wins.
+    Each unloadable one (see :func:`inspect_checkpoint`) is skipped and reported, so a run whose
     newest checkpoint was cut short resumes from the one before it.
 
     Args:
         trainer: The trainer about to fit.
         report: Called with one line per skipped checkpoint (e.g. ``print``).
     """
-    for path in resume_candidates(trainer):
-        error = checkpoint_error(path)
-        if error is None:
-            return path
-        if report is not None:
-            report(f"skipping {path}: it cannot be loaded ({error})")
-    return None
+    best, best_step = None, -2
+    for path in resume_candidates(trainer):  # modified last first: the first of a tie wins
+        step, error = inspect_checkpoint(path)
+        if error is not None:
+            if report is not None:
+                report(f"skipping {path}: it cannot be loaded ({error})")
+            continue
+        if (-1 if step is None else step) > best_step:
+            best, best_step = path, -1 if step is None else step
+    return best
 
 
 def optimizer_settings(trainer: Any) -> list[list[dict[str, Any]]]:
@@ -385,3 +414,38 @@ def restore_rng_states(state: dict[str, Any]) -> None:
         states = state["cuda"]
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)
+
+
+#: Files that mark a folder as a sharded checkpoint: Lightning's FSDP (``meta.pt``), torch
+#: distributed checkpoint (``.metadata``), DeepSpeed (``latest``, ``checkpoint/``).
+_SHARDED_MARKERS = ("meta.pt", ".metadata", "latest", "checkpoint")
+
+#: ``ckpt_path`` values Lightning resolves itself (and ``auto``, resolved by the CLI).
+_NAMED_CKPT_PATHS = ("auto", "last", "best", "hpc")
+
+
+def check_ckpt_path(path: str | os.PathLike[str] | None) -> None:
+    """Raise :class:`~dapo_lightning.checks.ConfigError` unless ``--ckpt_path`` names a
+    checkpoint that loads (a file, or a sharded checkpoint folder); None, Lightning's named
+    values (``last``, ``best``, ``hpc``, ``registry...``), ``auto`` and URLs pass."""
+    text = None if path is None else os.fspath(path)
+    if text is None or text in _NAMED_CKPT_PATHS or "://" in text or text.startswith("registry"):
+        return
+    fix = (
+        "Fix: give a checkpoint file (e.g. RUN/checkpoints/last.ckpt), or --ckpt_path auto to "
+        "resume from the run's newest loadable checkpoint."
+    )
+    given = Path(text)
+    if not given.exists():
+        raise ConfigError(f"ckpt_path: {text} does not exist. {fix}")
+    if given.is_dir() and not any((given / name).exists() for name in _SHARDED_MARKERS):
+        inside = sorted(p.name for p in given.glob("*.ckpt"))
+        holds = f" (it holds {', '.join(inside[:4])})" if inside else ""
+        raise ConfigError(f"ckpt_path: {text} is a folder, not a checkpoint{holds}. {fix}")
+    error = checkpoint_error(given)
+    if error is not None:
+        raise ConfigError(
+            f"ckpt_path: {text} cannot be loaded ({error}). Fix: give a complete checkpoint "
+            "(last-previous.ckpt beside last.ckpt is the one before it), or --ckpt_path auto, "
+            "which skips checkpoints that do not load."
+        )

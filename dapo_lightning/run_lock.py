@@ -6,8 +6,13 @@ second one's ``--ckpt_path auto`` may resume from the first one's state. :class:
 (:class:`~dapo_lightning.callbacks.RunGuard` holds it from ``setup`` to the end of fit). A lock
 whose process is gone (killed, crashed, the node rebooted) is stale and taken over: on the same
 host the PID is checked, together with its start time so a reused PID does not count. A lock
-held from another host cannot be checked; the error says how to remove it (see docs/design.md,
-"Stopping and resuming").
+held from another host cannot be checked, except under SLURM: the lock records the job id
+(``SLURM_JOB_ID``), and a requeued job keeps its id, so a lock of the same job, left on
+another node by the run that was pre-empted, is taken over. Any other lock of another host
+stays; the error says how to remove it (see docs/design.md, "Stopping and resuming").
+
+:func:`check_run_dirs_writable` tries the run directory and the checkpoint folder for real at
+the start, so an unwritable one fails before any training time is spent.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from dapo_lightning.checks import ConfigError
 
 #: The lock file's name inside the run directory.
 LOCK_NAME = ".dapo-run.lock"
@@ -116,6 +124,7 @@ class RunLock:
             "start": _process_start(pid),
             "since": time.strftime("%Y-%m-%d %H:%M:%S"),
             "command": " ".join(sys.argv),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         }
 
     def _holder(self) -> dict[str, Any] | None:
@@ -166,6 +175,14 @@ class RunLock:
                 file=sys.stderr,
             )
             return
+        job = os.environ.get("SLURM_JOB_ID")
+        if host != socket.gethostname() and job and holder.get("slurm_job_id") == job:
+            print(
+                f"Taking over the run-directory lock {self.path} of PID {pid} on host {host}: "
+                f"it is this SLURM job's ({job}) from before its requeue.",
+                file=sys.stderr,
+            )
+            return
         where = "" if host == socket.gethostname() else f" on host {host}"
         raise RunDirLockedError(
             f"{self.path.parent} is in use by another fit: PID {pid}{where}, running since "
@@ -202,3 +219,52 @@ class RunLock:
         if error is not None:
             raise RunDirLockedError(error)
         return lock
+
+
+def unwritable(directory: str | os.PathLike[str]) -> str | None:
+    """Why a file cannot be created in ``directory`` (where it does not exist yet: in the
+    nearest folder above it, where it would be created), or None when one can.
+
+    Tried for real (a probe file created and removed at once), so file modes, ACLs, a read-only
+    mount and root's exemption from modes all count as they will at the first save.
+    """
+    path = Path(directory).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if not path.is_dir():
+        return f"{path} is not a folder"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".dapo-write-test-", dir=path)
+    except OSError as error:
+        return f"{path}: {error.strerror or error}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def check_run_dirs_writable(
+    root: str | os.PathLike[str] | None, checkpoint_dirs: list[str | os.PathLike[str]]
+) -> None:
+    """Raise :class:`~dapo_lightning.checks.ConfigError` unless files can be written into the
+    run directory ``root`` (None: the working directory, Lightning's default) and into each
+    checkpoint folder (see :func:`unwritable`).
+
+    Raises:
+        ConfigError: Naming the setting (``trainer.default_root_dir`` or
+            ``ModelCheckpoint.dirpath``), the folder, why, and the fix.
+    """
+    where = os.getcwd() if root is None else root
+    why = unwritable(where)
+    if why is not None:
+        raise ConfigError(
+            f"trainer.default_root_dir: the run directory {where} is not writable ({why}). "
+            "Fix: make it writable, or give the run another --trainer.default_root_dir."
+        )
+    for folder in checkpoint_dirs:
+        why = unwritable(folder)
+        if why is not None:
+            raise ConfigError(
+                f"ModelCheckpoint.dirpath: the checkpoint folder {folder} is not writable "
+                f"({why}): no checkpoint could be saved. Fix: make it writable, or point the "
+                "ModelCheckpoint's dirpath at a writable folder."
+            )

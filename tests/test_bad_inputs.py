@@ -1163,3 +1163,104 @@ def test_cli_reward_returning_nan_or_a_string_is_one_line_exit_2(
         [f"--config={config}", f'--data.reward={{"class_path": "{reward}"}}'], capfd
     )
     assert_one_error_line(code, err, *fragments)
+
+
+# ------------------------------------------- issue 38: inputs that gave tracebacks (CLI parts)
+def _truncated_checkpoint(tmp_path: Path) -> Path:
+    path = tmp_path / "cut.ckpt"
+    torch.save({"global_step": 3, "w": torch.zeros(1000)}, path)
+    path.write_bytes(path.read_bytes()[:900])
+    return path
+
+
+def _checkpoint_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"global_step": 3}, folder / "last.ckpt")
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("make_args", "fragments"),
+    [
+        (
+            lambda tmp: ["--ckpt_path", str(tmp / "missing.ckpt")],
+            ["error: ckpt_path: ", "missing.ckpt does not exist. Fix: ", "--ckpt_path auto"],
+        ),
+        (
+            lambda tmp: ["--ckpt_path", str(_checkpoint_folder(tmp))],
+            ["checkpoints is a folder, not a checkpoint (it holds last.ckpt). Fix: "],
+        ),
+        (
+            lambda tmp: ["--ckpt_path", str(_truncated_checkpoint(tmp))],
+            ["cut.ckpt cannot be loaded (", "Fix: give a complete checkpoint"],
+        ),
+        (
+            lambda tmp: ["--model.model_name_or_path", str(tmp / "modle")],
+            ["error: model.model_name_or_path: ", "modle does not exist. Fix: give the folder"],
+        ),
+        (
+            # no network here: the hub cannot be reached; with one: it has no such model
+            lambda tmp: ["--model.model_name_or_path", "no-such-org-dapo/no-such-model-dapo"],
+            [
+                "error: model.model_name_or_path: 'no-such-org-dapo/no-such-model-dapo' is no "
+                "local folder and ",
+                "Fix: correct the path, or download the model",
+            ],
+        ),
+    ],
+    ids=["ckpt-missing", "ckpt-folder", "ckpt-truncated", "model-path-typo", "hub-id"],
+)
+def test_cli_bad_path_is_one_line_exit_2(tiny_checkpoint, tmp_path, capfd, make_args, fragments):
+    """Issue 38 item 7: each of these exited 1 with one to three chained tracebacks."""
+    config = fit_config(tmp_path, tiny_checkpoint)
+    code, err = fit_main([f"--config={config}", *make_args(tmp_path)], capfd)
+    assert_one_error_line(code, err, *fragments)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--model.gradient_clip_val=nan", "error: model.gradient_clip_val=nan is not finite."),
+        ("--model.loss.clip_ratio_low=NaN", "error: model.loss.clip_ratio_low=NaN is not finite."),
+        ("--data.sampling.temperature=inf", "error: data.sampling.temperature=inf is not finite."),
+        (
+            "--data.dynamic_sampling.selection.max_skip=-inf",
+            "error: data.dynamic_sampling.selection.max_skip=-inf is not finite.",
+        ),
+        ("--trainer.gradient_clip_val=nan", "error: trainer.gradient_clip_val=nan is not finite."),
+    ],
+)
+def test_cli_plain_nan_is_one_line(tiny_checkpoint, tmp_path, capfd, option, message):
+    """Issue 38 item 7: a plain ``nan`` (YAML's string, where ``.nan`` is its float) gave a
+    12-17-line union dump; now the parser's one error line names the field."""
+    config = fit_config(tmp_path, tiny_checkpoint)
+    code, err = fit_main([f"--config={config}", option, "--print_config"], capfd)
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and lines == [f"{message} Give a finite number."], err[-3000:]
+    assert len(err.strip().splitlines()) == 3, err  # usage, tip, error
+
+
+def test_cli_batch_that_does_not_split_over_the_ranks_fails_before_they_start(
+    tiny_checkpoint, tmp_path
+):
+    """Issue 38 item 7: ``--trainer.devices 3`` with a batch of 2 prompts raised in each of the
+    three ranks (three tracebacks, exit 1). Checked before any rank starts: one line, exit 2.
+    (The console script in a subprocess: the ranks are real processes.)"""
+    import subprocess
+
+    config = fit_config(tmp_path, tiny_checkpoint)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    cli = str(Path(sys.executable).parent / "dapo-lightning")
+    proc = subprocess.run(
+        [cli, "fit", f"--config={config}", "--trainer.devices=3"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert_one_error_line(
+        proc.returncode,
+        proc.stderr,
+        "error: data.dynamic_sampling.train_batch_size=2 is global (over all ranks) and must be "
+        "a positive multiple of world_size=3: use e.g. 3.",
+        "trainer.devices x trainer.num_nodes, now 3",
+    )
+    assert "[rank" not in proc.stderr  # no rank was started

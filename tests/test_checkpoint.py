@@ -99,10 +99,31 @@ def test_resume_picks_the_newest_loadable_checkpoint(tmp_path):
     _save(tmp_path / "ckpts" / "epoch=0-step=5.ckpt", 5, now)  # not a last checkpoint
     assert resume_candidates(trainer) == [str(last), str(older)]
     assert find_resume_checkpoint(trainer) == str(last)
-    hpc = _save(tmp_path / "hpc_ckpt_1.ckpt", 3, now - 50)  # SLURM requeue, newer
+    hpc = _save(tmp_path / "hpc_ckpt_1.ckpt", 3, now - 50)  # SLURM requeue, a later update
     assert find_resume_checkpoint(trainer) == str(hpc)
-    os.utime(last, (now, now))  # a later last.ckpt beats an older requeue checkpoint
+    _save(last, 4, now)  # a later last.ckpt beats an older requeue checkpoint
     assert find_resume_checkpoint(trainer) == str(last)
+
+
+def test_resume_picks_the_highest_update_not_the_newest_file(tmp_path):
+    """Issue 38: after ``cp -r`` of a run the files' times follow the copy's order; the update
+    is read from each checkpoint. A tie goes to the file modified last; an unloadable file with
+    the highest update is skipped."""
+    trainer = _trainer(tmp_path)
+    now = time.time()
+    last = _save(tmp_path / "ckpts" / "last.ckpt", 18, now - 100)
+    previous = _save(tmp_path / "ckpts" / "last-previous.ckpt", 14, now)  # copied last
+    hpc = _save(tmp_path / "hpc_ckpt_2.ckpt", 16, now + 10)
+    assert find_resume_checkpoint(trainer) == str(last)
+    tie = _save(tmp_path / "ckpts" / "last-v1.ckpt", 18, now - 50)
+    assert find_resume_checkpoint(trainer) == str(tie)
+    _truncate(tie)
+    _truncate(last)
+    skipped: list[str] = []
+    assert find_resume_checkpoint(trainer, skipped.append) == str(hpc)
+    assert len(skipped) == 2 and all("cannot be loaded" in line for line in skipped)
+    hpc.unlink()
+    assert find_resume_checkpoint(trainer) == str(previous)
 
 
 def test_truncated_newest_falls_back_to_the_previous_one(tmp_path):

@@ -339,11 +339,13 @@ model:
 data:
   class_path: dapo_lightning.DAPODataModule
   init_args:
-    task: arithmetic
-    task_kwargs: {{level: 1, num_prompts: 16}}
     reward: {{class_path: {reward}, init_args: {{marker: {marker}}}}}
     scoring: {scoring}
-    prompts: {{apply_chat_template: false, max_prompt_length: 16}}
+    prompts:
+      task: arithmetic
+      task_kwargs: {{level: 1, num_prompts: 16}}
+      apply_chat_template: false
+      max_prompt_length: 16
     sampling: {{max_tokens: 4}}
     dynamic_sampling: {{n: 2, train_batch_size: 2, filter_metric: null}}
 trainer:

@@ -260,6 +260,134 @@ def test_second_fit_in_a_held_run_directory_fails_at_once(early_stopped, tmp_pat
     assert not (run / "checkpoints").exists()
 
 
+def test_resume_after_cp_r_takes_the_highest_update_and_keeps_writing_last_ckpt(
+    early_stopped, tmp_path
+):
+    """Issue 38: after ``cp -r`` of a run directory ``last-previous.ckpt`` (update 2) can be
+    newer than ``last.ckpt`` (update 3); ``--ckpt_path auto`` resumed from update 2, then wrote
+    ``last-v1.ckpt`` (the copy's checkpoint folder is not the one in the checkpoint's state)
+    and left ``last.ckpt`` stale. Now it resumes at update 3 and update 4 is ``last.ckpt``."""
+    subprocess.run(["cp", "-r", str(early_stopped["run"]), str(tmp_path / "run")], check=True)
+    folder = tmp_path / "run" / "checkpoints"
+    later = time.time() + 60
+    os.utime(folder / "last-previous.ckpt", (later, later))  # the copy's order, made certain
+    proc = ok(
+        cli(
+            "fit", "--config", QUICKSTART, "--config", str(early_stopped["override"]),
+            "--trainer.default_root_dir", "run", "--ckpt_path", "auto",
+            "--trainer.max_steps", "4",
+            cwd=tmp_path,
+        )
+    )  # fmt: skip
+    err = proc.stderr
+    assert re.search(r"auto: resuming from \S*/run/checkpoints/last\.ckpt", err), err[-3000:]
+    assert re.search(r"Resuming from \S*/run/checkpoints/last\.ckpt at update 3", err)
+    assert [v for _, v in series(metrics(tmp_path / "run", version=1), "rollout/step")] == [4.0]
+    assert sorted(p.name for p in folder.iterdir()) == ["last-previous.ckpt", "last.ckpt"]
+    assert step_of(folder / "last.ckpt") == 4
+    assert step_of(folder / "last-previous.ckpt") == 3
+
+
+def test_resume_with_another_model_path_says_the_weights_come_from_the_checkpoint(
+    early_stopped, tmp_path
+):
+    """Issue 38 item 5b: a resume with another ``model_name_or_path`` printed it under "the
+    config applies", while the weights continued from the checkpoint (Lightning restores the
+    module's state). The line now says so, and how to train from the other model's weights."""
+    shutil.copytree(early_stopped["run"], tmp_path / "run")
+    shutil.copytree(early_stopped["run"] / "model", tmp_path / "other-model")
+    proc = ok(
+        cli(
+            "fit", "--config", QUICKSTART, "--config", str(early_stopped["override"]),
+            "--trainer.default_root_dir", "run", "--ckpt_path", "auto",
+            "--trainer.max_steps", "4", "--model.init_args.model_name_or_path", "other-model",
+            cwd=tmp_path,
+        )
+    )  # fmt: skip
+    err = proc.stderr
+    assert re.search(r"Resuming from \S*/run/checkpoints/last\.ckpt at update 3\n", err), err
+    assert (
+        "model.model_name_or_path: 'run/model' (checkpoint) -> 'other-model' (config): the "
+        "weights continue from the checkpoint, not from that model (it gave the architecture "
+        "and the tokenizer only). To train from its weights, start a fresh run"
+    ) in err, err[-3000:]
+    assert "the config applies" not in err  # nothing else differs
+    assert "data.model_name_or_path" not in err  # the linked copy is not a second note
+    assert step_of(tmp_path / "run" / "checkpoints" / "last.ckpt") == 4
+
+
+def _as_another_user() -> tuple[list[str], bool]:
+    """The command prefix that runs a process as a user file modes apply to: ``setpriv`` to
+    ``nobody`` when this is root (root ignores modes), nothing otherwise; and whether modes
+    must be given to that user by ``chown`` (root) rather than ``chmod`` alone."""
+    if os.geteuid() != 0:
+        return [], False
+    if shutil.which("setpriv") is None:
+        pytest.skip("root ignores file modes and setpriv (to run as nobody) is not installed")
+    return ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"], True
+
+
+@pytest.fixture
+def shared_dir(early_stopped) -> Iterator[Path]:
+    """A folder another user can enter, holding a readable copy of the tiny model and the
+    override config (pytest's own temporary folders are private to this user)."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="dapo-unwritable-", dir="/tmp"))
+    try:
+        folder.chmod(0o755)
+        shutil.copytree(early_stopped["run"] / "model", folder / "model")
+        shutil.copy(early_stopped["override"], folder / "override.yaml")
+        for path in [folder, *folder.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        yield folder
+    finally:
+        for path in [folder, *folder.rglob("*")]:
+            if path.is_dir():
+                path.chmod(0o755)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("unwritable", ["run root", "checkpoints"])
+def test_unwritable_run_directory_fails_at_start(shared_dir, unwritable):
+    """Issue 38 item 6: an unwritable ``checkpoints/`` was found at the first save, after the
+    training time was spent; a read-only run root gave a traceback. Both are tried at the start
+    (as a real non-root user: root ignores modes): one error line naming the setting, exit 2,
+    nothing trained."""
+    prefix, chown = _as_another_user()
+    run = shared_dir / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    writable = [] if unwritable == "run root" else [run]
+    for folder in (run, run / "checkpoints"):
+        if folder in writable and chown:
+            shutil.chown(folder, "nobody", "nogroup")
+        folder.chmod(0o755 if folder in writable else 0o555)
+    env = {**cli_env(), "HOME": str(shared_dir), "MPLCONFIGDIR": str(shared_dir / "mpl")}
+    shared_dir.chmod(0o777 if chown else 0o755)  # HOME: caches may be written there
+    proc = subprocess.run(
+        [*prefix, CLI, "fit", "--config", QUICKSTART, "--config", str(shared_dir / "override.yaml"),
+         "--trainer.default_root_dir", str(run),
+         "--model.init_args.model_name_or_path", str(shared_dir / "model")],
+        cwd=shared_dir, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    err = proc.stderr
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert proc.returncode == 2, err[-4000:]
+    assert len(lines) == 1 and "Traceback" not in err, err[-4000:]
+    if unwritable == "run root":
+        assert lines[0].startswith(
+            f"dapo-lightning: error: trainer.default_root_dir: the run directory {run} is not "
+            "writable ("
+        ), lines[0]
+    else:
+        assert lines[0].startswith(
+            f"dapo-lightning: error: ModelCheckpoint.dirpath: the checkpoint folder "
+            f"{run / 'checkpoints'} is not writable ("
+        ), lines[0]
+    assert "Fix: " in lines[0] and "rollout" not in err  # nothing was generated or trained
+    assert not (run / "logs").exists() and list((run / "checkpoints").iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- the lock
 def _hold_lock(directory: Path) -> subprocess.Popen:
     """A real process holding ``directory``'s lock until killed."""
@@ -306,6 +434,31 @@ def test_lock_of_a_reused_pid_or_another_host(tmp_path):
     path.write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "then", "command": "x"}))
     with pytest.raises(RunDirLockedError, match="PID 1 on host elsewhere"):
         RunLock(tmp_path).acquire()
+
+
+def test_lock_of_this_slurm_job_on_another_host_is_taken_over(tmp_path, monkeypatch, capsys):
+    """Issue 38 item 8: a SLURM requeue keeps its job id but may land on another node, where
+    the dead run's lock could not be checked and blocked it. The lock records host and job id;
+    the same job (real ``SLURM_JOB_ID``) takes it over on any host, another job does not."""
+    path = tmp_path / LOCK_NAME
+    dead = {"pid": 4242, "host": "node-17-elsewhere", "since": "then", "command": "dapo-lightning fit",
+            "slurm_job_id": "918273"}  # fmt: skip
+    path.write_text(json.dumps(dead))
+    monkeypatch.setenv("SLURM_JOB_ID", "918274")  # another job: the lock may be live
+    with pytest.raises(RunDirLockedError, match="PID 4242 on host node-17-elsewhere"):
+        RunLock(tmp_path).acquire()
+    monkeypatch.delenv("SLURM_JOB_ID")  # not under SLURM: nothing to compare
+    with pytest.raises(RunDirLockedError, match="PID 4242 on host node-17-elsewhere"):
+        RunLock(tmp_path).acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "918273")  # the requeued job itself
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    record = json.loads(path.read_text())
+    assert record["pid"] == os.getpid() and record["host"] == socket.gethostname()
+    assert record["slurm_job_id"] == "918273"
+    assert "this SLURM job's (918273) from before its requeue" in capsys.readouterr().err
+    lock.release()
+    assert not path.exists()
 
 
 # ----------------------------------------------------------------------------- in process

@@ -1,0 +1,87 @@
+"""The CLI's argument parser: options spelled out in full, help that keeps its line breaks,
+``trainer.precision: auto``, and a non-finite number given plainly (``nan``) said in one line.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, NoReturn
+
+from jsonargparse import DefaultHelpFormatter
+from lightning.pytorch.cli import LightningArgumentParser
+
+#: The top of ``fit --help`` / ``validate --help``: where the DAPO options are.
+SUBCOMMAND_HELP = """{what}
+
+DAPO options (the Trainer's follow below):
+  --model.help DAPOModule          the policy update: clip ratios, loss aggregation, optimizer
+  --data.help DAPODataModule       prompts, rewards, rollout engine, group size, dynamic sampling
+  --create_model_if_missing ...    write the quickstart's tiny model on first use
+  --ckpt_path auto                 resume from the run's latest update that loads
+  --print_config                   the whole resolved config, as YAML
+"""
+
+
+class DAPOHelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's help, with the description's own line breaks kept."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
+class StrictArgumentParser(LightningArgumentParser):
+    """A parser that refuses abbreviated options (``allow_abbrev=False``): argparse would take
+    ``--model.init_args.loss.clip_ratio_hi 0.3`` for ``clip_ratio_high`` without a word, so a
+    typo could set another option. jsonargparse builds the parsers of subcommands and of
+    subclass arguments (``--model.init_args.*``) with the class of their parent, so one class
+    covers all of them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        """jsonargparse's error, with a non-finite number said in one line
+        (:func:`nonfinite_message`; by the parser that prints it, not by the nested parsers
+        whose messages it quotes)."""
+        shorter = nonfinite_message(message) if self.exit_on_error else None
+        super().error(shorter or message, ex)
+
+
+_NONFINITE = r"[+-]?(?:nan|inf|infinity)"
+#: The innermost line of a type error naming the value, when it is a NaN / infinity spelled
+#: plainly (``nan``: YAML reads it as a string; ``.nan`` reaches the class's own check).
+_NONFINITE_VALUE = re.compile(rf"^( *).*\b(?:Given|Got) value: ({_NONFINITE})\s*$", re.I | re.M)
+#: The outer line of a nested one: ``Given value: NestedArg(key='loss.eps', val='nan')``.
+_NONFINITE_NESTED = re.compile(rf"NestedArg\(key='([^']+)', val='({_NONFINITE})'\)", re.I)
+_PARSER_KEY = re.compile(r'^( *)(?:- )?Parser key "([^"]+)"')
+
+
+def nonfinite_message(message: str) -> str | None:
+    """``model.gradient_clip_val=nan is not finite...`` for jsonargparse's 12-17-line union dump
+    of a plain ``nan`` / ``inf`` given for a number; None for any other message. The field is
+    the chain of ``Parser key`` lines the value line is nested in (by indentation)."""
+    found = _NONFINITE_VALUE.search(message)
+    if found is not None:
+        depth, keys = len(found.group(1)), []
+        for line in reversed(message[: found.start()].splitlines()):
+            key = _PARSER_KEY.match(line)
+            if key is not None and len(key.group(1)) < depth:
+                depth = len(key.group(1))
+                keys.insert(0, key.group(2))
+        field, value = ".".join(keys), found.group(2)
+    elif (nested := _NONFINITE_NESTED.search(message)) is not None:
+        outer = _PARSER_KEY.match(message)
+        field = ".".join([outer.group(2), nested.group(1)] if outer else [nested.group(1)])
+        value = nested.group(2)
+    else:
+        return None
+    return f"{field or 'a setting'}={value} is not finite. Give a finite number."
+
+
+def allow_auto_precision(parser: Any) -> None:
+    """Let ``trainer.precision`` take ``"auto"`` (the Trainer's own type has no such value;
+    :func:`~dapo_lightning.precision.resolve_trainer_precision` replaces it before the Trainer
+    is built)."""
+    for action in parser._actions:
+        if action.dest == "trainer.precision" and hasattr(action, "_typehint"):
+            action._typehint = Literal["auto"] | action._typehint
