@@ -172,6 +172,10 @@ def test_sapo_aggregates_per_sequence_by_default_as_trl_does():
     dapo, _, _ = ours(logp, old, adv, mask)  # dapo's own stays the paper's token-mean
     tok, _, _ = ours(logp, old, adv, mask, loss_agg_mode="token-mean")
     assert float(dapo) == float(tok)
+    from tests.test_cli import REPO
+
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "`sapo` averaged per sequence as TRL does unless `loss_agg_mode` is set" in readme
 
 
 def test_an_objective_declares_its_own_aggregation():
