@@ -63,6 +63,9 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 )
 """Valid values of ``loss_agg_mode`` (see :func:`aggregate_loss`)."""
 
+DEFAULT_LOSS_AGG_MODE = "token-mean"
+"""The aggregation of an objective that declares none (DAPO's token-level loss)."""
+
 LOG_RATIO_CLAMP: float = 20.0
 """Bound on ``|logp - old_logp|`` (and ``|ref - logp|``) before ``exp``: ``exp(20) ~ 4.9e8``."""
 
@@ -199,7 +202,9 @@ class PolicyLossConfig:
             tokens at ``c * |A|``; None disables it (the paper does not use it; verl: 3.0).
         loss_agg_mode: ``token-mean`` (DAPO), ``seq-mean-token-mean`` (GRPO),
             ``seq-mean-token-sum``, ``seq-mean-token-sum-norm`` (Dr. GRPO); see
-            :func:`aggregate_loss`.
+            :func:`aggregate_loss`. None (the default): the objective's own, declared when it
+            is registered (``sapo``: ``seq-mean-token-mean``, as TRL averages it), else
+            :data:`DEFAULT_LOSS_AGG_MODE` (``dapo``, ``gspo``, ``cispo``: ``token-mean``).
         importance_sampling_level: ``token`` (one ratio per token) or ``sequence`` (one per
             response, the exp of its mean log-ratio: TRL's ``importance_sampling_level``), for
             the objectives that take a ratio (``gspo`` is always ``sequence``).
@@ -218,7 +223,7 @@ class PolicyLossConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
     clip_ratio_c: float | None = None
-    loss_agg_mode: LossAggMode = "token-mean"
+    loss_agg_mode: LossAggMode | None = None
     importance_sampling_level: ImportanceSamplingLevel = "token"
     rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
     entropy_coef: float = 0.0
@@ -264,10 +269,15 @@ class PolicyLossConfig:
 
 
 def check_loss_settings(
-    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None, loss_agg_mode: str
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None,
+    loss_agg_mode: str | None,
 ) -> None:
-    """Raise a ValueError naming the setting when a clip ratio or the aggregation mode is invalid."""
-    check_loss_agg_mode(loss_agg_mode, f"{LOSS_PATH}.loss_agg_mode")
+    """Raise a ValueError naming the setting when a clip ratio or the aggregation mode is invalid
+    (a None mode is valid: the objective's own)."""
+    if loss_agg_mode is not None:
+        check_loss_agg_mode(loss_agg_mode, f"{LOSS_PATH}.loss_agg_mode")
     if not 0.0 <= clip_ratio_low < 1.0:
         raise ValueError(
             f"{LOSS_PATH}.clip_ratio_low (eps_low) must be in [0, 1) so that 1 - eps_low > 0; got {clip_ratio_low}."

@@ -13,6 +13,10 @@ entropy and KL terms and the aggregation are applied around it by
 :func:`dapo_lightning.policy_loss.policy_loss`. Metrics are masked means over the valid tokens
 (``inputs.mean`` / ``inputs.frac``).
 
+An objective may declare its own aggregation (``loss_agg_mode`` at registration): it is used
+when ``config.loss_agg_mode`` is None (the default), so an objective runs as its source
+computes it unless the user chooses another (:func:`objective_loss_agg_mode`).
+
 Built-ins, with ``r`` the importance ratio (token or sequence level, see
 :func:`~dapo_lightning.loss.importance_log_ratio`) and ``A`` the advantage:
 
@@ -23,7 +27,8 @@ Built-ins, with ``r`` the importance ratio (token or sequence level, see
 * ``cispo``: ``pg_t = -sg(min(r_t, cap)) * A_t * logp_t`` (MiniMax-M1; TRL ``loss_type="cispo"``
   with ``epsilon_high = cap``, ScaleRL's recommended 5.0).
 * ``sapo``: ``pg_t = -sigmoid(tau (r_t - 1)) * 4 / tau * A_t`` with ``tau = temperature_pos`` for
-  ``A > 0`` else ``temperature_neg`` (Gao et al. 2025; TRL ``loss_type="sapo"``, 1.0 / 1.05).
+  ``A > 0`` else ``temperature_neg`` (Gao et al. 2025; TRL ``loss_type="sapo"``, 1.0 / 1.05),
+  averaged per sequence by default (``seq-mean-token-mean``, as TRL's ``GRPOTrainer`` does).
 
 A user's objective is one decorated function in their own module, selected from YAML by name
 or dotted path (README, "Your own objective").
@@ -36,7 +41,14 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from dapo_lightning.loss import LOSS_PATH, LossInputs, PolicyLossConfig, importance_log_ratio
+from dapo_lightning.loss import (
+    DEFAULT_LOSS_AGG_MODE,
+    LOSS_PATH,
+    LossInputs,
+    PolicyLossConfig,
+    check_loss_agg_mode,
+    importance_log_ratio,
+)
 from dapo_lightning.registry import Entry, Registry
 
 PolicyObjective = Callable[
@@ -50,12 +62,21 @@ POLICY_OBJECTIVES: Registry[PolicyObjective] = Registry(
 
 
 def register_policy_objective(
-    name: str, params: dict[str, float] | None = None, positive: tuple[str, ...] = ()
+    name: str,
+    params: dict[str, float] | None = None,
+    positive: tuple[str, ...] = (),
+    loss_agg_mode: str | None = None,
 ) -> Callable[[PolicyObjective], PolicyObjective]:
     """Decorator registering a policy objective under ``name`` (signature: module docstring);
     ``params`` declares its own parameters and their defaults (``loss.objective_kwargs``),
-    ``positive`` those of them that must be > 0."""
-    return POLICY_OBJECTIVES.register(name, params, positive=tuple(positive))
+    ``positive`` those of them that must be > 0, ``loss_agg_mode`` its own aggregation (one of
+    :data:`~dapo_lightning.loss.LOSS_AGG_MODES`; None: ``token-mean``), used where the loss
+    config leaves ``loss_agg_mode`` unset."""
+    if loss_agg_mode is not None:
+        check_loss_agg_mode(loss_agg_mode, f"register_policy_objective({name!r}).loss_agg_mode")
+    return POLICY_OBJECTIVES.register(
+        name, params, positive=tuple(positive), loss_agg_mode=loss_agg_mode
+    )
 
 
 def policy_objective(name: str) -> Entry[PolicyObjective]:
@@ -82,6 +103,14 @@ def objective_params(
                 f"{LOSS_PATH}.objective_kwargs.{key} of objective {entry.name!r} must be > 0, got {params[key]}."
             )
     return params
+
+
+def objective_loss_agg_mode(entry: Entry[PolicyObjective], config: PolicyLossConfig) -> str:
+    """The aggregation the loss uses: ``config.loss_agg_mode`` when set, else the objective's
+    declared one, else :data:`~dapo_lightning.loss.DEFAULT_LOSS_AGG_MODE`."""
+    if config.loss_agg_mode is not None:
+        return config.loss_agg_mode
+    return entry.traits.get("loss_agg_mode") or DEFAULT_LOSS_AGG_MODE
 
 
 def clipped_surrogate(
@@ -147,13 +176,15 @@ def cispo_objective(
     "sapo",
     params={"temperature_pos": 1.0, "temperature_neg": 1.05},
     positive=("temperature_pos", "temperature_neg"),
+    loss_agg_mode="seq-mean-token-mean",  # TRL's GRPOTrainer averages SAPO per sequence
 )
 def sapo_objective(
     inputs: LossInputs, config: PolicyLossConfig, params: Mapping[str, float]
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO: ``pg_t = -sigmoid(tau (r_t - 1)) * 4 / tau * A_t``, ``tau`` = ``temperature_pos``
     where ``A > 0`` else ``temperature_neg`` (a soft gate instead of a hard clip; its gradient at
-    ``r = 1`` equals the plain policy gradient's)."""
+    ``r = 1`` equals the plain policy gradient's). Aggregated per sequence unless the config sets
+    ``loss_agg_mode``: ``loss = mean_b [sum_t m_bt pg_bt / n_b]``, TRL's ``loss_type="sapo"``."""
     ratio = torch.exp(importance_log_ratio(inputs, config.importance_sampling_level))
     adv = inputs.advantages
     tau = torch.where(
@@ -169,6 +200,7 @@ __all__ = [
     "POLICY_OBJECTIVES",
     "PolicyObjective",
     "clipped_surrogate",
+    "objective_loss_agg_mode",
     "objective_params",
     "policy_objective",
     "register_policy_objective",

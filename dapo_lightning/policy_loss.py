@@ -4,7 +4,8 @@
 
     pg_t = objective(inputs, config, params)_t                  (the registered objective)
     l_t  = w_t * pg_t - entropy_coef * H_t + kl_coef * kl_t     (w_t: rollout correction)
-    loss = aggregate_loss(l, m, config.loss_agg_mode, global normalisers)
+    loss = aggregate_loss(l, m, mode, global normalisers)
+           mode: config.loss_agg_mode, or the objective's own when that is None
 
 :func:`compute_policy_loss` is the same with the settings as keyword arguments (the API of
 earlier versions: ``tis_cap`` is token truncation against ``rollout_log_probs``).
@@ -26,7 +27,7 @@ from dapo_lightning.loss import (
     importance_log_ratio,
     k3_kl,
 )
-from dapo_lightning.objectives import objective_params, policy_objective
+from dapo_lightning.objectives import objective_loss_agg_mode, objective_params, policy_objective
 from dapo_lightning.rollout_correction import (
     ROLLOUT_CORRECTION_PATH,
     RolloutCorrection,
@@ -85,7 +86,7 @@ def policy_loss(inputs: LossInputs, config: PolicyLossConfig) -> tuple[Tensor, d
     loss = aggregate_loss(
         token_loss,
         inputs.mask,
-        config.loss_agg_mode,
+        objective_loss_agg_mode(entry, config),
         global_token_count=inputs.global_token_count,
         global_seq_count=inputs.global_seq_count,
         max_response_length=inputs.max_response_length,

@@ -223,3 +223,85 @@ def test_hub_name_still_goes_to_the_hub(tmp_path, monkeypatch):
     )
     assert calls == [("BytedTsinghua-SIA/DAPO-Math-17k", "train"), ("org/name.v2", "test")]
     assert len(records) == 1  # the same prompt twice, de-duplicated
+
+
+def _jsonl_with_row_4(tmp_path, row4: str):
+    rows = [json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) for i in range(5)]
+    rows[3] = row4
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("row4", "field", "char"),
+    [
+        ('{"prompt": "3 + 1 = \\ud83d", "answer": "4"}', "'prompt'", "'\\ud83d' at character 8"),
+        ('{"prompt": "3 + 1 =", "answer": "4\\udc00"}', "'answer'", "'\\udc00' at character 1"),
+        (
+            '{"prompt": [{"role": "user", "content": "\\ud800 3 + 1"}], "answer": "4"}',
+            "'prompt message 0'",
+            "'\\ud800' at character 0",
+        ),
+        ('{"prompt": "3 + 1 =", "answer": "4", "id": "a\\ud800"}', "'id'", "at character 1"),
+    ],
+    ids=["prompt", "answer", "chat message", "uid"],
+)
+def test_lone_surrogate_names_the_file_row_and_field(tmp_path, row4, field, char):
+    """A JSON escape of half a UTF-16 pair is read as a lone surrogate: one PromptDataError
+    naming the file, the row and the field (it was a UnicodeEncodeError in prompt_uid)."""
+    path = _jsonl_with_row_4(tmp_path, row4)
+    fields = FieldMap(
+        prompt_key="prompt", answer_key="answer", uid_key="id" if "id" in row4 else None
+    )
+    if fields.uid_key:  # every row needs the uid field then
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for i, row in enumerate(rows):
+            row.setdefault("id", f"u{i}")
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(PromptDataError) as err:
+        load_prompt_records(str(path), fields)
+    message = str(err.value)
+    assert message.startswith(f"{path} row 4: field {field} holds the lone surrogate"), message
+    assert char in message and "fix the escape or remove the row" in message
+
+
+def test_a_surrogate_pair_escape_is_text(tmp_path):
+    """The escape pair of one emoji is the emoji: accepted, and hashed into a uid."""
+    path = _jsonl_with_row_4(tmp_path, '{"prompt": "3 + 1 = \\ud83d\\ude00", "answer": "4"}')
+    records = load_prompt_records(str(path), FieldMap(prompt_key="prompt", answer_key="answer"))
+    assert records[3].prompt == "3 + 1 = \U0001f600" and len(records[3].uid) == 16
+
+
+@pytest.mark.parametrize(
+    ("sizes", "match"),
+    [
+        (
+            (2, 64, 1, 16),
+            r"^data\.dynamic_sampling\.gen_batch_size=64 is more than the 16 training prompts "
+            r"\(16 per rank\): .* Fix: set data\.dynamic_sampling\.gen_batch_size to at most 16",
+        ),
+        (
+            (32, None, 1, 16),
+            r"^data\.dynamic_sampling\.train_batch_size=32 \(gen_batch_size is null: the prompts "
+            r"per round\) is more than the 16 training prompts",
+        ),
+        (
+            (4, 18, 2, 17),
+            r"gen_batch_size=18 is more than the 17 training prompts \(8 per rank\).* at most 16",
+        ),
+        (
+            (6, None, 4, 100),
+            r"^data\.dynamic_sampling\.train_batch_size=6 is global .* use e\.g\. 4",
+        ),
+        ((4, 10, 4, 100), r"^data\.dynamic_sampling\.gen_batch_size=10 is global .* use e\.g\. 8"),
+    ],
+)
+def test_batch_split_errors_name_the_field_and_the_fix(sizes, match):
+    from dapo_lightning.checks import ConfigError
+    from dapo_lightning.data.config import check_batch_split
+
+    with pytest.raises(ConfigError, match=match):
+        check_batch_split(*sizes)
+    check_batch_split(2, 16, 1, 16)  # a round of every prompt once is fine
+    check_batch_split(4, 16, 2, 17)

@@ -434,8 +434,9 @@ def test_token_masks_reach_the_response_mask(tiny):
 
 
 def _readme_blocks() -> tuple[str, str]:
-    """The README's own-environment example: the ``# my_envs.py`` block and the YAML after it."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """The own-environment example (moved from the README to docs/environments.md): the
+    ``# my_envs.py`` block and the YAML after it."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "environments.md").read_text()
     section = text[text.index("## Multi-turn episodes and tools") :]
     code = section[section.index("```python\n# my_envs.py") + len("```python\n") :]
     code = code[: code.index("```")]

@@ -109,6 +109,7 @@ TRL_CASES = {
     "cispo": (dict(objective="cispo", objective_kwargs={"cap": 1.1}), "cispo", "token", 0.2, 1.1),
     "cispo default cap": (dict(objective="cispo"), "cispo", "token", 0.2, 5.0),
     "sapo": (dict(objective="sapo", loss_agg_mode="seq-mean-token-mean"), "sapo", "token", 0.2, 0.2),
+    "sapo default aggregation": (dict(objective="sapo"), "sapo", "token", 0.2, 0.2),
     "sapo sequence": (
         dict(objective="sapo", importance_sampling_level="sequence",
              loss_agg_mode="seq-mean-token-mean"),
@@ -137,6 +138,57 @@ def test_objective_equals_trl_compute_loss(case):
         assert metrics["clipfrac_high"].item() == pytest.approx(
             trl_metrics["clip_ratio/high_mean"][0]
         )
+
+
+def _trl_sapo_by_hand(logp, old, adv, mask, tau_pos=1.0, tau_neg=1.05):
+    """TRL 1.16's ``loss_type="sapo"``, written out here (not our code, not TRL's): per token
+    ``l_t = -sigmoid(tau (r_t - 1)) * 4 / tau * A`` with ``tau = tau_pos`` where ``A > 0`` else
+    ``tau_neg``; the loss is ``mean_b [sum_t m_bt l_bt / max(sum_t m_bt, 1)]`` (GRPOTrainer's
+    branch ``if self.loss_type in ["grpo", "sapo"]``). Returns it and the token-mean of ``l``."""
+    rows, token_sum, tokens = [], 0.0, 0.0
+    for b in range(logp.shape[0]):
+        tau = tau_pos if float(adv[b]) > 0 else tau_neg
+        terms = []
+        for t in range(logp.shape[1]):
+            if mask[b, t]:
+                r = math.exp(float(logp[b, t]) - float(old[b, t]))
+                terms.append(-4.0 / tau / (1.0 + math.exp(-tau * (r - 1.0))) * float(adv[b]))
+        rows.append(sum(terms) / max(len(terms), 1))
+        token_sum, tokens = token_sum + sum(terms), tokens + len(terms)
+    return sum(rows) / len(rows), token_sum / tokens
+
+
+def test_sapo_aggregates_per_sequence_by_default_as_trl_does():
+    """README: ``sapo`` is computed as TRL 1.16 computes it. By default (``loss_agg_mode``
+    unset) its loss is TRL's per-sequence mean; an explicit ``loss_agg_mode`` still wins."""
+    logp, old, adv, mask = _fixed_tensors()
+    per_seq, token_mean = _trl_sapo_by_hand(logp, old, adv, mask)
+    assert abs(per_seq - token_mean) > 0.05  # the two aggregations differ on these tensors
+    got, _, _ = ours(logp, old, adv, mask, objective="sapo")
+    assert float(got) == pytest.approx(per_seq, rel=1e-12, abs=1e-12)
+    assert PolicyLossConfig(objective="sapo").loss_agg_mode is None
+    chosen, _, _ = ours(logp, old, adv, mask, objective="sapo", loss_agg_mode="token-mean")
+    assert float(chosen) == pytest.approx(token_mean, rel=1e-12, abs=1e-12)
+    dapo, _, _ = ours(logp, old, adv, mask)  # dapo's own stays the paper's token-mean
+    tok, _, _ = ours(logp, old, adv, mask, loss_agg_mode="token-mean")
+    assert float(dapo) == float(tok)
+    from tests.test_cli import REPO
+
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "`sapo` averaged per sequence as TRL does unless `loss_agg_mode` is set" in readme
+
+
+def test_an_objective_declares_its_own_aggregation():
+    @register_policy_objective("per_sequence_reinforce", loss_agg_mode="seq-mean-token-sum")
+    def per_sequence_reinforce(inputs, config, params):
+        return -inputs.advantages * inputs.log_probs, {}
+
+    logp, old, adv, mask = _fixed_tensors()
+    got, _, _ = ours(logp, old, adv, mask, objective="per_sequence_reinforce")
+    want = (-adv[:, None] * logp * mask).sum() / (mask.sum(-1) > 0).sum()
+    assert float(got) == pytest.approx(float(want), rel=1e-12)
+    with pytest.raises(ValueError, match=r"^register_policy_objective\('bad'\)\.loss_agg_mode="):
+        register_policy_objective("bad", loss_agg_mode="token-sum")
 
 
 def test_gspo_clips_at_the_sequence_level_unlike_token_level_dapo():
@@ -200,7 +252,8 @@ def start(tiny_checkpoint):
 def test_module_update_equals_sgd_on_the_objective(tiny_checkpoint, start, name):
     batch = fixed_batch()
     kwargs = {"cap": 1.05} if name == "cispo" else {}
-    loss = PolicyLossConfig(objective=name, objective_kwargs=kwargs)
+    # the reference is the token-mean objective: sapo's own default is the per-sequence mean
+    loss = PolicyLossConfig(objective=name, objective_kwargs=kwargs, loss_agg_mode="token-mean")
     got = module_updates(str(tiny_checkpoint), batch, 1, loss=loss)
     want = reference(str(tiny_checkpoint), batch, name)
     assert rel_diff(got, want, start) < 1e-5

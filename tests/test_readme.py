@@ -1,4 +1,7 @@
-"""README.md's commands and Python, run as written on a clean copy of the repository.
+"""README.md's commands and Python, run as written on a clean copy of the repository, and those
+of the docs pages that took over README sections (:data:`PAGES`: docs/environments.md holds the
+own-environment example); every relative link of these pages and docs/cluster.md points at a
+file and heading that exist.
 
 The copy holds the repository's files that git tracks or would track (``git ls-files --cached
 --others --exclude-standard``: no ``runs/``, no ``.venv/``, nothing built), plus what the set-up
@@ -51,6 +54,10 @@ from tests._harness import write_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+#: The pages whose ``bash`` / ``python`` blocks run: the README first, then the docs pages that
+#: took over its sections (issue 42), checked by the same rules.
+PAGES = [README] + [REPO / "docs" / n for n in ("sampling.md", "objectives.md", "environments.md",
+                                              "running.md")]  # fmt: skip
 VENV = Path(sys.executable).parent.parent
 SKIP_MARK = "# not run by tests/test_readme.py:"
 #: ``--config`` files the quickstart run of the copy serves for validate / plot / export.
@@ -62,16 +69,23 @@ class Block:
     lang: str
     text: str
     line: int  # of the opening fence, 1-based
+    page: str = "README.md"  # relative to the repository root
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
     """The fenced ``bash`` / ``sh`` / ``python`` blocks of ``text``, in order."""
     blocks = []
     for match in re.finditer(r"^```(\w+)\n(.*?)^```", text, flags=re.S | re.M):
         if match[1] in ("bash", "sh", "python"):
             line = text.count("\n", 0, match.start()) + 1
-            blocks.append(Block("python" if match[1] == "python" else "bash", match[2], line))
+            lang = "python" if match[1] == "python" else "bash"
+            blocks.append(Block(lang, match[2], line, page))
     return blocks
+
+
+def page_blocks() -> list[Block]:
+    """The blocks of every page of :data:`PAGES`, the README's first."""
+    return [b for p in PAGES for b in readme_blocks(p.read_text(), str(p.relative_to(REPO)))]
 
 
 def shell_lines(block: Block) -> list[str]:
@@ -131,12 +145,11 @@ def plan(command: str) -> Step:
 
 
 def python_blocks() -> list[Block]:
-    return [b for b in readme_blocks(README.read_text()) if b.lang == "python"]
+    return [b for b in page_blocks() if b.lang == "python"]
 
 
 def commands() -> list[str]:
-    blocks = readme_blocks(README.read_text())
-    return [c for b in blocks if b.lang == "bash" for c in shell_lines(b)]
+    return [c for b in page_blocks() if b.lang == "bash" for c in shell_lines(b)]
 
 
 # ----------------------------------------------------------------------------- fast: the rules
@@ -173,7 +186,41 @@ def test_bare_commands_come_after_an_activation():
 def test_python_examples_that_train_have_the_main_guard():
     for block in python_blocks():
         if ".fit(" in block.text:
-            assert 'if __name__ == "__main__":' in block.text, f"README line {block.line}"
+            assert 'if __name__ == "__main__":' in block.text, f"{block.page} line {block.line}"
+
+
+def test_the_moved_examples_are_on_their_pages():
+    """The own-environment example runs from docs/environments.md (tests/test_envs.py reads it
+    there); the README keeps the Python fit and the own-objective example."""
+    pages = {b.page for b in python_blocks()}
+    assert {"README.md", "docs/environments.md"} <= pages
+    assert any(b.text.startswith("# my_envs.py") for b in python_blocks())
+    readme = [b.text for b in python_blocks() if b.page == "README.md"]
+    assert any(".fit(" in t for t in readme) and any("my_objectives.py" in t for t in readme)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_point_at_files_and_headings_that_exist():
+    pages = [*PAGES, REPO / "docs" / "cluster.md", REPO / "benchmarks" / "RESULTS.md"]
+    broken = []
+    for page in pages:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # https: and the like
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target} (no file)")
+            elif anchor and dest.suffix == ".md":
+                heads = re.findall(r"^#+ (.+)$", dest.read_text(), flags=re.M)
+                if anchor not in {_slug(h) for h in heads}:
+                    broken.append(f"{page.relative_to(REPO)}: {target} (no heading)")
+    assert not broken, "\n".join(broken)
 
 
 # ----------------------------------------------------------------------------- slow: the runs
@@ -258,7 +305,7 @@ def test_readme_python_runs_as_written_and_a_missing_guard_is_named(copy):
         script = copy / f"readme_example_{i}.py"
         script.write_text(block.text)
         proc = _run([sys.executable, script.name], copy, _env(copy, {}, False), timeout=1800)
-        assert proc.returncode == 0, f"README line {block.line}:\n{proc.stderr[-4000:]}"
+        assert proc.returncode == 0, f"{block.page} line {block.line}:\n{proc.stderr[-4000:]}"
     (example,) = [b for b in python_blocks() if ".fit(" in b.text][:1]
     head, body = example.text.split('if __name__ == "__main__":', 1)
     body = body.split("\n", 1)[1]  # the guard line's comment

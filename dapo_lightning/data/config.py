@@ -23,7 +23,7 @@ from typing import Any, Literal
 from dapo_lightning.checks import ConfigError, check_finite
 from dapo_lightning.data.sources import FieldMap
 
-__all__ = ["PromptConfig", "ScoringConfig", "ValidationConfig"]
+__all__ = ["PromptConfig", "ScoringConfig", "ValidationConfig", "check_batch_split"]
 
 
 def _finite(owner: str, name: str, value: float, fix: str) -> None:
@@ -162,3 +162,31 @@ class ValidationConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"data.validation.{name} must be an integer >= 1, got {value!r}.")
+
+
+def check_batch_split(
+    train_batch_size: int, gen_batch_size: int | None, world_size: int, num_prompts: int
+) -> None:
+    """Raise :class:`~dapo_lightning.checks.ConfigError` naming the ``data.dynamic_sampling``
+    field unless the global batch sizes split over ``world_size`` ranks and one round's prompts
+    (``gen_batch_size``, or ``train_batch_size`` when it is None) fit the ``num_prompts``
+    training prompts: a round draws each prompt at most once, ``num_prompts // world_size`` per
+    rank."""
+    per_round = gen_batch_size or train_batch_size
+    field_name = "gen_batch_size" if gen_batch_size else "train_batch_size"
+    for name, value in (("train_batch_size", train_batch_size), (field_name, per_round)):
+        if value < world_size or value % world_size:
+            raise ConfigError(
+                f"data.dynamic_sampling.{name}={value} is global (over all ranks) and must be a "
+                f"positive multiple of world_size={world_size}: use e.g. "
+                f"{max(1, value // world_size) * world_size}."
+            )
+    per_rank = num_prompts // world_size
+    if per_round // world_size > per_rank:
+        null = "" if gen_batch_size else " (gen_batch_size is null: the prompts per round)"
+        raise ConfigError(
+            f"data.dynamic_sampling.{field_name}={per_round}{null} is more than the {num_prompts} "
+            f"training prompts ({per_rank} per rank): every round would draw the same prompts "
+            f"several times. Fix: set data.dynamic_sampling.gen_batch_size to at most "
+            f"{per_rank * world_size}, or add prompts."
+        )

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 
 from dapo_lightning.checks import ConfigError, check_count
+from dapo_lightning.data.config import check_batch_split
 from dapo_lightning.data.difficulty import (
     SELECTION_PATH,
     DifficultyTracker,
@@ -168,23 +169,7 @@ class DynamicSamplingConfig:
 
     def check_split(self, world_size: int, num_prompts: int) -> None:
         """Raise unless the batch sizes split over ``world_size`` ranks and fit the prompts."""
-        for name, value in (
-            ("train_batch_size", self.train_batch_size),
-            ("gen_batch_size", self.prompts_per_round),
-        ):
-            if value < world_size or value % world_size:
-                raise ValueError(
-                    f"{name}={value} is global (over all ranks) and must be a positive multiple "
-                    f"of world_size={world_size}: use e.g. {max(1, value // world_size) * world_size}."
-                )
-        per_rank = num_prompts // world_size
-        if self.prompts_per_round // world_size > per_rank:
-            raise ValueError(
-                f"gen_batch_size (or train_batch_size when it is null) = {self.prompts_per_round} "
-                f"prompts per round is more than the {num_prompts} training prompts "
-                f"({per_rank} per rank): every round would draw the same prompts several times. "
-                "Lower gen_batch_size / train_batch_size or add prompts."
-            )
+        check_batch_split(self.train_batch_size, self.gen_batch_size, world_size, num_prompts)
 
     @property
     def predictive(self) -> bool:

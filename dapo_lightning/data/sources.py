@@ -203,11 +203,26 @@ def read_rows(source: str | Path | Any) -> list[dict[str, Any]]:
     return list(datasets.load_dataset(name, split=split or "train").to_list())
 
 
+def check_text(text: str, where: str, key: str) -> str:
+    """``text`` if it can be written as UTF-8; a :class:`PromptDataError` naming ``where`` (the
+    file and row) and the field otherwise: a lone UTF-16 surrogate (a JSON ``"\\ud83d"`` escape
+    without its pair) is not text and would fail later, in hashing or tokenizing, unnamed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptDataError(
+            f"{where}: field {key!r} holds the lone surrogate {text[e.start]!r} at character "
+            f"{e.start} (half of a UTF-16 pair, e.g. a JSON \\ud83d escape without its "
+            "partner), which is not text: fix the escape or remove the row."
+        ) from None
+    return text
+
+
 def _clean_prompt(value: Any, where: str, key: str) -> Prompt:
     if isinstance(value, str):
         if not value.strip():
             raise PromptDataError(f"{where}: field {key!r} is an empty prompt: remove the row.")
-        return value
+        return check_text(value, where, key)
     if isinstance(value, (list, tuple)) and value:
         msgs = []
         for j, m in enumerate(value):
@@ -220,7 +235,9 @@ def _clean_prompt(value: Any, where: str, key: str) -> Prompt:
                     f"{where}: field {key!r} message {j} must be a dict with string 'role' and "
                     f"'content', got {m!r}."
                 )
-            msgs.append({"role": m["role"], "content": m["content"]})
+            field_j = f"{key} message {j}"
+            role, content = check_text(m["role"], where, field_j), m["content"]
+            msgs.append({"role": role, "content": check_text(content, where, field_j)})
         if not any(m["content"].strip() for m in msgs):
             raise PromptDataError(
                 f"{where}: field {key!r} has only empty messages: remove the row."
@@ -249,7 +266,7 @@ def _clean_answer(value: Any, where: str, key: str) -> str:
     if isinstance(value, str):
         if not value.strip():
             raise PromptDataError(f"{where}: field {key!r} is an empty answer: remove the row.")
-        return value.strip()
+        return check_text(value.strip(), where, key)
     raise PromptDataError(
         f"{where}: field {key!r} must be a string or a number, got {type(value).__name__} "
         f"{value!r}; store the ground truth as a string (or point prompts.answer_key at it)."
@@ -281,7 +298,7 @@ def records_from_rows(
         answer = _clean_answer(values["answer_key"], where, fields.answer_key)
         if fields.uid_key is not None:
             try:
-                uid = str(get_field(row, fields.uid_key))
+                uid = check_text(str(get_field(row, fields.uid_key)), where, fields.uid_key)
             except KeyError:
                 raise PromptDataError(
                     f"{where}: missing uid field {fields.uid_key!r}: set prompts.uid_key: null to derive "
