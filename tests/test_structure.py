@@ -622,3 +622,91 @@ def test_checker_finds_modules_that_import_callbacks(tmp_path):
         ("pkg.data.dm", "pkg.callbacks"),
         ("pkg.module", "pkg.callbacks.guard"),
     ]
+
+
+# ------------------------------------------------- issue 42: the size limits and the contract
+MAX_FILE_LINES = 500
+MAX_CLASS_LINES = 300
+MAX_BODY_LINES = 60  # a function's statements, its docstring not counted
+MAX_INIT_PARAMS = 12  # an explicit ``__init__``; dataclass records keep MAX_CONSTRUCTOR_PARAMS
+
+
+def body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines from a function's first statement after its docstring to its last line."""
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:] if isinstance(body[0].value.value, str) else body
+    return body[-1].end_lineno - body[0].lineno + 1 if body else 0
+
+
+def size_offenders(sources: list[Source]) -> list[str]:
+    """Every file, class, function body and explicit ``__init__`` over the issue-42 limits."""
+    out = []
+    for s in sources:
+        lines = len(s.path.read_text().splitlines())
+        if lines > MAX_FILE_LINES:
+            out.append(f"file {s.rel}: {lines} lines")
+        for node in ast.walk(s.tree):
+            if isinstance(node, ast.ClassDef):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    out.append(f"class {s.rel}:{node.name}: {size} lines")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if body_lines(node) > MAX_BODY_LINES:
+                    out.append(f"function {s.rel}:{node.name}: {body_lines(node)} body lines")
+                a = node.args
+                params = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) - 1
+                if node.name == "__init__" and params > MAX_INIT_PARAMS:
+                    out.append(f"__init__ {s.rel}:{node.lineno}: {params} parameters")
+    return out
+
+
+def trainer_reads(sources: list[Source], folder: str, attr: str) -> list[str]:
+    """Places under ``folder`` that read ``trainer.<attr>`` (or ``self.trainer.<attr>``)."""
+    found = []
+    for s in sources:
+        if not s.rel.startswith(folder):
+            continue
+        for node in ast.walk(s.tree):
+            if isinstance(node, ast.Attribute) and node.attr == attr:
+                owner = node.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                if name in ("trainer", "_trainer"):
+                    found.append(f"{s.rel}:{node.lineno}")
+    return found
+
+
+def test_no_file_class_function_or_init_over_the_limits(sources):
+    assert not size_offenders(sources), size_offenders(sources)
+
+
+def test_the_module_and_the_data_module_do_not_reach_through_the_trainer(sources):
+    """The data side never reads ``trainer.lightning_module``, the module never reads
+    ``trainer.datamodule``: they meet in ``dapo_lightning/contract.py``."""
+    assert not trainer_reads(sources, "dapo_lightning/data/", "lightning_module")
+    for module in ("dapo_lightning/module.py", "dapo_lightning/update_loop.py"):
+        assert not trainer_reads(sources, module, "datamodule")
+
+
+def test_checker_finds_size_offenders_and_trainer_reads(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "data" / "__init__.py").write_text("")
+    long_body = "".join(f"    x{i} = {i}\n" for i in range(MAX_BODY_LINES + 1))
+    (pkg / "big.py").write_text(
+        f'def f():\n    """Doc."""\n{long_body}'
+        + "class C:\n    def __init__(self, "
+        + ", ".join(f"a{i}" for i in range(MAX_INIT_PARAMS + 1))
+        + "):\n        pass\n"
+        + "".join(f"    y{i} = {i}\n" for i in range(MAX_CLASS_LINES))
+        + "\n" * MAX_FILE_LINES
+    )
+    (pkg / "data" / "dm.py").write_text(
+        "def reach(self):\n    return self.trainer.lightning_module.policy\n"
+    )
+    found = list(iter_sources({pkg: "pkg"}, tmp_path))
+    offenders = " | ".join(size_offenders(found))
+    for fragment in ("file big.py", "class big.py:C", "function big.py:f: 61", "__init__ big.py"):
+        assert fragment.replace("big.py", "pkg/big.py") in offenders, offenders
+    assert trainer_reads(found, "pkg/data/", "lightning_module") == ["pkg/data/dm.py:2"]
