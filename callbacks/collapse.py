@@ -18,10 +18,6 @@ from dataclasses import asdict, replace
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from typing_extensions import override
-
-from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.callbacks.collapse_judge import (
     BAD_WHEN,
     SIGNALS,
@@ -44,6 +40,10 @@ from dapo_lightning.callbacks.collapse_judge import (
     update_readings,
 )
 from dapo_lightning.callbacks.snapshot import TrainingSnapshot
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.checks import ConfigError, check_count
 from dapo_lightning.hooks import DAPOCallback
 

@@ -17,4 +17,3 @@ from typing import Any
 def set_logging_step(trainer: Any, step: int) -> None:
     """Make Lightning log the next ``self.log`` values (and validations) at ``step``."""
     trainer.fit_loop.epoch_loop._batches_that_stepped = step
-

@@ -12,9 +12,9 @@ reasoning_gym = pytest.importorskip(
 )
 
 from dapo_lightning.data.config import PromptConfig, ValidationConfig  # noqa: E402
-from dapo_lightning.data.loading import load_prompt_sets  # noqa: E402
 from dapo_lightning.data.datamodule import DAPODataModule  # noqa: E402
 from dapo_lightning.data.difficulty import PromptSelectionConfig  # noqa: E402
+from dapo_lightning.data.loading import load_prompt_sets  # noqa: E402
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
 from dapo_lightning.data.sources import FieldMap, records_from_rows, tokenize_records  # noqa: E402
 from dapo_lightning.rewards import RewardRunner, get_reward  # noqa: E402
