@@ -7,7 +7,7 @@ One :class:`Registry` per kind, filled by a decorator:
 * advantage estimators: ``@register_advantage_estimator``,
   ``model.init_args.loss.advantage_estimator``;
 * rewards: ``@register_reward``, ``data.init_args.reward``;
-* tasks: ``@register_task``, ``data.init_args.task``;
+* tasks: ``@register_task``, ``data.init_args.prompts.task``;
 * environments: ``@register_environment``, ``data.init_args.environment.name``;
 * rollout engines: ``@register_engine``, ``data.init_args.engine``.
 

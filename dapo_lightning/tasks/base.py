@@ -6,7 +6,7 @@ A task is a problem generator and the reward it is scored with. Your own, in you
     def make_my_sums(seed: int = 0, num_prompts: int = 64) -> list[dict]:
         return [{"prompt": ..., "answer": ..., "uid": ...} for ...]
 
-selected by ``data.init_args.task: my_sums`` (once its module is imported) or by the dotted path
+selected by ``data.init_args.prompts.task: my_sums`` (once its module is imported) or by the dotted path
 ``my_pkg.tasks.make_my_sums``, with ``data.init_args.task_kwargs`` passed to it.
 """
 
