@@ -202,6 +202,11 @@ class Registry(Generic[F]):
 
         return decorate
 
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (a KeyError if it is not registered): for a test or a notebook that
+        registers a throw-away entry."""
+        del self._entries[name]
+
     def get(self, name: str, field: str | None = None) -> Entry[F]:
         """The entry of a registered name or of a dotted import path; a ConfigError naming the
         setting (``field``, default the registry's) and the valid names otherwise

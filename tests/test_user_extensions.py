@@ -20,7 +20,7 @@ from dapo_lightning.checks import ConfigError
 from dapo_lightning.data import DAPODataModule, PromptConfig
 from dapo_lightning.envs import ENVIRONMENTS, EnvironmentConfig, environment_factory
 from dapo_lightning.registry import ImportPathError, Registry, import_object
-from dapo_lightning.rewards import get_reward
+from dapo_lightning.rewards import REWARDS, get_reward
 from dapo_lightning.rollout import (
     ENGINES,
     EngineCapabilities,
@@ -29,9 +29,22 @@ from dapo_lightning.rollout import (
     engine_capabilities,
     register_engine,
 )
-from dapo_lightning.tasks import get_task
+from dapo_lightning.tasks import TASKS, get_task
 from dapo_lightning.testing import make_tiny_tokenizer
 from tests.test_cli import QUICKSTART, REPO, check, read_csv, run_cli, series
+
+
+@pytest.fixture(autouse=True)
+def _registries_as_they_were():
+    """Each test's registrations are removed after it, so no other test (in this pytest
+    worker) sees a user's names in the registries' lists of valid names."""
+    registries = (ENGINES, ENVIRONMENTS, REWARDS, TASKS)
+    before = [set(r.names()) for r in registries]
+    yield
+    for registry, names in zip(registries, before):
+        for name in set(registry.names()) - names:
+            registry.unregister(name)
+
 
 #: The user's module: one of each kind, each writing what it did to a JSON-lines log.
 USER_MODULE = '''
@@ -306,7 +319,6 @@ def test_an_objective_path_that_does_not_import_names_the_fix(tmp_path):
     assert "No module named 'no_such_pkg'" in errors[0] and "PYTHONPATH" in errors[0], errors
 
 
-@register_engine("tensor_parallel_test")
 class TensorParallelEngine(HFRolloutEngine):
     """An HF-like engine that declares tensor parallelism (only its declaration is used here)."""
 
@@ -316,6 +328,7 @@ class TensorParallelEngine(HFRolloutEngine):
 def test_the_data_module_shards_by_the_declared_capability_not_the_name():
     """Ranks per engine come from ``tensor_parallel_size`` only for an engine that declares
     tensor parallelism (it was the string "vllm")."""
+    register_engine("tensor_parallel_test")(TensorParallelEngine)
     kwargs = {"tensor_parallel_size": 2}
     prompts = PromptConfig(task="arithmetic")
     declared = DAPODataModule(prompts=prompts, engine="tensor_parallel_test", engine_kwargs=kwargs)

@@ -138,7 +138,7 @@ def check_world_split(trainer: Trainer, datamodule: Any) -> None:
         sampling.check_split(trainer.world_size, num_prompts=sys.maxsize)
     except ValueError as error:
         raise ConfigError(
-            f"data.dynamic_sampling.{error} Or run on a number of ranks (trainer.devices x "
+            f"{error} Or run on a number of ranks (trainer.devices x "
             f"trainer.num_nodes, now {trainer.world_size}) that divides it."
         ) from None
 
