@@ -59,13 +59,16 @@ class FixedBatches(LightningDataModule):
 
 
 class UpdateRecorder(DAPOCallback):
-    """Keeps every update's metrics (as the module reduced them over ranks)."""
+    """Keeps every update's metrics (as the module reduced them over ranks) and the device the
+    module was on during it (Lightning moves the module back to the CPU when ``fit`` ends)."""
 
     def __init__(self) -> None:
         self.updates: list[dict[str, float]] = []
+        self.devices: list[torch.device] = []
 
     def on_dapo_update(self, trainer: Any, pl_module: Any, metrics: dict[str, float]) -> None:
         self.updates.append(dict(metrics))
+        self.devices.append(pl_module.device)
 
 
 def sgd(params: Any) -> torch.optim.Optimizer:
