@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["RankOp", "gather_objects", "reduce_over_ranks", "sum_over_ranks"]
+__all__ = ["RankOp", "gather_objects", "reduce_over_ranks", "sum_over_group", "sum_over_ranks"]
 
 RankOp = Literal["sum", "max", "min"]
 
@@ -59,6 +59,14 @@ def reduce_over_ranks(tensor: Tensor, op: RankOp = "sum", strategy: Any = None) 
 def sum_over_ranks(flags: list[int], strategy: Any = None) -> list[int]:
     """Integer ``flags`` summed over ranks (:func:`reduce_over_ranks`)."""
     return reduce_over_ranks(torch.tensor(flags, dtype=torch.long), "sum", strategy).tolist()
+
+
+def sum_over_group(flags: list[int], group: Any) -> list[int]:
+    """Integer ``flags`` summed over the ranks of the process group ``group`` (a gloo group:
+    the tensors stay on the CPU)."""
+    out = torch.tensor(flags, dtype=torch.long)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out.tolist()
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -17,9 +17,10 @@ from lightning.pytorch import Trainer
 from dapo_lightning import plot
 from dapo_lightning.checkpoint import find_resume_checkpoint
 from dapo_lightning.checks import ConfigError
+from dapo_lightning.data.pipeline import split_threads
 from dapo_lightning.log_step import set_logging_step
 from dapo_lightning.testing import tiny_num_parameters
-from dapo_lightning.threads import configure_threads
+from dapo_lightning.threads import configure_threads, usable_cores
 
 #: ``--ckpt_path`` value that picks the loadable checkpoint of the highest update (see :func:`resolve_auto_checkpoint`).
 AUTO_CKPT = "auto"
@@ -123,8 +124,21 @@ def choose_run_threads(config: Namespace, to_create: tuple[str, Path] | None) ->
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    line = choice.line()
+    if _pipeline(config) == "one_step_off":  # the data module splits the cores the same way
+        update, rollout = split_threads(choice.threads, usable_cores())
+        line += f"; pipeline one_step_off: the update on {update}, rollouts on {rollout}"
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0":
-        print(choice.line(), file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
+
+
+def _pipeline(config: Namespace) -> str | None:
+    """``data.init_args.dynamic_sampling.pipeline`` of ``config`` (None when not set)."""
+    data = (config.get("data") or Namespace()).get("init_args", Namespace())
+    sampling = data.get("dynamic_sampling") if isinstance(data, Namespace) else None
+    if isinstance(sampling, Namespace):
+        return sampling.get("pipeline")
+    return getattr(sampling, "pipeline", None)
 
 
 def check_world_split(trainer: Trainer, datamodule: Any) -> None:

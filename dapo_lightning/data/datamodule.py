@@ -40,6 +40,7 @@ from dapo_lightning.data.loading import (
     prompt_task,
     tokenize_prompt_sets,
 )
+from dapo_lightning.data.pipeline import check_pipeline, make_stream, rollout_process_group
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer
 from dapo_lightning.data.rank_layout import RankLayout
 from dapo_lightning.data.sources import (
@@ -54,7 +55,7 @@ from dapo_lightning.envs import (
     with_instructions,
 )
 from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
-from dapo_lightning.ranks import gather_objects, sum_over_ranks
+from dapo_lightning.ranks import gather_objects, sum_over_group, sum_over_ranks
 from dapo_lightning.rewards import RewardRunner
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.engines import check_engine, engine_capabilities
@@ -203,6 +204,8 @@ class DAPODataModule(pl.LightningDataModule):
         self._pending_state: dict[str, Any] | None = None
         #: This rank's rollouts (session, producer, published weights), built in ``setup``.
         self.stream: RolloutStream | None = None
+        #: The one-step-off rollout thread's process group (None: the trainer's reduce).
+        self._rollout_group: Any = None
 
     @property
     def max_prompt_length(self) -> int:
@@ -246,6 +249,9 @@ class DAPODataModule(pl.LightningDataModule):
             train, val, self.tokenizer, self.prompts
         )
         rank, world = self._rank_world()
+        if self.dynamic_sampling.pipeline == "one_step_off":
+            check_pipeline(self.trainer, self.engine_kwargs)
+            self._rollout_group = rollout_process_group(world)
         self.reward_runner = make_reward_runner(self.reward, self.scoring)
         self.session = self._make_session(rank)
         pad = self.tokenizer.pad_token_id
@@ -263,7 +269,9 @@ class DAPODataModule(pl.LightningDataModule):
             sync=self._sum_over_ranks,
             on_scored=lambda rollouts: call_dapo_hook(self.trainer, "on_rollouts_scored", rollouts),
         )
-        self.stream = RolloutStream(self.session, self.producer, self.drawn_log)
+        self.stream = make_stream(
+            self.dynamic_sampling.pipeline, self.session, self.producer, self.drawn_log
+        )
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
 
@@ -275,6 +283,7 @@ class DAPODataModule(pl.LightningDataModule):
             tokenizer=self.tokenizer,
             seed=self.seed,
             rank=rank,
+            own_copy=self.dynamic_sampling.pipeline == "one_step_off",
         )
         if self.environment is None:
             return EngineSession(self.engine_spec, **kwargs)
@@ -291,9 +300,13 @@ class DAPODataModule(pl.LightningDataModule):
         )
 
     def _sum_over_ranks(self, flags: list[int]) -> list[int]:
+        if self._rollout_group is not None:  # the rollout thread's own collectives
+            return sum_over_group(flags, self._rollout_group)
         return sum_over_ranks(flags, self.trainer.strategy)
 
     def teardown(self, stage: str | None = None) -> None:
+        if self.stream is not None:
+            self.stream.close()
         if self.reward_runner is not None:
             self.reward_runner.close()
 
@@ -378,8 +391,7 @@ class DAPODataModule(pl.LightningDataModule):
         it on every rank when it saves."""
         if self.producer is None:
             return dict(self._pending_state or {})
-        mine = {"producer": self.producer.state_dict(), "engine": self.session.state_dict()}
-        return {"ranks": gather_objects(mine)}
+        return {"ranks": gather_objects(self._ready("saving").state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore this rank's part of :meth:`state_dict`.
@@ -400,7 +412,4 @@ class DAPODataModule(pl.LightningDataModule):
                 f"the checkpoint's data state is from {len(ranks)} ranks, this run has {world}: "
                 "resume with the same number of ranks (the prompt shards differ otherwise)."
             )
-        mine = ranks[rank]
-        self.producer.load_state_dict(mine["producer"])
-        if mine.get("engine"):
-            self.session.load_state_dict(mine["engine"])
+        self._ready("resuming").load_state_dict(ranks[rank])

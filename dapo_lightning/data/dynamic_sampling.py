@@ -26,6 +26,7 @@ from dapo_lightning.data.legacy_checkpoints import group_legacy_selection
 FilterMetric = Literal["acc", "score", "reward"] | None
 OnExhausted = Literal["train_on_kept", "stop", "error"]
 RoundSizing = Literal["fixed", "kept_frac"]
+Pipeline = Literal["sync", "one_step_off"]
 
 #: Weight of the older rounds in the kept-fraction estimate that sizes rounds (per round).
 KEPT_FRAC_DECAY = 0.7
@@ -76,6 +77,11 @@ class DynamicSamplingConfig:
             finish, the requests not started yet are aborted (their prompts drawn first next
             time) and the started ones finish (:data:`~dapo_lightning.rollout.base.DRAIN`; their
             kept groups go to the carry-over). Other engines (HF) keep whole rounds.
+        pipeline: ``"sync"`` (default): a step's rollouts are generated right before its
+            update, with the newest weights. ``"one_step_off"``: the next step's rollouts are
+            generated on a rollout thread while this step updates, with the weights from
+            before this step's updates (one rollout step stale, corrected like carried-over
+            groups; :mod:`~dapo_lightning.data.pipeline`).
 
     Raises:
         ValueError: a setting out of range, named with the fix.
@@ -94,8 +100,14 @@ class DynamicSamplingConfig:
     max_gen_batch_size: int | None = None
     in_flight: bool = True
     min_gen_batch_size: int = 1
+    pipeline: Pipeline = "sync"
 
     def __post_init__(self) -> None:
+        if self.pipeline not in ("sync", "one_step_off"):
+            raise ConfigError(
+                f"{DYNAMIC_SAMPLING_PATH}.pipeline must be 'sync' or 'one_step_off', "
+                f"got {self.pipeline!r}."
+            )
         check_count(f"{DYNAMIC_SAMPLING_PATH}.n", self.n, 1, "responses per prompt")
         check_count(
             f"{DYNAMIC_SAMPLING_PATH}.train_batch_size",

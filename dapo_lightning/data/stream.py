@@ -53,14 +53,19 @@ class RolloutStream:
         """The version of the published weights (0 before any)."""
         return self.policy_handle.version if self.policy_handle is not None else 0
 
-    def next_batch(self, dropped_prompts: int) -> RolloutBatch | EndOfTraining:
-        """Generate, score, shape and filter the rollouts of the current step."""
+    def next_batch(
+        self, dropped_prompts: int, version: int | None = None
+    ) -> RolloutBatch | EndOfTraining:
+        """Generate, score, shape and filter the rollouts of the current step, sampled with
+        the weights of ``version`` (default: the last published; the one-step-off pipeline
+        passes the version it pushed, so a publish during generation changes nothing)."""
+        version = self.version if version is None else version
         episodes = isinstance(self.session, EpisodeSession)
         if episodes:
             self.session.take_stats()  # validation's episodes are not this step's
         self.batch_start = (self.producer.state_dict(), self.session.state_dict())
         try:
-            batch = self.producer.next_batch(self.version)
+            batch = self.producer.next_batch(version)
         except TrainingComplete as done:
             return EndOfTraining(str(done))
         batch.stats["data/dropped_prompts"] = float(dropped_prompts)
@@ -81,6 +86,23 @@ class RolloutStream:
         if self.drawn_log:
             self.drawn_log.pop()
         self.batch_start = None
+
+    def quiesce(self) -> None:
+        """Nothing runs between calls here (the one-step-off stream finishes its batch)."""
+
+    def close(self) -> None:
+        """Nothing to stop here (the one-step-off stream ends its rollout thread)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The producer's state (prompt cursor, RNGs, statistics, carried groups) and the
+        engine's sampling RNG."""
+        return {"producer": self.producer.state_dict(), "engine": self.session.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.producer.load_state_dict(state["producer"])
+        if state.get("engine"):
+            self.session.load_state_dict(state["engine"])
 
     def validate(
         self, chunk: list[PromptRecord], n: int, sampling: SamplingConfig

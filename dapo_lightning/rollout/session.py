@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from copy import deepcopy
 from typing import Any
 
 from torch import nn
@@ -58,6 +59,9 @@ class EngineSession:
         seed: Base sampling seed (the HF engine uses ``seed + rank``; vLLM adds the rank
             itself under ``torch.distributed``).
         rank: This rank.
+        own_copy: The HF engine samples with its own copy of the weights even when the policy
+            is not sharded (the one-step-off pipeline: the engine samples while the policy
+            updates); pushes copy the policy's weights into it.
 
     Call :meth:`attach` with a function returning the policy module (possibly wrapped or
     sharded) before the first generation.
@@ -79,6 +83,7 @@ class EngineSession:
         tokenizer: Any = None,
         seed: int = 0,
         rank: int = 0,
+        own_copy: bool = False,
     ) -> None:
         check_engine(engine, model_path)
         self.kind = engine if isinstance(engine, str) else None
@@ -88,6 +93,7 @@ class EngineSession:
         self.tokenizer = tokenizer
         self.seed = seed
         self.rank = rank
+        self.own_copy = own_copy
         self._policy: Callable[[], nn.Module] | None = None
         #: Weight version the engine holds (0: the weights it was built from).
         self.version = 0
@@ -125,10 +131,17 @@ class EngineSession:
 
     def _sampling_module(self) -> tuple[nn.Module, bool]:
         """The module an engine that samples with the policy uses, and whether it is its own:
-        the policy itself, or an unsharded copy when the policy is sharded."""
+        the policy itself, or an unsharded copy when the policy is sharded (loaded from
+        ``model_path``) or ``own_copy`` is set (a deep copy; the merged model of a LoRA
+        policy, loaded from ``model_path``). An own copy gets every push, the first included."""
         policy = self._policy_module()
-        if is_sharded(policy):
+        if is_sharded(policy) or (self.own_copy and is_peft_model(policy)):
+            self.version = -1  # the first sync pushes the policy's weights
             return self._unsharded_copy(), True
+        if self.own_copy:
+            copy = deepcopy(policy).eval()
+            copy.requires_grad_(False)
+            return copy, True
         return policy, False
 
     def _policy_module(self) -> nn.Module:

@@ -1,0 +1,185 @@
+"""The one-step-off pipeline (dapo_lightning/data/pipeline.py) inside a real Trainer.fit: batch
+k + 1 is sampled with the weights from before update k (pinned by the HF engine's log-probs
+against the weights of each step), version stamps, exact resume with the batch in flight saved
+in the checkpoint, a stop that undoes a step, validation, the thread split and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_datamodule import ToyModule, scripted_dm, trainer
+
+from dapo_lightning.batch import RolloutBatch
+from dapo_lightning.checks import ConfigError
+from dapo_lightning.data import DAPODataModule, DynamicSamplingConfig
+from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
+from dapo_lightning.data.pipeline import OneStepOffStream, check_pipeline, split_threads
+from dapo_lightning.rollout import SamplingConfig
+
+PIPELINED = dict(pipeline="one_step_off")
+
+
+class ChangingModule(ToyModule):
+    """Changes its weights at every step (a stand-in for an optimizer update) and keeps a copy
+    of the weights each step started with."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.weights_at_step: list[dict[str, torch.Tensor]] = []
+        self.batches: list[RolloutBatch] = []
+
+    def training_step(self, batch, batch_idx):
+        self.weights_at_step.append(
+            {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+        )
+        self.batches.append(batch)
+        super().training_step(batch, batch_idx)
+        with torch.no_grad():  # a visible weight change: the sampled distribution moves
+            for p in self.policy.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+
+
+def token_log_probs(policy, weights, batch: RolloutBatch) -> torch.Tensor:
+    """Log-probs of the batch's response tokens under ``weights`` at the batch's temperature
+    (written out here: logits of the previous position, log-softmax, gather)."""
+    policy.load_state_dict(weights)
+    width = batch.response_width
+    with torch.no_grad():
+        logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logits = logits[:, -width - 1 : -1].float() / batch.sampling.temperature
+    targets = batch.input_ids[:, -width:]
+    return torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+
+
+def hf_dm(path, **dynamic_sampling):
+    settings = dict(n=2, train_batch_size=2, filter_metric=None, carry_over=False)
+    settings.update(dynamic_sampling)
+    return DAPODataModule(
+        str(path),
+        reward="arithmetic",
+        scoring=ScoringConfig(reward_kwargs={"strict": False}, in_process=True),
+        engine="hf",
+        sampling=SamplingConfig(max_tokens=4),
+        dynamic_sampling=DynamicSamplingConfig(**settings),
+        validation=ValidationConfig(fraction=0.2, n=2, batch_size=4),
+        prompts=PromptConfig(
+            task="arithmetic", task_kwargs={"num_prompts": 20}, max_prompt_length=64
+        ),
+    )
+
+
+def test_batch_k_plus_1_is_sampled_with_the_weights_from_before_update_k(
+    tiny_checkpoint, tmp_path
+):
+    dm = hf_dm(tiny_checkpoint, **PIPELINED)
+    module = ChangingModule(tiny_checkpoint)
+    trainer(tmp_path, 4).fit(module, datamodule=dm)
+    assert isinstance(dm.stream, OneStepOffStream)
+    assert dm.engine.model is not module.policy  # the engine samples with its own copy
+    probe = ChangingModule(tiny_checkpoint).policy
+    for step, batch in enumerate(module.batches):
+        mask = batch.response_mask.bool()
+        sampled_with = max(step - 1, 0)  # batch 0 has nothing to overlap with
+        assert batch.sample_version.tolist() == [sampled_with] * batch.batch_size
+        expected = token_log_probs(probe, module.weights_at_step[sampled_with], batch)
+        gap = (expected - batch.rollout_log_probs)[mask].abs().max().item()
+        assert gap < 1e-4, (step, gap)
+        if step >= 1:  # not the weights the step itself updates (they moved by 0.05 noise)
+            newer = token_log_probs(probe, module.weights_at_step[step], batch)
+            assert (newer - batch.rollout_log_probs)[mask].abs().max().item() > 1e-2
+    stats = module.batches[-1].stats
+    assert stats["time/trainer_wait_s"] >= 0 and stats["time/engine_idle_s"] >= 0
+
+
+def test_version_stamps_lag_one_step(tiny_checkpoint, tmp_path):
+    dm = scripted_dm(tiny_checkpoint, carry_over=False, **PIPELINED)
+    module = ToyModule(tiny_checkpoint)
+    trainer(tmp_path, 5).fit(module, datamodule=dm)
+    assert [s[1] for s in module.seen] == [0, 1, 2, 3, 4]  # the module's version at each step
+    assert [s[0] for s in module.seen] == [0, 0, 1, 2, 3]  # the batch's: one step behind
+    assert len(dm.drawn_log) == 6  # the batch in flight at the end was generated too
+    assert isinstance(dm.stream.ready, RolloutBatch)  # ... and kept, not thrown away
+
+
+def test_resume_trains_on_the_saved_batch_in_flight(tiny_checkpoint, tmp_path):
+    kw = dict(carry_over=True, gen_batch_size=6, retire_after=1, park_after=1, **PIPELINED)
+    full_dm = scripted_dm(tiny_checkpoint, **kw)
+    full_module = ToyModule(tiny_checkpoint)
+    trainer(tmp_path / "full", 6).fit(full_module, datamodule=full_dm)
+
+    first_dm = scripted_dm(tiny_checkpoint, **kw)
+    t1 = trainer(tmp_path / "a", 2)
+    t1.fit(ToyModule(tiny_checkpoint), datamodule=first_dm)
+    ckpt = tmp_path / "a" / "step2.ckpt"
+    t1.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["DAPODataModule"]["ranks"][0]["ready"]["policy_version"] == 1
+
+    resumed_dm = scripted_dm(tiny_checkpoint, **kw)
+    resumed_module = ToyModule(tiny_checkpoint)
+    trainer(tmp_path / "b", 6).fit(resumed_module, datamodule=resumed_dm, ckpt_path=ckpt)
+    assert resumed_module.seen == full_module.seen[2:]  # the same batches, stamps included
+    # the batch in flight at the save was drawn before it, and not again after the resume
+    assert len(first_dm.drawn_log) == 3 and len(full_dm.drawn_log) == 7
+    assert first_dm.drawn_log + resumed_dm.drawn_log == full_dm.drawn_log
+
+
+def test_rewind_hands_the_undone_batch_over_again(tiny_checkpoint, tmp_path):
+    dm = scripted_dm(tiny_checkpoint, carry_over=False, **PIPELINED)
+    module = ToyModule(tiny_checkpoint)
+    trainer(tmp_path, 3).fit(module, datamodule=dm)
+    last = module.seen[-1]
+    after = dm.stream.state_dict()["producer"]
+    dm.rewind_rollout_batch()  # a stop undid step 3: its batch comes first again
+    assert isinstance(dm.stream.ready, RolloutBatch)
+    assert dm.stream.ready.sample_version.tolist() == last[2]
+    assert dm.stream.state_dict()["producer"] != after  # back to before the batch in flight
+    batch = dm.next_rollout_batch()
+    assert batch.policy_version == last[0] and batch.sample_version.tolist() == last[2]
+    dm.teardown()
+
+
+def test_validation_waits_for_the_batch_in_flight(tiny_checkpoint, tmp_path):
+    dm = hf_dm(tiny_checkpoint, **PIPELINED)
+    module = ToyModule(tiny_checkpoint)
+    trainer(tmp_path, 3, val_check_interval=1, check_val_every_n_epoch=None).fit(
+        module, datamodule=dm
+    )
+    assert len(module.val_seen) == 3 and [s[0] for s in module.seen] == [0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("update", "cores", "expected"),
+    [(1, 2, (1, 1)), (2, 2, (1, 1)), (1, 16, (1, 15)), (16, 16, (8, 8)), (3, 3, (2, 1)), (1, 1, (1, 1))],
+)
+def test_split_threads(update, cores, expected):
+    assert split_threads(update, cores) == expected
+
+
+def test_refusals_name_the_field():
+    class Trainer:
+        strategy = None
+
+    check_pipeline(Trainer(), {})  # one device: fine
+    with pytest.raises(ConfigError, match="enable_sleep_mode"):
+        check_pipeline(Trainer(), {"enable_sleep_mode": True})
+    with pytest.raises(ConfigError, match="pipeline must be 'sync' or 'one_step_off'"):
+        DynamicSamplingConfig(pipeline="async")
+
+
+def test_sharded_strategy_is_refused():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class FakeTrainer:  # only the strategy is read; FSDP itself is not started
+        strategy = FSDPStrategy.__new__(FSDPStrategy)
+
+    with pytest.raises(ConfigError, match=r"pipeline=one_step_off .* fsdp1 strategy"):
+        check_pipeline(FakeTrainer(), {})
+
+
+def test_sync_is_the_default(tiny_checkpoint, tmp_path):
+    dm = scripted_dm(tiny_checkpoint, carry_over=False)
+    module = ToyModule(tiny_checkpoint)
+    trainer(tmp_path, 2).fit(module, datamodule=dm)
+    assert not isinstance(dm.stream, OneStepOffStream)
+    assert [s[0] for s in module.seen] == [0, 1]
