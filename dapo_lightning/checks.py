@@ -74,6 +74,16 @@ def check_count(name: str, value: Any, low: int, what: str, *, none_ok: bool = F
         raise ConfigError(f"{name} must be an integer >= {low}{null} ({what}), got {value!r}.")
 
 
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
+    """Raise :class:`ConfigError` naming ``name`` unless ``value`` is one of ``choices`` (None
+    is written ``null``, as in YAML)."""
+    choices = list(choices)
+    if value not in choices:
+        shown = ["null" if c is None else repr(c) for c in choices]
+        listed = ", ".join(shown[:-1]) + f" or {shown[-1]}" if len(shown) > 1 else shown[0]
+        raise ConfigError(f"{name} must be {listed}, got {value!r}.")
+
+
 def _numbers(value: Any) -> Iterable[Any]:
     """The numbers inside an optimizer hyper-parameter (a float, or a tuple such as ``betas``)."""
     if isinstance(value, (tuple, list)):

@@ -68,9 +68,7 @@ def hf_dm(path, **dynamic_sampling):
     )
 
 
-def test_batch_k_plus_1_is_sampled_with_the_weights_from_before_update_k(
-    tiny_checkpoint, tmp_path
-):
+def test_batch_k_plus_1_is_sampled_with_the_weights_from_before_update_k(tiny_checkpoint, tmp_path):
     dm = hf_dm(tiny_checkpoint, **PIPELINED)
     module = ChangingModule(tiny_checkpoint)
     trainer(tmp_path, 4).fit(module, datamodule=dm)
@@ -150,7 +148,14 @@ def test_validation_waits_for_the_batch_in_flight(tiny_checkpoint, tmp_path):
 
 @pytest.mark.parametrize(
     ("update", "cores", "expected"),
-    [(1, 2, (1, 1)), (2, 2, (1, 1)), (1, 16, (1, 15)), (16, 16, (8, 8)), (3, 3, (2, 1)), (1, 1, (1, 1))],
+    [
+        (1, 2, (1, 1)),
+        (2, 2, (1, 1)),
+        (1, 16, (1, 15)),
+        (16, 16, (8, 8)),
+        (3, 3, (2, 1)),
+        (1, 1, (1, 1)),
+    ],
 )
 def test_split_threads(update, cores, expected):
     assert split_threads(update, cores) == expected

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from dapo_lightning.checks import ConfigError, check_count
+from dapo_lightning.checks import ConfigError, check_choice, check_count
 from dapo_lightning.data.config import check_batch_split
 from dapo_lightning.data.difficulty import (
     SELECTION_PATH,
@@ -103,11 +103,11 @@ class DynamicSamplingConfig:
     pipeline: Pipeline = "sync"
 
     def __post_init__(self) -> None:
-        if self.pipeline not in ("sync", "one_step_off"):
-            raise ConfigError(
-                f"{DYNAMIC_SAMPLING_PATH}.pipeline must be 'sync' or 'one_step_off', "
-                f"got {self.pipeline!r}."
-            )
+        path = DYNAMIC_SAMPLING_PATH
+        check_choice(f"{path}.pipeline", self.pipeline, ("sync", "one_step_off"))
+        check_choice(f"{path}.filter_metric", self.filter_metric, ("acc", "score", "reward", None))
+        check_choice(f"{path}.on_exhausted", self.on_exhausted, ("train_on_kept", "stop", "error"))
+        check_choice(f"{path}.round_sizing", self.round_sizing, ("fixed", "kept_frac"))
         check_count(f"{DYNAMIC_SAMPLING_PATH}.n", self.n, 1, "responses per prompt")
         check_count(
             f"{DYNAMIC_SAMPLING_PATH}.train_batch_size",
@@ -122,11 +122,6 @@ class DynamicSamplingConfig:
                 1,
                 "prompts per round, or null",
             )
-        if self.filter_metric not in ("acc", "score", "reward", None):
-            raise ConfigError(
-                f"{DYNAMIC_SAMPLING_PATH}.filter_metric must be 'acc', 'score', 'reward' or null, "
-                f"got {self.filter_metric!r}."
-            )
         if self.filter_metric is not None and self.n < 2:
             raise ConfigError(
                 f"{DYNAMIC_SAMPLING_PATH}.n={self.n} with filter_metric={self.filter_metric!r}: "
@@ -138,11 +133,6 @@ class DynamicSamplingConfig:
             0,
             "0 = unlimited",
         )
-        if self.on_exhausted not in ("train_on_kept", "stop", "error"):
-            raise ConfigError(
-                f"{DYNAMIC_SAMPLING_PATH}.on_exhausted must be 'train_on_kept', 'stop' or "
-                f"'error', got {self.on_exhausted!r}."
-            )
         if self.max_staleness is not None:
             check_count(
                 f"{DYNAMIC_SAMPLING_PATH}.max_staleness",
@@ -151,11 +141,6 @@ class DynamicSamplingConfig:
                 "policy versions, or null",
             )
         object.__setattr__(self, "selection", as_selection(self.selection))
-        if self.round_sizing not in ("fixed", "kept_frac"):
-            raise ConfigError(
-                f"{DYNAMIC_SAMPLING_PATH}.round_sizing must be 'fixed' or 'kept_frac', "
-                f"got {self.round_sizing!r}."
-            )
         if self.max_gen_batch_size is not None:
             check_count(
                 f"{DYNAMIC_SAMPLING_PATH}.max_gen_batch_size",

@@ -214,6 +214,7 @@ class OneStepOffStream(RolloutStream):
             self._executor.shutdown(wait=True)
             self._executor = None
 
+
 #: Strategies the one-step-off pipeline runs under (the weights pushed are the policy's own).
 PIPELINE_STRATEGIES = ("single", "ddp")
 
