@@ -17,7 +17,7 @@ from lightning.pytorch import Trainer
 from dapo_lightning import plot
 from dapo_lightning.checkpoint import find_resume_checkpoint
 from dapo_lightning.checks import ConfigError
-from dapo_lightning.data.pipeline import split_threads
+from dapo_lightning.data.pipeline import check_pipeline, split_threads
 from dapo_lightning.log_step import set_logging_step
 from dapo_lightning.testing import tiny_num_parameters
 from dapo_lightning.threads import configure_threads, usable_cores
@@ -144,8 +144,11 @@ def _pipeline(config: Namespace) -> str | None:
 def check_world_split(trainer: Trainer, datamodule: Any) -> None:
     """Raise :class:`ConfigError` before any rank starts when the data's batch sizes do not
     split over ``trainer.world_size`` ranks (each rank would raise it alone, with a traceback
-    each). The prompt count is checked later, when the data is loaded."""
+    each), or the one-step-off pipeline cannot run with the strategy or engine settings. The
+    prompt count is checked later, when the data is loaded."""
     sampling = getattr(datamodule, "dynamic_sampling", None)
+    if getattr(sampling, "pipeline", None) == "one_step_off":  # FSDP, sleep mode: refused here
+        check_pipeline(trainer, getattr(datamodule, "engine_kwargs", {}))
     if sampling is None or trainer.world_size <= 1:
         return
     try:  # the prompts are not loaded yet: only the split over ranks is checked here
