@@ -1,0 +1,228 @@
+"""Sync against one-step-off rollouts on the quickstart: seconds per rollout step and what the
+run learns, side by side in one run, through the real command line on this machine's CPU.
+
+For each seed the script runs ``dapo-lightning fit --config configs/quickstart.yaml`` twice,
+back to back (a change of load hits both alike): with ``data.dynamic_sampling.pipeline: sync``
+(the default) and ``one_step_off``, on one shared tiny checkpoint (written by the first run,
+then reused). The override is quickstart_curve.py's (every path under
+``benchmarks/out/pipeline_overlap/<mode>/seed<S>/``, its ``WallClock`` for val/acc against
+wall seconds) plus :class:`StepClock`, which writes the wall time of every rollout step's end.
+The quickstart's ``EarlyStopping`` stays: a run ends when val/acc reaches 0.9, as a user's does.
+
+It prints one row per run: the median seconds per rollout step (the differences of consecutive
+step ends; a step followed by a validation is left out), the median of the trainer's wait for
+its batch (``time/trainer_wait_s``) and of the generation and update seconds, the updates and
+training seconds to val/acc >= 0.9 (from the end of the initial validation), the best and final
+val/acc, the mean staleness; then the ratio of medians (sync / one_step_off) per seed. It writes
+``benchmarks/out/pipeline_overlap.png``: val/acc against training seconds and against updates,
+sync solid, one_step_off dashed.
+
+Usage::
+
+    .venv/bin/python benchmarks/pipeline_overlap.py                      # seeds 0 1 2
+    .venv/bin/python benchmarks/pipeline_overlap.py --seeds 0 --max-steps 100
+    .venv/bin/python benchmarks/pipeline_overlap.py --quick              # smoke: 1 seed, 4 updates
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import yaml
+
+from dapo_lightning.plot import find_metrics_csv, read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO_ROOT, out_dir, print_table  # noqa: E402
+from quickstart_curve import (  # noqa: E402
+    QUICKSTART,
+    T0_ENV,
+    TARGET,
+    read_wall_clock,
+    val_curve,
+    write_override,
+)
+
+#: The pipeline modes compared, the baseline first.
+MODES = ("sync", "one_step_off")
+
+
+class StepClock(pl.Callback):
+    """Appends ``{"t": time.time(), "kind": "step" | "validation"}`` to ``path`` at the end of
+    every rollout step and of every validation, one JSON line each."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def _write(self, trainer: pl.Trainer, kind: str) -> None:
+        if trainer.is_global_zero and not trainer.sanity_checking:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"t": time.time(), "kind": kind}) + "\n")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:  # noqa: D102
+        self._write(trainer, "step")
+
+    def on_validation_end(self, trainer: pl.Trainer, *args: Any) -> None:  # noqa: D102
+        self._write(trainer, "validation")
+
+
+def step_seconds(run_dir: Path) -> list[float]:
+    """Seconds between consecutive rollout-step ends with no validation between them."""
+    path = run_dir / "step_clock.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return [
+        b["t"] - a["t"]
+        for a, b in zip(rows, rows[1:])
+        if a["kind"] == "step" and b["kind"] == "step"
+    ]
+
+
+def median_of(series: dict[str, list[tuple[float, float]]], name: str) -> float | None:
+    values = [v for _, v in series.get(name, [])]
+    return statistics.median(values) if values else None
+
+
+def run_mode(
+    mode: str, seed: int, *, model_dir: Path, max_steps: int | None, quick: bool, root: Path
+) -> dict[str, Any]:
+    """One quickstart run with ``pipeline: mode``; its step times, curve and summary."""
+    run_dir = root / mode / f"seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    override = write_override(run_dir, quick=quick, model_dir=model_dir)
+    config = yaml.safe_load(override.read_text())
+    config["trainer"]["callbacks"].append(
+        {
+            "class_path": "pipeline_overlap.StepClock",
+            "init_args": {"path": str(run_dir / "step_clock.jsonl")},
+        }
+    )
+    config.setdefault("data", {}).setdefault("init_args", {})["dynamic_sampling"] = {
+        "pipeline": mode
+    }
+    override.write_text(yaml.safe_dump(config, sort_keys=False))
+    cmd = [
+        str(Path(sys.executable).with_name("dapo-lightning")), "fit",
+        "--config", str(REPO_ROOT / QUICKSTART), "--config", str(override),
+        "--seed_everything", str(seed),
+    ]  # fmt: skip
+    if max_steps is not None:
+        cmd += ["--trainer.max_steps", str(max_steps)]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
+    )
+    t0 = time.time()
+    env[T0_ENV] = repr(t0)
+    with open(run_dir / "fit.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        print(
+            f"{mode} seed {seed}: exit {proc.returncode}\n{(run_dir / 'fit.log').read_text()[-1500:]}"
+        )
+    series = read_metrics(find_metrics_csv(run_dir / "logs"))
+    clock = {r["step"]: r["wall_s"] for r in read_wall_clock(run_dir) if not r["sanity"]}
+    start_s = clock.get(0, 0.0)  # the end of the initial validation: training starts
+    curve = [(u, acc, clock.get(u, float("nan")) - start_s) for u, acc in val_curve(series)]
+    trained = [c for c in curve if c[0] > 0]
+    hit = next(((u, s) for u, acc, s in trained if acc >= TARGET), (None, None))
+    steps = step_seconds(run_dir)
+    return {
+        "mode": mode, "seed": seed, "exit_code": proc.returncode, "curve": curve,
+        "step_s": statistics.median(steps) if steps else None,
+        "steps": len(series.get("rollout/step", [])),
+        "wait_s": median_of(series, "time/trainer_wait_s"),
+        "gen_s": median_of(series, "time/generation_s"),
+        "update_s": median_of(series, "time/update_s"),
+        "staleness": median_of(series, "data/staleness_mean"),
+        "updates_to_target": hit[0], "seconds_to_target": hit[1],
+        "best": max((acc for _, acc, _ in trained), default=None),
+        "final": trained[-1][1] if trained else None,
+    }  # fmt: skip
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """val/acc against training seconds (left) and optimizer updates (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_u) = plt.subplots(1, 2, figsize=(11, 4))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for r in results:
+        style = "-" if r["mode"] == "sync" else "--"
+        colour = colours[r["seed"] % len(colours)]
+        label = f"{r['mode']} seed {r['seed']}"
+        ax_t.plot(
+            [c[2] for c in r["curve"]], [c[1] for c in r["curve"]], style, c=colour, label=label
+        )
+        ax_u.plot(
+            [c[0] for c in r["curve"]], [c[1] for c in r["curve"]], style, c=colour, label=label
+        )
+    for ax, xlabel in ((ax_t, "training seconds"), (ax_u, "optimizer updates")):
+        ax.axhline(TARGET, color="grey", ls=":", lw=1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("val/acc")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    ax_u.legend(fontsize=7)
+    fig.suptitle("quickstart: sync (solid) vs one_step_off (dashed) rollouts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--max-steps", type=int, default=None, help="optimizer updates per run")
+    parser.add_argument("--quick", action="store_true", help="smoke: first seed, 4 updates")
+    args = parser.parse_args(argv)
+    seeds = args.seeds[:1] if args.quick else args.seeds
+    max_steps = 4 if args.quick else args.max_steps
+    name = "pipeline_overlap_quick" if args.quick else "pipeline_overlap"
+    root = out_dir() / name
+    model_dir = root / "model"
+    results = [
+        run_mode(mode, seed, model_dir=model_dir, max_steps=max_steps, quick=args.quick, root=root)
+        for seed in seeds
+        for mode in MODES
+    ]
+    rows = [
+        [r["mode"], r["seed"], r["exit_code"], r["steps"], r["step_s"], r["wait_s"], r["gen_s"],
+         r["update_s"], r["staleness"], r["updates_to_target"], r["seconds_to_target"], r["best"],
+         r["final"]]
+        for r in results
+    ]  # fmt: skip
+    print_table(
+        "quickstart: sync vs one_step_off (medians over rollout steps)",
+        ["mode", "seed", "exit", "steps", "s/step", "wait s", "gen s", "update s", "staleness",
+         f"updates to {TARGET}", f"s to {TARGET}", "best", "final"],
+        rows,
+    )  # fmt: skip
+    ratios = []
+    for seed in seeds:
+        by = {r["mode"]: r for r in results if r["seed"] == seed}
+        if all(by.get(m, {}).get("step_s") for m in MODES):
+            ratios.append([seed, by["sync"]["step_s"] / by["one_step_off"]["step_s"]])
+    print_table("seconds per rollout step, sync / one_step_off", ["seed", "ratio"], ratios)
+    (root / "results.json").write_text(json.dumps(results, indent=1))
+    png = out_dir() / f"{name}.png"
+    plot(results, png)
+    print(f"wrote {png}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
