@@ -79,6 +79,7 @@ METHOD_OVERRIDES: dict[str, list[str]] = {
     "lora": ["configs/smollm2_lora.yaml"],  # DAPO with LoRA adapters (r 16)
     "calculator": [],  # DAPO on multi-turn episodes with the calculator tool (METHOD_RECIPES)
     "dapo_paper": ["configs/paper_dynamic_sampling.yaml"],  # DAPO, the paper's dynamic sampling
+    "dapo_one_step_off": ["configs/one_step_off.yaml"],  # DAPO, next batch generated meanwhile
 }
 #: Methods that replace the word-problem recipe by a recipe of their own (the same settings
 #: plus what the method needs; tests/test_envs_fit.py pins the difference).
@@ -91,7 +92,14 @@ METHODS: dict[str, list[str]] = {
 #: initial val/acc + x.
 TARGETS = {"word_problems": ("acc", 0.8), "reasoning_gym": ("gain", 0.35)}
 #: Line style of each method in the PNG.
-STYLES = {"dapo": "-", "grpo": "--", "lora": ":", "calculator": "-.", "dapo_paper": (0, (1, 1))}
+STYLES = {
+    "dapo": "-",
+    "grpo": "--",
+    "lora": ":",
+    "calculator": "-.",
+    "dapo_paper": (0, (1, 1)),
+    "dapo_one_step_off": (0, (5, 1, 1, 1)),
+}
 #: The held-out accuracy the word-problem recipe is tuned to reach.
 TARGET = TARGETS["word_problems"][1]
 #: The default training-time budget per run (minutes).

@@ -9,7 +9,9 @@ The module and the data module never read each other's attributes. What passes b
   ``on_train_batch_end``, after every callback's, so a rollback there is included). The data
   side samples its next rollouts with the last handle it received; the weights reach the
   engine at the next generation (``EngineSession.generating``: woken first when it sleeps).
-  A rollout worker in another process would receive the same handle, serialised.
+  With ``dynamic_sampling.pipeline: one_step_off`` the next batch is generated on a rollout
+  thread while this one updates, with the handle published before the update
+  (:mod:`dapo_lightning.data.pipeline`); the contract is the same.
 * data -> module: a :class:`RolloutSpec` (group size, batch size, prompt and response lengths:
   what every batch will be), read once before any rollout is generated, and
   :meth:`RolloutChannel.rewind_rollout_batch`, called when a stop undoes the step under way.

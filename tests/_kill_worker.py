@@ -209,6 +209,7 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
             max_num_gen_batches=50,
             # per-prompt statistics in the checkpoint (none retires in 10 steps)
             selection=PromptSelectionConfig(retire_after=8, park_after=8),
+            pipeline=os.environ.get("DAPO_WORKER_PIPELINE", "sync"),
         ),
         seed=0,
     )

@@ -95,8 +95,8 @@ def test_version_stamps_lag_one_step(tiny_checkpoint, tmp_path):
     trainer(tmp_path, 5).fit(module, datamodule=dm)
     assert [s[1] for s in module.seen] == [0, 1, 2, 3, 4]  # the module's version at each step
     assert [s[0] for s in module.seen] == [0, 0, 1, 2, 3]  # the batch's: one step behind
-    assert len(dm.drawn_log) == 6  # the batch in flight at the end was generated too
-    assert isinstance(dm.stream.ready, RolloutBatch)  # ... and kept, not thrown away
+    assert len(dm.drawn_log) == 5  # one entry per batch trained on, in step order
+    assert isinstance(dm.stream.ready[0], RolloutBatch)  # ... and kept, not thrown away
 
 
 def test_resume_trains_on_the_saved_batch_in_flight(tiny_checkpoint, tmp_path):
@@ -117,8 +117,8 @@ def test_resume_trains_on_the_saved_batch_in_flight(tiny_checkpoint, tmp_path):
     resumed_module = ToyModule(tiny_checkpoint)
     trainer(tmp_path / "b", 6).fit(resumed_module, datamodule=resumed_dm, ckpt_path=ckpt)
     assert resumed_module.seen == full_module.seen[2:]  # the same batches, stamps included
-    # the batch in flight at the save was drawn before it, and not again after the resume
-    assert len(first_dm.drawn_log) == 3 and len(full_dm.drawn_log) == 7
+    # one entry per batch trained on; the batch in flight at the save is not drawn again
+    assert len(first_dm.drawn_log) == 2 and len(full_dm.drawn_log) == 6
     assert first_dm.drawn_log + resumed_dm.drawn_log == full_dm.drawn_log
 
 
@@ -129,8 +129,8 @@ def test_rewind_hands_the_undone_batch_over_again(tiny_checkpoint, tmp_path):
     last = module.seen[-1]
     after = dm.stream.state_dict()["producer"]
     dm.rewind_rollout_batch()  # a stop undid step 3: its batch comes first again
-    assert isinstance(dm.stream.ready, RolloutBatch)
-    assert dm.stream.ready.sample_version.tolist() == last[2]
+    assert isinstance(dm.stream.ready[0], RolloutBatch)
+    assert dm.stream.ready[0].sample_version.tolist() == last[2]
     assert dm.stream.state_dict()["producer"] != after  # back to before the batch in flight
     batch = dm.next_rollout_batch()
     assert batch.policy_version == last[0] and batch.sample_version.tolist() == last[2]

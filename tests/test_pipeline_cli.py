@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_sharded_cli import CONFIGS, final_weights, fit
 
+from dapo_lightning.plot import find_metrics_csv, read_metrics
 from tests._harness import CLI, QUICKSTART, cli_env, run_cli
 
 PIPELINE = ["--data.dynamic_sampling.pipeline", "one_step_off"]
@@ -94,3 +95,14 @@ def test_sigterm_stops_within_the_grace_with_the_last_update_saved(tmp_path, mod
     state = torch.load(last, weights_only=False)
     assert state["global_step"] == int(saved.group(1) or saved.group(2)) >= 20
     assert os.path.exists(last)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_vllm_engine_generates_on_the_rollout_thread(tmp_path, model_dir):
+    pytest.importorskip("vllm")
+    run = tmp_path / "run"
+    fit(run, model_dir, "quickstart_vllm.yaml", extra=[*PIPELINE, "--trainer.max_steps", "6"])
+    rows = read_metrics(find_metrics_csv(run / "logs"))
+    assert [v for _, v in rows["data/staleness_max"]] == [0.0, 2.0, 2.0]  # 2 updates a step
+    assert all(v > 0 for _, v in rows["data/gen_seconds"])

@@ -94,34 +94,34 @@ class OneStepOffStream(RolloutStream):
         self._executor: ThreadPoolExecutor | None = None
         #: The batch in flight (None when none is).
         self._future: Future | None = None
-        #: A finished batch not handed over yet (after a checkpoint, validation or a resume).
-        self.ready: RolloutBatch | EndOfTraining | None = None
-        #: The batch handed over last and the producer / engine state after it (rewind).
-        self._handed: tuple[RolloutBatch, dict[str, Any]] | None = None
+        #: A finished batch not handed over yet and the uids it drew (after a checkpoint,
+        #: validation or a resume).
+        self.ready: tuple[RolloutBatch | EndOfTraining, list[str] | None] | None = None
+        #: The batch handed over last, its uids, the producer / engine state after it (rewind).
+        self._handed: tuple[RolloutBatch, list[str], dict[str, Any]] | None = None
         self._finished_at: float | None = None
 
     def _init_thread(self) -> None:
         torch.set_num_threads(self.rollout_threads)
 
     # ------------------------------------------------------------------ the batches
-    def next_batch(
-        self, dropped_prompts: int, version: int | None = None
-    ) -> RolloutBatch | EndOfTraining:
-        """The next batch (waiting for the one in flight), then the start of the one after
-        with the weights published now."""
+    def next_batch(self, dropped_prompts: int) -> RolloutBatch | EndOfTraining:
+        """The next batch (waiting for the one in flight; its uids appended to ``drawn_log``
+        now, in step order), then the start of the one after with the weights published now."""
         started = time.perf_counter()
         if self.ready is None and self._future is None:
             self._submit(dropped_prompts)  # the first batch (or the first after a stop)
         finished_before = self._finished_at
-        batch = self._take()
+        batch, uids = self._take()
         waited = time.perf_counter() - started
-        if isinstance(batch, EndOfTraining):
+        if isinstance(batch, EndOfTraining) or uids is None:
             return batch
         batch.stats["time/trainer_wait_s"] = waited
         batch.stats["time/engine_idle_s"] = (
             max(0.0, started - finished_before) if finished_before is not None else 0.0
         )
-        self._handed = (batch, super().state_dict())
+        self.drawn_log.append(uids)
+        self._handed = (batch, uids, super().state_dict())
         self._submit(dropped_prompts)
         return batch
 
@@ -129,6 +129,7 @@ class OneStepOffStream(RolloutStream):
         """Start the next batch with the weights published now, pushed from this thread (a
         collective when the policy is sharded; the rollout thread is idle)."""
         version = self.version
+        self.session.engine  # noqa: B018 - built here, on the main thread (vLLM's start-up)
         self.session.sync(version)
         self._finished_at = None
         if self._executor is None:
@@ -137,13 +138,15 @@ class OneStepOffStream(RolloutStream):
             )
         self._future = self._executor.submit(self._generate, dropped_prompts, version)
 
-    def _generate(self, dropped_prompts: int, version: int) -> RolloutBatch | EndOfTraining:
+    def _generate(
+        self, dropped_prompts: int, version: int
+    ) -> tuple[RolloutBatch | EndOfTraining, list[str] | None]:
         try:
-            return RolloutStream.next_batch(self, dropped_prompts, version)
+            return self.produce(dropped_prompts, version)
         finally:
             self._finished_at = time.perf_counter()
 
-    def _take(self) -> RolloutBatch | EndOfTraining:
+    def _take(self) -> tuple[RolloutBatch | EndOfTraining, list[str] | None]:
         """The ready batch, else the one in flight (its exception raised here)."""
         if self.ready is not None:
             batch, self.ready = self.ready, None
@@ -171,11 +174,11 @@ class OneStepOffStream(RolloutStream):
                 log.debug("the batch in flight when the step was undone failed", exc_info=True)
         if self._handed is None:
             return
-        batch, state = self._handed
+        batch, uids, state = self._handed
         super().load_state_dict(state)
         for key in PIPELINE_STAT_OPS:
             batch.stats.pop(key, None)
-        self.ready, self._handed = batch, None
+        self.ready, self._handed = (batch, uids), None
         if self.drawn_log:
             self.drawn_log.pop()
 
@@ -191,8 +194,10 @@ class OneStepOffStream(RolloutStream):
         """The stream's state after the batch in flight (waited for), and that batch."""
         self.quiesce()
         state = super().state_dict()
-        if isinstance(self.ready, RolloutBatch):
-            state["ready"] = {k: getattr(self.ready, k) for k in self.ready.__dataclass_fields__}
+        if self.ready is not None and isinstance(self.ready[0], RolloutBatch):
+            batch, uids = self.ready
+            state["ready"] = {k: getattr(batch, k) for k in batch.__dataclass_fields__}
+            state["ready_uids"] = uids
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -200,7 +205,7 @@ class OneStepOffStream(RolloutStream):
         first."""
         super().load_state_dict(state)
         ready = state.get("ready")
-        self.ready = RolloutBatch(**ready) if ready else None
+        self.ready = (RolloutBatch(**ready), list(state.get("ready_uids") or [])) if ready else None
         self._handed = None
 
     def close(self) -> None:

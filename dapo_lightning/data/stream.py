@@ -53,13 +53,20 @@ class RolloutStream:
         """The version of the published weights (0 before any)."""
         return self.policy_handle.version if self.policy_handle is not None else 0
 
-    def next_batch(
-        self, dropped_prompts: int, version: int | None = None
-    ) -> RolloutBatch | EndOfTraining:
-        """Generate, score, shape and filter the rollouts of the current step, sampled with
-        the weights of ``version`` (default: the last published; the one-step-off pipeline
-        passes the version it pushed, so a publish during generation changes nothing)."""
-        version = self.version if version is None else version
+    def next_batch(self, dropped_prompts: int) -> RolloutBatch | EndOfTraining:
+        """Generate, score, shape and filter the rollouts of the current step (the uids it
+        drew appended to ``drawn_log``)."""
+        batch, uids = self.produce(dropped_prompts, self.version)
+        if uids is not None:
+            self.drawn_log.append(uids)
+        return batch
+
+    def produce(
+        self, dropped_prompts: int, version: int
+    ) -> tuple[RolloutBatch | EndOfTraining, list[str] | None]:
+        """A batch sampled with the weights of ``version`` and the uids it drew (None for the
+        end of training), touching nothing but the producer and the session (the one-step-off
+        stream calls it on its rollout thread)."""
         episodes = isinstance(self.session, EpisodeSession)
         if episodes:
             self.session.take_stats()  # validation's episodes are not this step's
@@ -67,12 +74,11 @@ class RolloutStream:
         try:
             batch = self.producer.next_batch(version)
         except TrainingComplete as done:
-            return EndOfTraining(str(done))
+            return EndOfTraining(str(done)), None
         batch.stats["data/dropped_prompts"] = float(dropped_prompts)
         if episodes:
             batch.stats.update(self.session.take_stats())
-        self.drawn_log.append(list(self.producer.drawn_uids))
-        return batch
+        return batch, list(self.producer.drawn_uids)
 
     def rewind(self) -> None:
         """Put the producer and the engine's RNG back to before the last :meth:`next_batch` (a
