@@ -136,6 +136,13 @@ if t:
         f"HF engine parity (fp32): max abs diff {num(t.get('max_abs_diff'), '.2e')} "
         f"over {t.get('tokens')} tokens"
     )
+t = tests.get("one_step_off_cuda", {})
+if t:
+    print(
+        f"one-step-off on CUDA: engine log-probs vs the previous step's weights max abs diff "
+        f"{num(t.get('max_abs_diff'), '.2e')} (vs the step's own weights >= "
+        f"{num(t.get('newer_weights_min_gap'), '.2e')}), fit {num(t.get('fit_seconds'), '.1f')} s"
+    )
 t = tests.get("qlora_4bit", {})
 if t:
     if t.get("skipped"):

@@ -490,6 +490,47 @@ def test_hf_engine_on_cuda_samples_the_trainers_log_probs(tiny_checkpoint, gpu_r
     assert worst < 1e-4
 
 
+# ====================================================================== 4b. one-step-off on CUDA
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_one_step_off_on_cuda_samples_with_the_weights_before_each_update(
+    tiny_checkpoint, gpu_report, cuda_clean, tmp_path
+):
+    """dynamic_sampling.pipeline one_step_off with the HF engine's own copy on the GPU: batch
+    k + 1 is sampled on the rollout thread with the weights from before update k (the engine's
+    log-probs against each step's weights, on the CPU in float32)."""
+    from tests.test_datamodule import trainer
+    from tests.test_pipeline import PIPELINED, ChangingModule, hf_dm, token_log_probs
+
+    dm = hf_dm(tiny_checkpoint, **PIPELINED)
+    module = ChangingModule(tiny_checkpoint)
+    start = time.perf_counter()
+    trainer(tmp_path, 4, accelerator="gpu").fit(module, datamodule=dm)
+    seconds = time.perf_counter() - start
+    assert dm.engine.model is not module.policy
+    assert next(dm.engine.model.parameters()).is_cuda  # the engine's copy sits on the GPU
+    probe = ChangingModule(tiny_checkpoint).policy
+    worst, newer_min = 0.0, float("inf")
+    for step, batch in enumerate(module.batches):
+        batch = batch.to("cpu")
+        mask = batch.response_mask.bool()
+        sampled_with = max(step - 1, 0)
+        assert batch.sample_version.tolist() == [sampled_with] * batch.batch_size
+        weights = {k: v.cpu() for k, v in module.weights_at_step[sampled_with].items()}
+        gap = (token_log_probs(probe, weights, batch) - batch.rollout_log_probs)[mask]
+        worst = max(worst, float(gap.abs().max()))
+        if step >= 1:
+            later = {k: v.cpu() for k, v in module.weights_at_step[step].items()}
+            other = (token_log_probs(probe, later, batch) - batch.rollout_log_probs)[mask]
+            newer_min = min(newer_min, float(other.abs().max()))
+    gpu_report.record(
+        "one_step_off_cuda", max_abs_diff=worst, newer_weights_min_gap=newer_min,
+        fit_seconds=seconds,
+    )  # fmt: skip
+    assert worst < 1e-3 and newer_min > 1e-2
+
+
 # ====================================================================== 5. QLoRA
 def qlora_unavailable() -> str | None:
     """Why the QLoRA test cannot run here, or None."""
