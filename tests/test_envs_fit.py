@@ -219,3 +219,19 @@ def test_kill_and_resume_mid_run_with_episodes_is_exact(tiny_checkpoint, tmp_pat
     proc = kill._start(tiny_checkpoint, run)
     kill._finish(proc, timeout=1800)
     kill._check_equal(run, ref)
+
+
+def test_calculator_fit_hf_one_step_off(tmp_path, tiny_checkpoint):
+    """Multi-turn episodes generated on the one-step-off rollout thread: the second step trains
+    on episodes sampled before the first step's update, with the observations masked as in
+    sync mode."""
+    pipeline = ["--data.init_args.dynamic_sampling.pipeline", "one_step_off"]
+    run_dir, _ = fit(tmp_path, tiny_checkpoint, CALCULATOR, *HF_STOPS, *pipeline)
+    record = json.loads((run_dir / "episodes.json").read_text())
+    for step, tokens in zip(record["steps"], record["updates"]):
+        assert step["response_tokens"] > step["loss_tokens"] + step["rows"] * 10
+        assert tokens == step["loss_tokens"] == step["sampled_tokens"]
+    rows = read_csv(run_dir)
+    assert [v for _, v in series(rows, "rollout/step")] == [1.0, 2.0]
+    assert [v for _, v in series(rows, "data/staleness_max")] == [0.0, 1.0]  # one update a step
+    assert all(1.5 <= v <= 2.0 for _, v in series(rows, "env/turns_mean"))
