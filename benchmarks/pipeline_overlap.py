@@ -22,6 +22,7 @@ Usage::
     .venv/bin/python benchmarks/pipeline_overlap.py                      # seeds 0 1 2
     .venv/bin/python benchmarks/pipeline_overlap.py --seeds 0 --max-steps 100
     .venv/bin/python benchmarks/pipeline_overlap.py --quick              # smoke: 1 seed, 4 updates
+    .venv/bin/python benchmarks/pipeline_overlap.py --modes sync one_step_off one_step_off_icepop
 """
 
 from __future__ import annotations
@@ -53,8 +54,20 @@ from quickstart_curve import (  # noqa: E402
     write_override,
 )
 
-#: The pipeline modes compared, the baseline first.
-MODES = ("sync", "one_step_off")
+#: The runs compared (``--modes``), the baseline first: the pipeline and extra CLI arguments.
+MODES: dict[str, tuple[str, list[str]]] = {
+    "sync": ("sync", []),
+    "one_step_off": ("one_step_off", []),
+    # the stale correction's alternatives (model.loss.rollout_correction)
+    "one_step_off_tis1": (
+        "one_step_off",
+        ["--model.init_args.loss.rollout_correction.stale_tis_cap", "1.0"],
+    ),
+    "one_step_off_icepop": (
+        "one_step_off",
+        ["--model.init_args.loss.rollout_correction.mode", "icepop"],
+    ),
+}
 
 
 class StepClock(pl.Callback):
@@ -107,8 +120,9 @@ def run_mode(
             "init_args": {"path": str(run_dir / "step_clock.jsonl")},
         }
     )
+    pipeline, extra = MODES[mode]
     config.setdefault("data", {}).setdefault("init_args", {})["dynamic_sampling"] = {
-        "pipeline": mode
+        "pipeline": pipeline
     }
     override.write_text(yaml.safe_dump(config, sort_keys=False))
     cmd = [
@@ -118,6 +132,7 @@ def run_mode(
     ]  # fmt: skip
     if max_steps is not None:
         cmd += ["--trainer.max_steps", str(max_steps)]
+    cmd += extra
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
@@ -161,7 +176,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig, (ax_t, ax_u) = plt.subplots(1, 2, figsize=(11, 4))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for r in results:
-        style = "-" if r["mode"] == "sync" else "--"
+        style = {"sync": "-", "one_step_off": "--"}.get(r["mode"], ":")
         colour = colours[r["seed"] % len(colours)]
         label = f"{r['mode']} seed {r['seed']}"
         ax_t.plot(
@@ -188,6 +203,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--max-steps", type=int, default=None, help="optimizer updates per run")
     parser.add_argument("--quick", action="store_true", help="smoke: first seed, 4 updates")
+    parser.add_argument(
+        "--modes", nargs="+", choices=sorted(MODES), default=["sync", "one_step_off"]
+    )
     args = parser.parse_args(argv)
     seeds = args.seeds[:1] if args.quick else args.seeds
     max_steps = 4 if args.quick else args.max_steps
@@ -197,7 +215,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     results = [
         run_mode(mode, seed, model_dir=model_dir, max_steps=max_steps, quick=args.quick, root=root)
         for seed in seeds
-        for mode in MODES
+        for mode in args.modes
     ]
     rows = [
         [r["mode"], r["seed"], r["exit_code"], r["steps"], r["step_s"], r["wait_s"], r["gen_s"],
@@ -214,9 +232,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     ratios = []
     for seed in seeds:
         by = {r["mode"]: r for r in results if r["seed"] == seed}
-        if all(by.get(m, {}).get("step_s") for m in MODES):
-            ratios.append([seed, by["sync"]["step_s"] / by["one_step_off"]["step_s"]])
-    print_table("seconds per rollout step, sync / one_step_off", ["seed", "ratio"], ratios)
+        base = by.get("sync", {}).get("step_s")
+        others = [m for m in args.modes if m != "sync"]
+        if base:
+            ratios.append(
+                [seed, *[base / by[m]["step_s"] if by[m]["step_s"] else None for m in others]]
+            )
+    print_table(
+        "seconds per rollout step, sync / mode",
+        ["seed", *[m for m in args.modes if m != "sync"]],
+        ratios,
+    )
     (root / "results.json").write_text(json.dumps(results, indent=1))
     png = out_dir() / f"{name}.png"
     plot(results, png)

@@ -5,6 +5,7 @@ in the checkpoint, a stop that undoes a step, validation, the thread split and t
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from test_datamodule import ToyModule, scripted_dm, trainer
@@ -188,3 +189,61 @@ def test_sync_is_the_default(tiny_checkpoint, tmp_path):
     trainer(tmp_path, 2).fit(module, datamodule=dm)
     assert not isinstance(dm.stream, OneStepOffStream)
     assert [s[0] for s in module.seen] == [0, 1]
+
+
+def test_every_update_trains_on_one_step_old_groups_with_the_independent_tis_weights(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """DAPOModule with one_step_off (2 updates per rollout step, filter off): every batch after
+    the first was sampled with the weights from before the previous step (2 policy versions
+    old), and the correction the update applies to it is token TIS
+    w_t = min(exp(old_t - engine_t), 2), old_t computed here from the step's starting weights."""
+    import dapo_lightning.update_loop as update_loop
+    from dapo_lightning import BatchingConfig, DAPOModule
+    from dapo_lightning.rollout_correction import correction_weights
+
+    seen: list[dict] = []
+    real = update_loop.behaviour_log_probs
+
+    def spy(batch, old, stale, correction):
+        out = real(batch, old, stale, correction)
+        seen.append({"batch": batch, "old": old, "stale": stale.clone(), "out": out})
+        return out
+
+    monkeypatch.setattr(update_loop, "behaviour_log_probs", spy)
+
+    module = DAPOModule(
+        str(tiny_checkpoint),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
+        batching=BatchingConfig(mini_batch_size=1, micro_batch_size=8),
+        parity_check_every=0,
+    )
+    starts: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+    class Recorder(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            weights = {k: v.detach().clone() for k, v in pl_module.policy.state_dict().items()}
+            starts.append((pl_module.policy_version, weights))
+
+    dm = hf_dm(tiny_checkpoint, **PIPELINED)
+    trainer(tmp_path, 8, callbacks=[Recorder()]).fit(module, datamodule=dm)  # 4 rollout steps
+    assert len(seen) == len(starts) == 4
+    probe = ChangingModule(tiny_checkpoint).policy
+    for step, (record, (version, weights)) in enumerate(zip(seen, starts)):
+        batch = record["batch"]
+        assert version == 2 * step
+        expected_version = max(version - 2, 0)  # one rollout step (2 updates) earlier
+        assert batch.sample_version.tolist() == [expected_version] * batch.batch_size
+        if step == 0:
+            assert not record["stale"].any() and record["out"] is None
+            continue
+        behaviour, correction = record["out"]
+        assert record["stale"].all()
+        assert torch.equal(behaviour, batch.rollout_log_probs.to(behaviour.dtype))
+        mask = batch.response_mask.bool()
+        old = token_log_probs(probe, weights, batch)  # the step's starting policy, here
+        assert torch.allclose(record["old"][mask], old[mask], atol=1e-5)  # the update's own
+        expected = torch.clamp(torch.exp(old - batch.rollout_log_probs), max=2.0)
+        got, _ = correction_weights(old, behaviour, mask, correction)
+        assert torch.allclose(got[mask], expected[mask], atol=1e-5)
+        assert (expected[mask] != 1.0).any()  # the weights move off 1: the step corrects
