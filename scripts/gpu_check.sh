@@ -143,6 +143,12 @@ if t:
         f"{num(t.get('max_abs_diff'), '.2e')} (vs the step's own weights >= "
         f"{num(t.get('newer_weights_min_gap'), '.2e')}), fit {num(t.get('fit_seconds'), '.1f')} s"
     )
+t = tests.get("one_step_off_engine_on_gpu", {})
+if t:
+    print(
+        f"one-step-off, update on the CPU, engine on the GPU: log-probs vs the previous step's "
+        f"weights max abs diff {num(t.get('max_abs_diff'), '.2e')}"
+    )
 t = tests.get("qlora_4bit", {})
 if t:
     if t.get("skipped"):

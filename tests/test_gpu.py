@@ -531,6 +531,35 @@ def test_one_step_off_on_cuda_samples_with_the_weights_before_each_update(
     assert worst < 1e-3 and newer_min > 1e-2
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_one_step_off_with_the_engine_on_the_gpu_and_the_update_on_the_cpu(
+    tiny_checkpoint, gpu_report, cuda_clean, tmp_path
+):
+    """The disaggregated layout: the update on one device (here the CPU), the HF engine's own
+    copy on another (``engine_kwargs.device: cuda``); pushes cross devices, batch k + 1 still
+    has the log-probs of the weights from before update k."""
+    from tests.test_datamodule import trainer
+    from tests.test_pipeline import PIPELINED, ChangingModule, hf_dm, token_log_probs
+
+    dm = hf_dm(tiny_checkpoint, engine_kwargs={"device": "cuda"}, **PIPELINED)
+    module = ChangingModule(tiny_checkpoint)
+    trainer(tmp_path, 4).fit(module, datamodule=dm)  # accelerator cpu
+    assert next(module.policy.parameters()).device.type == "cpu"
+    assert next(dm.engine.model.parameters()).is_cuda
+    probe = ChangingModule(tiny_checkpoint).policy
+    worst = 0.0
+    for step, batch in enumerate(module.batches):
+        sampled_with = max(step - 1, 0)
+        assert batch.sample_version.tolist() == [sampled_with] * batch.batch_size
+        mask = batch.response_mask.bool()
+        gap = token_log_probs(probe, module.weights_at_step[sampled_with], batch)
+        worst = max(worst, float((gap - batch.rollout_log_probs)[mask].abs().max()))
+    gpu_report.record("one_step_off_engine_on_gpu", max_abs_diff=worst)
+    assert worst < 1e-3
+
+
 # ====================================================================== 5. QLoRA
 def qlora_unavailable() -> str | None:
     """Why the QLoRA test cannot run here, or None."""

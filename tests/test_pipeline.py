@@ -52,7 +52,7 @@ def token_log_probs(policy, weights, batch: RolloutBatch) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
 
 
-def hf_dm(path, **dynamic_sampling):
+def hf_dm(path, engine_kwargs=None, **dynamic_sampling):
     settings = dict(n=2, train_batch_size=2, filter_metric=None, carry_over=False)
     settings.update(dynamic_sampling)
     return DAPODataModule(
@@ -60,6 +60,7 @@ def hf_dm(path, **dynamic_sampling):
         reward="arithmetic",
         scoring=ScoringConfig(reward_kwargs={"strict": False}, in_process=True),
         engine="hf",
+        engine_kwargs=engine_kwargs,
         sampling=SamplingConfig(max_tokens=4),
         dynamic_sampling=DynamicSamplingConfig(**settings),
         validation=ValidationConfig(fraction=0.2, n=2, batch_size=4),
@@ -247,3 +248,14 @@ def test_every_update_trains_on_one_step_old_groups_with_the_independent_tis_wei
         got, _ = correction_weights(old, behaviour, mask, correction)
         assert torch.allclose(got[mask], expected[mask], atol=1e-5)
         assert (expected[mask] != 1.0).any()  # the weights move off 1: the step corrects
+
+
+def test_an_engine_device_needs_an_own_copy(tiny_checkpoint, tmp_path):
+    """``engine_kwargs.device`` puts the HF engine's own copy on a device of its own (here the
+    CPU: the GPU case is tests/test_gpu.py); with the shared policy it is refused by name."""
+    dm = hf_dm(tiny_checkpoint, engine_kwargs={"device": "cpu"}, **PIPELINED)
+    trainer(tmp_path / "own", 2).fit(ToyModule(tiny_checkpoint), datamodule=dm)
+    assert dm.engine.owns_model and next(dm.engine.model.parameters()).device.type == "cpu"
+    shared = hf_dm(tiny_checkpoint, engine_kwargs={"device": "cpu"})
+    with pytest.raises(ValueError, match=r"engine_kwargs.device=.*pipeline: one_step_off"):
+        trainer(tmp_path / "shared", 2).fit(ToyModule(tiny_checkpoint), datamodule=shared)

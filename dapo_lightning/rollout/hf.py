@@ -75,6 +75,13 @@ class HFRolloutEngine(RolloutEngine):
         should_stop: Polled between decode steps; when it returns True the round is abandoned
             with :class:`~dapo_lightning.interrupt.StopRequested` (default: a SIGTERM / SIGINT
             stop request, :func:`dapo_lightning.interrupt.should_stop`).
+        device: Where the engine's own copy sits and samples (``data.engine_kwargs.device``,
+            e.g. ``"cuda:1"``: generation on a device of its own while the update runs on
+            another, with ``dynamic_sampling.pipeline: one_step_off``). None: where the model
+            is. Only for an own copy (``owns_model``).
+
+    Raises:
+        ValueError: no EOS id; ``max_batch_size`` < 1; ``device`` for the shared policy.
     """
 
     @classmethod
@@ -101,7 +108,16 @@ class HFRolloutEngine(RolloutEngine):
         seed: int | None = None,
         owns_model: bool = False,
         should_stop: Callable[[], bool] = interrupt.should_stop,
+        device: str | torch.device | None = None,
     ) -> None:
+        if device is not None:
+            if not owns_model:
+                raise ValueError(
+                    f"data.engine_kwargs.device={device!r}: the 'hf' engine samples with the "
+                    "policy module itself, which sits where the trainer puts it; a device of its "
+                    "own needs its own copy: set data.dynamic_sampling.pipeline: one_step_off."
+                )
+            model = model.to(device)
         self.model = model
         self.should_stop = should_stop
         self.owns_model = owns_model
