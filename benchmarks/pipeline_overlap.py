@@ -50,6 +50,7 @@ from quickstart_curve import (  # noqa: E402
     T0_ENV,
     TARGET,
     read_wall_clock,
+    val_acc_axes,
     val_curve,
     write_override,
 )
@@ -186,11 +187,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             [c[0] for c in r["curve"]], [c[1] for c in r["curve"]], style, c=colour, label=label
         )
     for ax, xlabel in ((ax_t, "training seconds"), (ax_u, "optimizer updates")):
-        ax.axhline(TARGET, color="grey", ls=":", lw=1)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("val/acc")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
+        val_acc_axes(ax, xlabel)
     ax_u.legend(fontsize=7)
     fig.suptitle("quickstart: sync (solid) vs one_step_off (dashed) rollouts")
     fig.tight_layout()

@@ -225,6 +225,15 @@ def run_seed(
     }
 
 
+def val_acc_axes(ax: Any, xlabel: str) -> None:
+    """An axes of val/acc (0 to 1) against ``xlabel``, the target as a grey line."""
+    ax.axhline(TARGET, color="grey", ls="--", lw=1)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("val/acc")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+
+
 def plot(results: list[dict[str, Any]], path: Path) -> None:
     """val/acc against optimizer updates (left) and wall-clock seconds (right), one line a seed."""
     import matplotlib
@@ -244,11 +253,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             [p[2] for p in tp], [p[1] for p in tp], marker="o", ms=3, label=f"seed {r['seed']}"
         )
     for ax, xlabel in ((ax_u, "optimizer updates"), (ax_t, "wall-clock seconds (whole command)")):
-        ax.axhline(TARGET, color="grey", ls="--", lw=1)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("val/acc")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
+        val_acc_axes(ax, xlabel)
         ax.legend()
     ax_t.axvline(BUDGET_S, color="red", ls=":", lw=1)
     fig.suptitle("DAPO quickstart (configs/quickstart.yaml) on CPU")

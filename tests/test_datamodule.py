@@ -141,21 +141,28 @@ def test_hf_engine_fit_with_validation(tiny_checkpoint, tmp_path):
         assert 0 < m["val/response_length"] <= 4
 
 
-def test_resume_from_checkpoint_draws_same_prompts(tiny_checkpoint, tmp_path):
-    kw = dict(carry_over=True, gen_batch_size=6, retire_after=1, park_after=1)
-    full_dm = scripted_dm(tiny_checkpoint, **kw)
-    full_module = ToyModule(tiny_checkpoint)
+def straight_and_resumed(path, tmp_path, **dynamic_sampling):
+    """A 6-step fit, and the same as 2 steps, a checkpoint, and 4 more resumed from it: returns
+    (straight module, straight data, first data, resumed module, resumed data, checkpoint)."""
+    full_dm = scripted_dm(path, **dynamic_sampling)
+    full_module = ToyModule(path)
     trainer(tmp_path / "full", 6).fit(full_module, datamodule=full_dm)
-
-    first_dm = scripted_dm(tiny_checkpoint, **kw)
+    first_dm = scripted_dm(path, **dynamic_sampling)
     t1 = trainer(tmp_path / "a", 2)
-    t1.fit(ToyModule(tiny_checkpoint), datamodule=first_dm)
+    t1.fit(ToyModule(path), datamodule=first_dm)
     ckpt = tmp_path / "a" / "step2.ckpt"
     t1.save_checkpoint(ckpt)
-
-    resumed_dm = scripted_dm(tiny_checkpoint, **kw)
-    resumed_module = ToyModule(tiny_checkpoint)
+    resumed_dm = scripted_dm(path, **dynamic_sampling)
+    resumed_module = ToyModule(path)
     trainer(tmp_path / "b", 6).fit(resumed_module, datamodule=resumed_dm, ckpt_path=ckpt)
+    return full_module, full_dm, first_dm, resumed_module, resumed_dm, ckpt
+
+
+def test_resume_from_checkpoint_draws_same_prompts(tiny_checkpoint, tmp_path):
+    kw = dict(carry_over=True, gen_batch_size=6, retire_after=1, park_after=1)
+    full_module, full_dm, first_dm, resumed_module, resumed_dm, _ = straight_and_resumed(
+        tiny_checkpoint, tmp_path, **kw
+    )
     assert first_dm.drawn_log + resumed_dm.drawn_log == full_dm.drawn_log
     # the same batches (a sized round's overshoot can fill a later batch from the carry-over)
     assert resumed_module.seen == full_module.seen[2:]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_datamodule import ToyModule, scripted_dm, trainer
+from test_datamodule import ToyModule, scripted_dm, straight_and_resumed, trainer
 
 from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.checks import ConfigError
@@ -103,21 +103,11 @@ def test_version_stamps_lag_one_step(tiny_checkpoint, tmp_path):
 
 def test_resume_trains_on_the_saved_batch_in_flight(tiny_checkpoint, tmp_path):
     kw = dict(carry_over=True, gen_batch_size=6, retire_after=1, park_after=1, **PIPELINED)
-    full_dm = scripted_dm(tiny_checkpoint, **kw)
-    full_module = ToyModule(tiny_checkpoint)
-    trainer(tmp_path / "full", 6).fit(full_module, datamodule=full_dm)
-
-    first_dm = scripted_dm(tiny_checkpoint, **kw)
-    t1 = trainer(tmp_path / "a", 2)
-    t1.fit(ToyModule(tiny_checkpoint), datamodule=first_dm)
-    ckpt = tmp_path / "a" / "step2.ckpt"
-    t1.save_checkpoint(ckpt)
+    full_module, full_dm, first_dm, resumed_module, resumed_dm, ckpt = straight_and_resumed(
+        tiny_checkpoint, tmp_path, **kw
+    )
     saved = torch.load(ckpt, weights_only=False)
     assert saved["DAPODataModule"]["ranks"][0]["ready"]["policy_version"] == 1
-
-    resumed_dm = scripted_dm(tiny_checkpoint, **kw)
-    resumed_module = ToyModule(tiny_checkpoint)
-    trainer(tmp_path / "b", 6).fit(resumed_module, datamodule=resumed_dm, ckpt_path=ckpt)
     assert resumed_module.seen == full_module.seen[2:]  # the same batches, stamps included
     # one entry per batch trained on; the batch in flight at the save is not drawn again
     assert len(first_dm.drawn_log) == 2 and len(full_dm.drawn_log) == 6

@@ -142,7 +142,11 @@ def _result(run: Path) -> dict:
 @pytest.fixture(scope="module")
 def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
     """An uninterrupted run, and how long its fit took (from train start to exit)."""
-    run = tmp_path_factory.mktemp("reference")
+    return uninterrupted_run(model_dir, tmp_path_factory.mktemp("reference"))
+
+
+def uninterrupted_run(model_dir: Path, run: Path) -> tuple[Path, float]:
+    """Run the worker to its end in ``run``; the run and how long its fit took."""
     proc = _start(model_dir, run)
     assert _wait_training(proc, run), proc.communicate()[1].decode()[-4000:]
     t0 = time.monotonic()

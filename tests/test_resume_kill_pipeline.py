@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_resume_kill import _finish, _result, _start, _trials, _wait_training
+from test_resume_kill import _result, _trials, uninterrupted_run
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,17 +25,7 @@ def one_step_off() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def reference(one_step_off, model_dir: Path, tmp_path_factory) -> tuple[Path, float]:
     """An uninterrupted one-step-off run, and how long its fit took."""
-    import time
-
-    run = tmp_path_factory.mktemp("reference_pipeline")
-    proc = _start(model_dir, run)
-    assert _wait_training(proc, run), proc.communicate()[1].decode()[-4000:]
-    t0 = time.monotonic()
-    while proc.poll() is None and not (run / "final.pt").exists():
-        time.sleep(0.005)
-    fit_s = time.monotonic() - t0
-    _finish(proc)
-    return run, fit_s
+    return uninterrupted_run(model_dir, tmp_path_factory.mktemp("reference_pipeline"))
 
 
 def test_the_reference_trains_one_step_off(reference):
