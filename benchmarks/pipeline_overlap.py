@@ -64,6 +64,11 @@ MODES: dict[str, tuple[str, list[str]]] = {
         "one_step_off",
         ["--model.init_args.loss.rollout_correction.stale_tis_cap", "1.0"],
     ),
+    # carried-over groups (2 steps old when trained on) dropped: only one-step-old groups
+    "one_step_off_fresh": (
+        "one_step_off",
+        ["--data.init_args.dynamic_sampling.max_staleness", "1"],
+    ),
     "one_step_off_icepop": (
         "one_step_off",
         ["--model.init_args.loss.rollout_correction.mode", "icepop"],
