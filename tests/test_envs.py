@@ -388,6 +388,69 @@ def test_unknown_prompts_and_context_are_refused(tiny):
     assert runner.model is model and runner.state_dict()["seed"] == runner.engine.seed
 
 
+class CountingEnv(ScriptedEnv):
+    """ScriptedEnv that reports its own metric: 1 per turn, 10 on the turn that ends."""
+
+    metric_names = ("turn_marks",)
+
+    def step(self, text: str) -> StepResult:
+        result = super().step(text)
+        result.metrics = {"turn_marks": 10.0 if result.done else 1.0}
+        return result
+
+
+class UndeclaredMetricEnv(ScriptedEnv):
+    def step(self, text: str) -> StepResult:
+        return StepResult(done=True, metrics={"secret": 1.0})
+
+
+def test_environments_log_their_own_declared_metrics(tiny):
+    """env/<name> = the metric summed over each episode's turns, / episodes; zeros before any
+    episode (every rank logs the same names); an undeclared name fails its episode, named."""
+    _, _, records = tiny
+    runner = make_runner(tiny, lambda: CountingEnv(turns=3), max_turns=3)
+    assert runner.take_stats()["env/turn_marks"] == 0.0
+    groups = runner.generate([r.prompt_ids for r in records], 2, SamplingConfig(max_tokens=60))
+    eps = [e for g in groups for e in g]
+    # per episode: 1 for each turn that got an observation, 10 for the last (done) turn
+    expected = [sum([1.0] * (e.turns - 1) + [10.0]) for e in eps]
+    assert [e.metrics["turn_marks"] for e in eps] == expected
+    stats = runner.take_stats()
+    assert stats["env/turn_marks"] == pytest.approx(sum(expected) / len(eps))
+    bad = make_runner(tiny, UndeclaredMetricEnv, max_failure_frac=1.0)
+    (ep, *_), *_ = bad.generate([records[0].prompt_ids], 2, SamplingConfig(max_tokens=8))
+    assert "'secret', which the environment does not declare" in ep.failure
+
+
+def test_the_default_episode_budget_fits_the_turns_and_says_when_it_cuts(tiny, caplog):
+    """null max_episode_tokens = prompt + max_tokens + (max_turns - 1) x max_observation_tokens,
+    lowered to the engine's context with a warning; an observation that does not fit ends its
+    episode, counted in env/observations_cut, with one warning naming the numbers."""
+    config = EnvironmentConfig(max_turns=4, max_observation_tokens=50)
+    assert config.episode_budget(32, 20) == 32 + 20 + 3 * 50
+    assert EnvironmentConfig(max_episode_tokens=99).episode_budget(32, 20) == 99
+    tok, model, records = tiny
+    context = model.config.max_position_embeddings
+    with caplog.at_level("WARNING"):
+        wide = EpisodeRunner(
+            HFRolloutEngine(model, tok, seed=0, eos_token_id=STOP_IDS),
+            EnvironmentConfig(max_turns=3),
+            make_env=ScriptedEnv, formatter=ObservationFormatter(tok),
+            decode=lambda ids: tok.decode(ids), records=records,
+            max_episode_tokens=context + 500,
+        )  # fmt: skip
+    assert wide.max_episode_tokens == context
+    assert "default budget for 3 turns" in caplog.text
+    long_obs = "x " * 200  # far more tokens than the room left
+    runner = make_runner(tiny, lambda: ScriptedEnv(observation=long_obs, turns=5))
+    runner.max_episode_tokens = 80
+    with caplog.at_level("WARNING"):
+        groups = runner.generate([r.prompt_ids for r in records], 2, SamplingConfig(max_tokens=8))
+    assert all(e.finish_reason == "length" for g in groups for e in g)
+    assert runner.take_stats()["env/observations_cut"] == 4
+    assert caplog.text.count("did not fit") == 1 and "max_episode_tokens=80" in caplog.text
+
+
 # ---------------------------------------------------------------------------- the batch
 def test_token_masks_reach_the_response_mask(tiny):
     """ScoredRollouts.token_mask: response_length counts sampled tokens only; the batch's

@@ -287,13 +287,13 @@ class DAPODataModule(pl.LightningDataModule):
         )
         if self.environment is None:
             return EngineSession(self.engine_spec, **kwargs)
-        budget = self.environment.max_episode_tokens
+        budget = self.environment.episode_budget(self.max_prompt_length, self.sampling.max_tokens)
         return EpisodeSession(
             self.engine_spec,
             environment=self.environment,
             make_env=self._make_env,
             records=self.train_records + self.val_records,
-            max_episode_tokens=budget or self.max_prompt_length + self.sampling.max_tokens,
+            max_episode_tokens=budget,
             use_chat_template=self.prompts.apply_chat_template,
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
             **kwargs,

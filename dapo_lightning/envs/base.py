@@ -46,6 +46,10 @@ class StepResult:
         acc: Correctness with ``reward`` (None: ``reward > 0``).
         tool_calls: Tool calls the turn made (for ``env/tool_calls_mean``).
         tool_errors: Those of them that failed (bad call, tool error; ``env/tool_error_rate``).
+        metrics: The environment's own numbers for this turn, logged as ``env/<name>``: summed
+            over an episode's turns, then averaged over the step's episodes. Every name must be
+            declared in the environment's ``metric_names`` (so every rank logs the same names,
+            zeros included).
     """
 
     observation: str = ""
@@ -54,15 +58,18 @@ class StepResult:
     acc: bool | None = None
     tool_calls: int = 0
     tool_errors: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
-def check_step_result(result: Any) -> StepResult:
-    """``result`` if it is a well-formed :class:`StepResult`.
+def check_step_result(result: Any, metric_names: tuple[str, ...] = ()) -> StepResult:
+    """``result`` if it is a well-formed :class:`StepResult` whose ``metrics`` use only
+    ``metric_names``.
 
     Raises:
         TypeError: not a StepResult, or a field of the wrong type (what an environment that
-            "returns garbage" gets; the episode runner counts it as a failed episode).
-        ValueError: a non-finite reward.
+            "returns garbage" gets; the episode runner counts it as a failed episode), or a
+            metric name the environment did not declare.
+        ValueError: a non-finite reward or metric.
     """
     if not isinstance(result, StepResult):
         raise TypeError(f"step() returned {type(result).__name__}, not a StepResult.")
@@ -77,7 +84,29 @@ def check_step_result(result: Any) -> StepResult:
             raise TypeError(f"StepResult.reward must be a number or None, got {result.reward!r}.")
         if not math.isfinite(result.reward):
             raise ValueError(f"StepResult.reward must be finite, got {result.reward}.")
+    if not isinstance(result.metrics, Mapping):
+        raise TypeError(f"StepResult.metrics must be a dict, got {result.metrics!r}.")
+    for name, value in result.metrics.items():
+        if name not in metric_names:
+            raise TypeError(
+                f"StepResult.metrics has {name!r}, which the environment does not declare: add "
+                f"it to the class's metric_names (declared: {list(metric_names)})."
+            )
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(
+                f"StepResult.metrics[{name!r}] must be a finite number, got {value!r}."
+            )
     return result
+
+
+def declared_metrics(env: Any) -> tuple[str, ...]:
+    """The ``metric_names`` an environment declares (its ``StepResult.metrics`` keys)."""
+    names = getattr(env, "metric_names", ())
+    if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
+        raise TypeError(
+            f"{type(env).__name__}.metric_names must be a tuple of names, got {names!r}."
+        )
+    return tuple(names)
 
 
 @runtime_checkable
@@ -85,7 +114,8 @@ class Environment(Protocol):
     """One episode's environment (a fresh object per episode, built by the registry).
 
     ``reset`` starts the episode from its prompt record; ``step`` answers every assistant
-    turn. Both may raise or hang: the episode runner calls them in a worker thread with
+    turn. An optional class attribute ``metric_names`` (a tuple) declares the names its
+    ``StepResult.metrics`` may use (logged as ``env/<name>``). Both calls may raise or hang: the episode runner calls them in a worker thread with
     ``EnvironmentConfig.call_timeout_s`` and turns a fault into a failed episode.
     """
 
@@ -224,9 +254,15 @@ class EnvironmentConfig:
         kwargs: Keyword arguments of the environment's constructor.
         max_turns: Most assistant turns per episode (the last one ends it whatever it says).
         max_episode_tokens: Most tokens of prompt + all assistant turns + all observations
-            (<= the engine's context). None: ``prompts.max_prompt_length + sampling.max_tokens``,
-            what the model's context check already covers. ``sampling.max_tokens`` bounds the
-            assistant tokens of an episode (overlong shaping measures those).
+            (<= the engine's context). None: room for ``max_turns`` turns and their
+            observations, ``prompts.max_prompt_length + sampling.max_tokens + (max_turns - 1)
+            * max_observation_tokens``, lowered to the engine's context where that is less
+            (said once at start). ``sampling.max_tokens`` bounds the assistant tokens of an
+            episode (overlong shaping measures those). An observation that does not fit ends
+            its episode as ``"length"`` (``env/observations_cut``; a warning the first time,
+            with the numbers).
+        max_observation_tokens: Tokens budgeted per observation for the default
+            ``max_episode_tokens`` (an observation may be longer while the episode fits).
         call_timeout_s: Most seconds one ``reset`` / ``step`` call may take; a call over it
             fails the episode (``env/timeouts``).
         max_failure_frac: Largest share of one generation's episodes that may fail
@@ -243,6 +279,7 @@ class EnvironmentConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     max_turns: int = 4
     max_episode_tokens: int | None = None
+    max_observation_tokens: int = 64
     call_timeout_s: float = 10.0
     max_failure_frac: float = 0.1
     observation_role: str = "tool"
@@ -259,6 +296,11 @@ class EnvironmentConfig:
             raise ValueError(
                 f"environment.max_episode_tokens must be >= 2 or null, got {self.max_episode_tokens}."
             )
+        if self.max_observation_tokens < 1:
+            raise ValueError(
+                "environment.max_observation_tokens must be >= 1, got "
+                f"{self.max_observation_tokens}."
+            )
         check_finite("environment.call_timeout_s", self.call_timeout_s, "Give seconds > 0.")
         if not self.call_timeout_s > 0:
             raise ValueError(
@@ -270,3 +312,11 @@ class EnvironmentConfig:
             )
         if not self.observation_role:
             raise ValueError("environment.observation_role must be a chat role, e.g. 'tool'.")
+
+    def episode_budget(self, max_prompt_length: int, max_tokens: int) -> int:
+        """``max_episode_tokens``, or the default that fits ``max_turns`` turns and their
+        observations: ``max_prompt_length + max_tokens + (max_turns - 1) *
+        max_observation_tokens``."""
+        if self.max_episode_tokens is not None:
+            return self.max_episode_tokens
+        return max_prompt_length + max_tokens + (self.max_turns - 1) * self.max_observation_tokens

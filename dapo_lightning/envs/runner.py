@@ -35,6 +35,7 @@ episode (it is scored with the reward's ``failure_score``, acc False; ``env/fail
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -43,7 +44,12 @@ from typing import Any
 
 from torch import Tensor
 
-from dapo_lightning.envs.base import Environment, EnvironmentConfig, check_step_result
+from dapo_lightning.envs.base import (
+    Environment,
+    EnvironmentConfig,
+    check_step_result,
+    declared_metrics,
+)
 from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rewards.base import RewardResult, failure_result
 from dapo_lightning.rollout.base import (
@@ -52,6 +58,8 @@ from dapo_lightning.rollout.base import (
     RolloutEngine,
     SamplingConfig,
 )
+
+log = logging.getLogger(__name__)
 
 
 class EnvironmentFailureError(RuntimeError):
@@ -70,6 +78,7 @@ class Episode(Completion):
         env_acc: Its correctness (None: ``env_reward > 0``).
         failure: Why the environment failed the episode (``"timeout"`` or the error), or None.
         episode_tokens: Prompt + response tokens.
+        metrics: The environment's ``StepResult.metrics`` summed over the episode's turns.
     """
 
     turns: int = 0
@@ -79,6 +88,7 @@ class Episode(Completion):
     env_acc: bool | None = None
     failure: str | None = None
     episode_tokens: int = 0
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def episode_results(
@@ -198,6 +208,7 @@ class _State:
     tool_errors: int = 0
     reward: float | None = None
     acc: bool | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def add(self, ids: list[int], logps: list[float], sampled: int) -> None:
         self.ids += ids
@@ -216,7 +227,10 @@ DELEGATED = frozenset(
      "state_dict", "load_state_dict", "owns_model", "seed", "tie_word_embeddings"}
 )  # fmt: skip
 
-_STAT_KEYS = ("episodes", "turns", "tool_calls", "tool_errors", "failures", "timeouts", "tokens")
+_STAT_KEYS = (
+    "episodes", "turns", "tool_calls", "tool_errors", "failures", "timeouts", "tokens",
+    "observations_cut",
+)  # fmt: skip
 
 
 class EpisodeRunner:
@@ -229,10 +243,12 @@ class EpisodeRunner:
         formatter: Observation text -> tokens.
         decode: Token ids -> text (special tokens skipped) for the environment.
         records: Prompt records by their ``prompt_ids`` (an episode starts from its record).
-        max_episode_tokens: Resolved ``config.max_episode_tokens``.
+        max_episode_tokens: Resolved ``config.max_episode_tokens``
+            (:meth:`EnvironmentConfig.episode_budget`); when ``config.max_episode_tokens`` is
+            None (the default budget) it is lowered to the engine's context, with a warning.
 
     Raises:
-        ValueError: ``max_episode_tokens`` exceeds the engine's context.
+        ValueError: a set ``max_episode_tokens`` exceeds the engine's context.
     """
 
     def __init__(
@@ -253,14 +269,31 @@ class EpisodeRunner:
         self.decode = decode
         self.records = {tuple(r.prompt_ids): r for r in records if r.prompt_ids is not None}
         self.max_episode_tokens = int(max_episode_tokens)
+        self.metric_names = declared_metrics(make_env())
         context = engine_context(engine)
+        if (
+            context is not None
+            and self.max_episode_tokens > context
+            and config.max_episode_tokens is None
+        ):
+            log.warning(
+                "environment.max_episode_tokens: the default budget for %d turns (%d tokens) "
+                "is over the engine's context; using %d (set it, or lower "
+                "environment.max_observation_tokens / max_turns)",
+                config.max_turns, self.max_episode_tokens, context,
+            )  # fmt: skip
+            self.max_episode_tokens = context
         if context is not None and self.max_episode_tokens > context:
             raise ValueError(
                 f"environment.max_episode_tokens={self.max_episode_tokens} exceeds the engine's "
                 f"context ({context} tokens): lower it (or prompts.max_prompt_length / sampling.max_tokens "
                 "when it is null)."
             )
-        self.totals = dict.fromkeys(_STAT_KEYS, 0)
+        self.totals = self._zero_totals()
+        self._warned_cut = False
+
+    def _zero_totals(self) -> dict[str, float]:
+        return {**dict.fromkeys(_STAT_KEYS, 0), **{f"metric:{n}": 0.0 for n in self.metric_names}}
 
     def __getattr__(self, name: str) -> Any:
         """What the engine session and the module read from an engine, from the wrapped one;
@@ -349,13 +382,16 @@ class EpisodeRunner:
         """Each environment's answer to its episode's last turn: an observation or the end
         (after the ``last`` allowed turn the episode ends either way; a reward given then
         counts)."""
-        calls = [lambda s=s: check_step_result(s.env.step(s.text)) for s in stepping]
+        names = self.metric_names
+        calls = [lambda s=s: check_step_result(s.env.step(s.text), names) for s in stepping]
         for s, (status, value) in zip(stepping, call_all(calls, self.config.call_timeout_s)):
             if status != "ok":
                 self._fail(s, status, value)
                 continue
             s.tool_calls += value.tool_calls
             s.tool_errors += value.tool_errors
+            for name, number in value.metrics.items():
+                s.metrics[name] = s.metrics.get(name, 0.0) + float(number)
             if value.done or last:
                 s.finish = "stop"
                 s.reward, s.acc = value.reward, value.acc
@@ -363,8 +399,21 @@ class EpisodeRunner:
             obs = self.formatter(value.observation)
             if len(s.prompt) + len(s.ids) + len(obs) >= self.max_episode_tokens:
                 s.finish = "length"  # no room for the observation and another turn
+                self.totals["observations_cut"] += 1
+                self._warn_cut(len(s.prompt) + len(s.ids), len(obs))
                 continue
             s.add(obs, [0.0] * len(obs), 0)
+
+    def _warn_cut(self, used: int, observation: int) -> None:
+        if self._warned_cut:
+            return
+        self._warned_cut = True
+        log.warning(
+            "an observation of %d tokens did not fit: its episode had used %d of "
+            "environment.max_episode_tokens=%d, so it ended as 'length' (env/observations_cut "
+            "counts these); raise max_episode_tokens (or max_observation_tokens when it is null)",
+            observation, used, self.max_episode_tokens,
+        )  # fmt: skip
 
     def _episode(self, s: _State) -> Episode:
         return Episode(
@@ -380,6 +429,7 @@ class EpisodeRunner:
             env_acc=s.acc,
             failure=s.failure,
             episode_tokens=len(s.prompt) + len(s.ids),
+            metrics=dict(s.metrics),
         )
 
     # ---------------------------------------------------------------- accounting
@@ -396,6 +446,9 @@ class EpisodeRunner:
         }
         for key, value in add.items():
             self.totals[key] += value
+        for e in episodes:
+            for name, value in e.metrics.items():
+                self.totals[f"metric:{name}"] += value
         if episodes and len(failed) > self.config.max_failure_frac * len(episodes):
             raise EnvironmentFailureError(
                 f"{len(failed)} of {len(episodes)} episodes failed in the environment "
@@ -406,11 +459,13 @@ class EpisodeRunner:
 
     def take_stats(self) -> dict[str, float]:
         """:func:`env_stats` of the episodes since the last call, and a fresh count."""
-        totals, self.totals = self.totals, dict.fromkeys(_STAT_KEYS, 0)
-        return env_stats(totals)
+        totals, self.totals = self.totals, self._zero_totals()
+        return env_stats(totals, self.metric_names)
 
 
-def env_stats(totals: Mapping[str, int] | None = None) -> dict[str, float]:
+def env_stats(
+    totals: Mapping[str, float] | None = None, metric_names: Sequence[str] = ()
+) -> dict[str, float]:
     """The ``env/*`` metrics of episode counts (all zero for None):
 
     env/turns_mean          = assistant turns / episodes
@@ -419,17 +474,24 @@ def env_stats(totals: Mapping[str, int] | None = None) -> dict[str, float]:
     env/episode_tokens_mean = (prompt + response tokens) / episodes
     env/failures            = episodes the environment failed (raised, hung, garbage)
     env/timeouts            = those that ran over call_timeout_s
+    env/observations_cut    = episodes ended because an observation did not fit
+    env/<name>              = the environment's metric ``name`` summed over each episode's
+                              turns, / episodes (``metric_names``, its declared names)
     """
-    t = dict(totals) if totals is not None else dict.fromkeys(_STAT_KEYS, 0)
-    episodes = max(t["episodes"], 1)
-    return {
-        "env/turns_mean": t["turns"] / episodes,
-        "env/tool_calls_mean": t["tool_calls"] / episodes,
-        "env/tool_error_rate": t["tool_errors"] / max(t["tool_calls"], 1),
-        "env/episode_tokens_mean": t["tokens"] / episodes,
-        "env/failures": float(t["failures"]),
-        "env/timeouts": float(t["timeouts"]),
+    t = dict(totals) if totals is not None else {}
+    get = lambda key: float(t.get(key, 0))  # noqa: E731
+    episodes = max(get("episodes"), 1.0)
+    out = {
+        "env/turns_mean": get("turns") / episodes,
+        "env/tool_calls_mean": get("tool_calls") / episodes,
+        "env/tool_error_rate": get("tool_errors") / max(get("tool_calls"), 1.0),
+        "env/episode_tokens_mean": get("tokens") / episodes,
+        "env/failures": get("failures"),
+        "env/timeouts": get("timeouts"),
+        "env/observations_cut": get("observations_cut"),
     }
+    out.update({f"env/{name}": get(f"metric:{name}") / episodes for name in metric_names})
+    return out
 
 
 def engine_context(engine: Any) -> int | None:

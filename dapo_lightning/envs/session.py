@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dapo_lightning.envs.base import Environment, EnvironmentConfig
+from dapo_lightning.envs.base import Environment, EnvironmentConfig, declared_metrics
 from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter, env_stats
 from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rollout.base import RolloutEngine
@@ -72,7 +72,7 @@ class EpisodeSession(EngineSession):
         engine = self._engine
         if isinstance(engine, EpisodeRunner):
             return engine.take_stats()
-        return env_stats()
+        return env_stats(None, declared_metrics(self.make_env()))
 
 
 def with_instructions(
