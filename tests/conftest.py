@@ -80,3 +80,10 @@ def fixed_batches() -> Callable[..., LightningDataModule]:
         return _module_harness.FixedBatches(_module_harness.fixed_batch(seed), steps=steps)
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _no_seed_from_an_earlier_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``seed_everything`` (an in-process CLI run) leaves ``PL_GLOBAL_SEED`` in the environment,
+    and a data module without ``seed`` takes it: no test sees another test's seed."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)

@@ -103,6 +103,7 @@ def test_vllm_engine_generates_on_the_rollout_thread(tmp_path, model_dir):
     pytest.importorskip("vllm")
     run = tmp_path / "run"
     fit(run, model_dir, "quickstart_vllm.yaml", extra=[*PIPELINE, "--trainer.max_steps", "6"])
-    rows = read_metrics(find_metrics_csv(run / "logs"))
+    rows = read_metrics(find_metrics_csv(run))  # quickstart_vllm.yaml nests its run folder
     assert [v for _, v in rows["data/staleness_max"]] == [0.0, 2.0, 2.0]  # 2 updates a step
-    assert all(v > 0 for _, v in rows["data/gen_seconds"])
+    assert any(v > 0 for _, v in rows["data/gen_seconds"])  # a step may come from carried groups
+    assert "engine: vllm" in next(run.rglob("config.yaml")).read_text()
