@@ -45,6 +45,7 @@ from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.dynamic_sampling import DYNAMIC_SAMPLING_PATH
 from dapo_lightning.data.producer import RolloutProducer
 from dapo_lightning.data.sources import PromptRecord
+from dapo_lightning.data.step_stats import PIPELINE_STAT_OPS
 from dapo_lightning.data.stream import RolloutStream
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
@@ -52,9 +53,6 @@ from dapo_lightning.strategy import strategy_kind
 from dapo_lightning.threads import usable_cores
 
 log = logging.getLogger(__name__)
-
-#: The metrics the pipeline adds to each batch's stats (maxima over ranks).
-PIPELINE_STAT_OPS = {"time/trainer_wait_s": "max", "time/engine_idle_s": "max"}
 
 
 def split_threads(update_threads: int, cores: int) -> tuple[int, int]:

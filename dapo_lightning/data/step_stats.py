@@ -133,12 +133,17 @@ class StepStats:
         return out
 
 
+#: What the one-step-off pipeline adds to a batch's stats (:mod:`dapo_lightning.data.pipeline`):
+#: the slowest rank's waits.
+PIPELINE_STAT_OPS: dict[str, ReduceOp] = {"time/trainer_wait_s": "max", "time/engine_idle_s": "max"}
+
 #: Each declared statistic's reduce op over ranks, by logged name.
-STEP_STAT_OPS: dict[str, ReduceOp] = {stat.name: stat.op for stat in StepStats.declared()}
+_DECLARED_OPS: dict[str, ReduceOp] = {stat.name: stat.op for stat in StepStats.declared()}
+STEP_STAT_OPS: dict[str, ReduceOp] = {**_DECLARED_OPS, **PIPELINE_STAT_OPS}
 
 #: The statistics summed or maxed over ranks (the others are averaged); the table of older
 #: releases, kept for code that imports it.
-STAT_OPS: dict[str, ReduceOp] = {k: op for k, op in STEP_STAT_OPS.items() if op != "mean"}
+STAT_OPS: dict[str, ReduceOp] = {k: op for k, op in _DECLARED_OPS.items() if op != "mean"}
 
 
 def rank_op(name: str) -> ReduceOp:
