@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,7 @@ from dapo_lightning.envs.base import (
     check_step_result,
     declared_metrics,
 )
+from dapo_lightning.envs.stats import STAT_KEYS, env_stats
 from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rewards.base import RewardResult, failure_result
 from dapo_lightning.rollout.base import (
@@ -227,11 +228,6 @@ DELEGATED = frozenset(
      "state_dict", "load_state_dict", "owns_model", "seed", "tie_word_embeddings"}
 )  # fmt: skip
 
-_STAT_KEYS = (
-    "episodes", "turns", "tool_calls", "tool_errors", "failures", "timeouts", "tokens",
-    "observations_cut",
-)  # fmt: skip
-
 
 class EpisodeRunner:
     """A rollout engine that runs multi-turn episodes on ``engine`` (module docstring).
@@ -293,7 +289,7 @@ class EpisodeRunner:
         self._warned_cut = False
 
     def _zero_totals(self) -> dict[str, float]:
-        return {**dict.fromkeys(_STAT_KEYS, 0), **{f"metric:{n}": 0.0 for n in self.metric_names}}
+        return {**dict.fromkeys(STAT_KEYS, 0), **{f"metric:{n}": 0.0 for n in self.metric_names}}
 
     def __getattr__(self, name: str) -> Any:
         """What the engine session and the module read from an engine, from the wrapped one;
@@ -461,37 +457,6 @@ class EpisodeRunner:
         """:func:`env_stats` of the episodes since the last call, and a fresh count."""
         totals, self.totals = self.totals, self._zero_totals()
         return env_stats(totals, self.metric_names)
-
-
-def env_stats(
-    totals: Mapping[str, float] | None = None, metric_names: Sequence[str] = ()
-) -> dict[str, float]:
-    """The ``env/*`` metrics of episode counts (all zero for None):
-
-    env/turns_mean          = assistant turns / episodes
-    env/tool_calls_mean     = tool calls / episodes
-    env/tool_error_rate     = failed tool calls / tool calls      (0 without calls)
-    env/episode_tokens_mean = (prompt + response tokens) / episodes
-    env/failures            = episodes the environment failed (raised, hung, garbage)
-    env/timeouts            = those that ran over call_timeout_s
-    env/observations_cut    = episodes ended because an observation did not fit
-    env/<name>              = the environment's metric ``name`` summed over each episode's
-                              turns, / episodes (``metric_names``, its declared names)
-    """
-    t = dict(totals) if totals is not None else {}
-    get = lambda key: float(t.get(key, 0))  # noqa: E731
-    episodes = max(get("episodes"), 1.0)
-    out = {
-        "env/turns_mean": get("turns") / episodes,
-        "env/tool_calls_mean": get("tool_calls") / episodes,
-        "env/tool_error_rate": get("tool_errors") / max(get("tool_calls"), 1.0),
-        "env/episode_tokens_mean": get("tokens") / episodes,
-        "env/failures": get("failures"),
-        "env/timeouts": get("timeouts"),
-        "env/observations_cut": get("observations_cut"),
-    }
-    out.update({f"env/{name}": get(f"metric:{name}") / episodes for name in metric_names})
-    return out
 
 
 def engine_context(engine: Any) -> int | None:

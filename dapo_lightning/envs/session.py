@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dapo_lightning.envs.base import Environment, EnvironmentConfig, declared_metrics
-from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter, env_stats
+from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter
+from dapo_lightning.envs.stats import env_stats
 from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rollout.base import RolloutEngine
 from dapo_lightning.rollout.session import EngineSession
