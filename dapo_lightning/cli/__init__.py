@@ -72,7 +72,7 @@ from dapo_lightning.checks import ConfigError
 from dapo_lightning.cli.app import DAPOLightningCLI, build_cli
 from dapo_lightning.cli.errors import run_reporting_errors
 from dapo_lightning.cli.model_source import CreateModel
-from dapo_lightning.cli.parser import StrictArgumentParser
+from dapo_lightning.cli.parser import StrictArgumentParser, nested_nulls
 from dapo_lightning.cli.run_setup import AUTO_CKPT, VALIDATE_LOG_SUFFIX, run_path
 from dapo_lightning.export import export_main
 from dapo_lightning.interrupt import exit_on_stop
@@ -126,9 +126,11 @@ def top_level_help() -> str:
 def _run_lightning(args: list[str] | None) -> None:
     """``fit`` / ``validate``, with the exit status of the module docstring."""
 
+    argv = nested_nulls(sys.argv[1:] if args is None else list(args))
+
     def command() -> None:
         with exit_on_stop():
-            build_cli(args)
+            build_cli(argv)
 
     run_reporting_errors(command)
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal, NoReturn
 
@@ -85,3 +86,41 @@ def allow_auto_precision(parser: Any) -> None:
     for action in parser._actions:
         if action.dest == "trainer.precision" and hasattr(action, "_typehint"):
             action._typehint = Literal["auto"] | action._typehint
+
+
+#: The CLI's roots given as ``class_path`` + ``init_args`` (their nested nulls are rewritten).
+SUBCLASS_ROOTS = ("model", "data")
+#: YAML's spellings of null.
+_NULLS = frozenset({"null", "Null", "NULL", "~"})
+
+
+def nested_nulls(argv: list[str]) -> list[str]:
+    """``argv`` with every ``--model.A.B null`` / ``--data.init_args.A.B=null`` (a null for a
+    field of a settings group, two or more keys below the root) given as
+    ``--model '{"init_args": {"A": {"B": null}}}'``.
+
+    Why: jsonargparse (4.53) refuses a plain ``null`` for an optional field of a dataclass
+    nested in a ``class_path`` / ``init_args`` argument (a 15-line union dump, although a
+    YAML file's ``null`` is accepted); the whole-argument dict form is parsed, and merged with
+    the values given before it, as the YAML file is.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        key, eq, value = token.partition("=")
+        if not eq and i + 1 < len(argv):
+            value = argv[i + 1]
+        parts = key[2:].split(".") if key.startswith("--") else []
+        if parts and parts[0] in SUBCLASS_ROOTS and value in _NULLS:
+            path = parts[2:] if len(parts) > 1 and parts[1] == "init_args" else parts[1:]
+            if len(path) >= 2:
+                nested: Any = None
+                for name in reversed(path):
+                    nested = {name: nested}
+                out += [f"--{parts[0]}", json.dumps({"init_args": nested})]
+                i += 1 if eq else 2
+                continue
+        out.append(token)
+        i += 1
+    return out
