@@ -48,7 +48,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from dapo_lightning.checks import check_finite
+from dapo_lightning.checks import check_choice, check_finite
 from dapo_lightning.rollout_correction import RolloutCorrection
 
 #: Where :class:`PolicyLossConfig` sits in a run's YAML (``model.init_args.loss``), named as the
@@ -257,11 +257,11 @@ class PolicyLossConfig:
                 f"{LOSS_PATH}.clip_ratio_high ({self.clip_ratio_high}) < {LOSS_PATH}.clip_ratio_low "
                 f"({self.clip_ratio_low}): clip-higher needs eps_high >= eps_low (paper: 0.28 and 0.2)."
             )
-        if self.importance_sampling_level not in ("token", "sequence"):
-            raise ValueError(
-                f"{LOSS_PATH}.importance_sampling_level must be 'token' or 'sequence', got "
-                f"{self.importance_sampling_level!r}."
-            )
+        check_choice(
+            f"{LOSS_PATH}.importance_sampling_level",
+            self.importance_sampling_level,
+            ("token", "sequence"),
+        )
         if self.kl_coef < 0:
             raise ValueError(
                 f"{LOSS_PATH}.kl_coef must be >= 0 (0: no KL penalty, no reference model), got {self.kl_coef}."

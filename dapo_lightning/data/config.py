@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dapo_lightning.checks import ConfigError, check_finite
+from dapo_lightning.checks import ConfigError, check_choice, check_finite
 from dapo_lightning.data.sources import FieldMap
 
 __all__ = ["PromptConfig", "ScoringConfig", "ValidationConfig", "check_batch_split"]
@@ -78,10 +78,7 @@ class PromptConfig:
             raise ConfigError(
                 f"data.prompts.max_prompt_length must be >= 1 token, got {self.max_prompt_length}."
             )
-        if self.overlong_prompts not in ("error", "drop"):
-            raise ConfigError(
-                f"data.prompts.overlong_prompts must be 'error' or 'drop', got {self.overlong_prompts!r}."
-            )
+        check_choice("data.prompts.overlong_prompts", self.overlong_prompts, ("error", "drop"))
         for name in ("prompt_key", "answer_key"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(

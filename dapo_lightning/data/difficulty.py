@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dapo_lightning.checks import ConfigError, check_count, check_finite
+from dapo_lightning.checks import ConfigError, check_choice, check_count, check_finite
 
 SelectionStrategy = Literal["uniform", "predictive"]
 
@@ -115,11 +115,7 @@ class PromptSelectionConfig:
     review_weight: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.strategy not in ("uniform", "predictive"):
-            raise ConfigError(
-                f"{SELECTION_PATH}.strategy must be 'uniform' or 'predictive', "
-                f"got {self.strategy!r}."
-            )
+        check_choice(f"{SELECTION_PATH}.strategy", self.strategy, ("uniform", "predictive"))
         check_finite(f"{SELECTION_PATH}.max_skip", self.max_skip, "Give a number in [0, 1).")
         if not 0.0 <= self.max_skip < 1.0:
             raise ConfigError(

@@ -261,11 +261,12 @@ def make_stream(
     between the update and the rollout thread (:func:`split_threads`) and says so."""
     if pipeline != "one_step_off":
         return RolloutStream(session, producer, drawn_log)
-    update, rollout = split_threads(torch.get_num_threads(), usable_cores())
-    if update != torch.get_num_threads():
+    cores, threads = usable_cores(), torch.get_num_threads()
+    update, rollout = split_threads(threads, cores)
+    if update != threads:
         torch.set_num_threads(update)
     log.info(
         "pipeline one_step_off: the update runs on %d thread(s), rollouts on %d (%d usable cores)",
-        update, rollout, usable_cores(),
+        update, rollout, cores,
     )  # fmt: skip
     return OneStepOffStream(session, producer, drawn_log, rollout_threads=rollout)

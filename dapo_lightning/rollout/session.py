@@ -132,11 +132,10 @@ class EngineSession:
     def _sampling_module(self) -> tuple[nn.Module, bool]:
         """The module an engine that samples with the policy uses, and whether it is its own:
         the policy itself, or an unsharded copy when the policy is sharded (loaded from
-        ``model_path``) or ``own_copy`` is set (a deep copy; the merged model of a LoRA
-        policy, loaded from ``model_path``). An own copy gets every push, the first included."""
+        ``model_path``) or ``own_copy`` is set (a deep copy of the policy; for a LoRA policy the
+        base model loaded from ``model_path``, which pushes give the merged weights)."""
         policy = self._policy_module()
         if is_sharded(policy) or (self.own_copy and is_peft_model(policy)):
-            self.version = -1  # the first sync pushes the policy's weights
             return self._unsharded_copy(), True
         if self.own_copy:
             copy = deepcopy(policy).eval()
