@@ -126,11 +126,14 @@ def top_level_help() -> str:
 def _run_lightning(args: list[str] | None) -> None:
     """``fit`` / ``validate``, with the exit status of the module docstring."""
 
-    argv = nested_nulls(sys.argv[1:] if args is None else list(args))
+    if args is None:  # the console script: LightningCLI reads sys.argv (an args list warns)
+        sys.argv[1:] = nested_nulls(sys.argv[1:])
+    else:
+        args = nested_nulls(list(args))
 
     def command() -> None:
         with exit_on_stop():
-            build_cli(argv)
+            build_cli(args)
 
     run_reporting_errors(command)
 
