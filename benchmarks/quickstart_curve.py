@@ -158,14 +158,13 @@ def run_seed(
     max_steps: int | None,
     extra: list[str],
     model_dir: Path | None = None,
+    name: str = "quickstart_curve",
 ) -> dict[str, Any]:
     """Run the quickstart for one seed in a fresh directory; return its curve and summary.
 
     ``model_dir`` reuses an existing checkpoint instead of warming one up in the run directory
     (its time is then not counted)."""
-    run_dir = (
-        out_dir() / ("quickstart_curve_quick" if quick else "quickstart_curve") / f"seed{seed}"
-    )
+    run_dir = out_dir() / (f"{name}_quick" if quick else name) / f"seed{seed}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -275,6 +274,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         default=None,
         help="use this existing checkpoint (no warm-up in the run; its time is not counted)",
     )
+    parser.add_argument(
+        "--name", default="quickstart_curve", help="output name under benchmarks/out/ (variants)"
+    )
     args, extra = parser.parse_known_args(argv)
     seeds = args.seeds[:1] if args.quick else args.seeds
     max_steps = 2 if args.quick else args.max_steps
@@ -283,7 +285,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         print(f"seed {seed}: running the quickstart ...", flush=True)
         results.append(
             run_seed(
-                seed, quick=args.quick, max_steps=max_steps, extra=extra, model_dir=args.model_dir
+                seed,
+                quick=args.quick,
+                max_steps=max_steps,
+                extra=extra,
+                model_dir=args.model_dir,
+                name=args.name,
             )
         )
     rows = [
@@ -315,7 +322,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         ],
         rows,
     )
-    name = "quickstart_curve_quick" if args.quick else "quickstart_curve"
+    name = f"{args.name}_quick" if args.quick else args.name
     png = out_dir() / f"{name}.png"
     plot(results, png)
     (out_dir() / f"{name}.json").write_text(json.dumps(results, indent=1))

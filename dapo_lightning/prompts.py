@@ -44,11 +44,19 @@ class PromptRecord:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def encode_prompt(tokenizer: Any, prompt: Prompt, apply_chat_template: bool) -> list[int]:
-    """Token ids of a prompt; strings become one user message when the chat template is applied."""
+def encode_prompt(
+    tokenizer: Any,
+    prompt: Prompt,
+    apply_chat_template: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of a prompt; strings become one user message when the chat template is applied
+    (with ``tools``: the tools' JSON schemas, which the template renders)."""
     if apply_chat_template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not isinstance(prompt, str):
         raise PromptDataError(

@@ -1,5 +1,6 @@
 """Test-only pieces the CLI loads by class path in tests/test_envs_fit.py: a callback that
-records what each training step's batch holds, and an environment that fails on purpose."""
+records what each training step's batch holds, an environment that fails on purpose, and
+one whose methods are its tools."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 from dapo_lightning.callbacks import DAPOCallback
 
 from dapo_lightning.batch import RolloutBatch
-from dapo_lightning.envs import StepResult
+from dapo_lightning.envs import StepResult, ToolEnvironment
 
 
 class EpisodeRecorder(DAPOCallback):
@@ -66,3 +67,36 @@ class FaultyEnv:
         if self.kind == 3:
             return "not a step result"  # type: ignore[return-value]
         return StepResult(done=True)
+
+
+class Shop(ToolEnvironment):
+    """Two typed tools as methods (tests/test_env_tools.py, tests/test_envs_fit.py); the
+    episode's reward is the environment's own, and it logs ``env/answer_chars``."""
+
+    metric_names = ("answer_chars",)
+    PRICES = {"apple": 30, "pear": 45}  # a value, not a tool
+
+    def price(self, item: str) -> int:
+        """The price of one item, in cents.
+
+        Args:
+            item: The item's name (apple or pear).
+        """
+        return self.PRICES[item]
+
+    def total(self, unit_cents: int, count: int = 1) -> int:
+        """The cost of several items of one price.
+
+        Args:
+            unit_cents: One item's price, in cents.
+            count: How many items.
+        """
+        return unit_cents * count
+
+    def reward(self, answer: str) -> float | None:
+        return 1.0 if self.record is not None and self.record.answer in answer else -1.0
+
+    def step(self, text: str) -> StepResult:
+        result = super().step(text)
+        result.metrics["answer_chars"] = float(len(text)) if result.done else 0.0
+        return result

@@ -101,7 +101,10 @@ def test_calculator_environment_answers_tool_calls_and_errors():
     unknown = env.step('<tool_call>{"name": "search", "arguments": {}}</tool_call>')
     assert unknown.observation == "error: no tool named 'search' (tools: ['calculator'])"
     wrong_args = env.step('<tool_call>{"name": "calculator", "arguments": {"x": 1}}</tool_call>')
-    assert wrong_args.tool_errors == 1 and "unexpected keyword" in wrong_args.observation
+    assert wrong_args.observation == (
+        "error: calculator() has no argument 'x' (arguments: ['expression'])"
+    )
+    assert wrong_args.tool_errors == 1
     assert env.step("Answer: 12") == StepResult(done=True)
 
 

@@ -235,3 +235,14 @@ def test_calculator_fit_hf_one_step_off(tmp_path, tiny_checkpoint):
     assert [v for _, v in series(rows, "rollout/step")] == [1.0, 2.0]
     assert [v for _, v in series(rows, "data/staleness_max")] == [0.0, 1.0]  # one update a step
     assert all(1.5 <= v <= 2.0 for _, v in series(rows, "env/turns_mean"))
+
+
+def test_an_environment_class_with_tool_methods_fits_by_name(tmp_path, tiny_checkpoint):
+    """tests/_episode_envs.Shop (two typed tool methods, its own reward, ``answer_chars``)
+    named by its dotted path: 2 updates; its metric reaches metrics.csv as env/answer_chars."""
+    env = "{name: _episode_envs.Shop, max_turns: 2, add_instructions: false}"
+    run_dir, _ = fit(tmp_path, tiny_checkpoint, env, *HF_STOPS)
+    rows = read_csv(run_dir)
+    chars = [v for _, v in series(rows, "env/answer_chars")]
+    assert len(chars) == 2 and all(0 < v < 100 for v in chars), chars
+    assert all(v == 0 for _, v in series(rows, "env/failures"))

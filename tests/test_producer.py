@@ -361,6 +361,7 @@ def test_retire_and_park():
         revisit_every=2,
         train_batch_size=2,
         gen_batch_size=4,
+        review_weight=0.0,  # retired for good (reviews: the tests below)
     )
     tracker = producer.tracker
     rate = {r.uid: pass_rate_of(r.prompt) for r in producer.records}
@@ -917,7 +918,7 @@ def test_a_sized_round_draws_each_of_two_eligible_prompts_at_most_once():
     engine = RecordingEngine(rate=lambda expr: 0.5 if expr in live else 1.0)
     producer = make_producer(
         engine, num_prompts=16, train_batch_size=2, gen_batch_size=2, retire_after=1,
-        round_sizing="kept_frac", max_num_gen_batches=0,
+        round_sizing="kept_frac", max_num_gen_batches=0, review_weight=0.0,
     )  # fmt: skip
     live.update(r.prompt for r in producer.records[:2])
     for step in range(8):
@@ -977,6 +978,7 @@ def test_sized_rounds_never_fall_below_the_floor_nor_exceed_the_eligible_prompts
     small = make_producer(
         engine, num_prompts=16, train_batch_size=2, gen_batch_size=2, retire_after=1,
         round_sizing="kept_frac", max_num_gen_batches=0, min_gen_batch_size=floor,
+        review_weight=0.0,
     )  # fmt: skip
     live.update(r.prompt for r in small.records[:2])
     engine.probe = lambda: sum(small.tracker.eligible(r.uid, 0) for r in small.records)
@@ -1007,21 +1009,27 @@ def regressing_producer(review_weight, *, engine_cls=ScriptedEngine, **kw):
     return producer, step, [r.uid for r in producer.records if r.prompt.startswith("1+")]
 
 
-def test_retired_prompts_are_reviewed_and_a_regression_is_seen_and_repaired():
-    """With review_weight 0.5 the solved ``1+b`` prompts come back after retiring; once they
-    regress a review finds it, puts them back in the draw (kept groups again) and counts it in
-    data/regressed_frac; data/review_frac is the share of reviews among the drawn prompts.
-    With review_weight 0 (the former retiring) they are never drawn again."""
+@pytest.mark.parametrize("strategy", ["predictive", "uniform"])
+def test_retired_prompts_are_reviewed_and_a_regression_is_seen_and_repaired(strategy):
+    """With review_weight 0.5 the solved ``1+b`` prompts come back after retiring, under
+    either strategy; once they regress a review finds it, puts them back in the draw (kept
+    groups again) and counts it in data/regressed_frac; data/review_frac is the share of
+    reviews among the drawn prompts. With review_weight 0 (the former retiring) they are never
+    drawn again."""
     for weight in (0.5, 0.0):
-        producer, step, solved = regressing_producer(weight)
+        producer, step, solved = regressing_producer(weight, strategy=strategy)
+
+        def reviewed(producer=producer) -> int:
+            return producer.selector.reviewed if producer.selector is not None else 0
+
         assert len(solved) >= 2
         visits_after: dict[str, int] = {u: 0 for u in solved}
         reviews = drawn = 0.0
         for now in range(60):
             step["now"] = now
-            reviewed_before = producer.selector.reviewed
+            reviewed_before = reviewed()
             stats = producer.next_batch(policy_version=now).stats
-            new_reviews = producer.selector.reviewed - reviewed_before
+            new_reviews = reviewed() - reviewed_before
             # the step's share of reviews among the prompts it drew
             assert stats["data/review_frac"] == pytest.approx(
                 new_reviews / max(len(producer.drawn_uids), 1)

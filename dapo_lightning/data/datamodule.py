@@ -52,7 +52,7 @@ from dapo_lightning.envs import (
     EnvironmentConfig,
     EpisodeSession,
     environment_factory,
-    with_instructions,
+    introduce_tools,
 )
 from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
 from dapo_lightning.ranks import gather_objects, sum_over_group, sum_over_ranks
@@ -241,12 +241,12 @@ class DAPODataModule(pl.LightningDataModule):
             self.task, self.task_kwargs, self.train_files, self.fields, self.prompts,
             self.validation, self.seed,
         )  # fmt: skip
+        tools = None  # the prompts learn of the tools by the template's tools= or instructions
         if self._make_env is not None and self.environment.add_instructions:
-            instructions = getattr(self._make_env(), "instructions", None)
-            text = instructions() if callable(instructions) else None
-            with_instructions(train + val, text, self.prompts.apply_chat_template)
+            env, template = self._make_env(), self.prompts.apply_chat_template
+            tools = introduce_tools(train + val, env, self.tokenizer, template)
         self.train_records, self.val_records, self.dropped_prompts = tokenize_prompt_sets(
-            train, val, self.tokenizer, self.prompts
+            train, val, self.tokenizer, self.prompts, tools
         )
         rank, world = self._rank_world()
         if self.dynamic_sampling.pipeline == "one_step_off":

@@ -7,10 +7,9 @@ A *visit* is one generation of a group for a prompt. After each visit the prompt
 updated with the ``acc`` of its samples.
 
 - Retire: a prompt whose last ``retire_after`` visits in a row were all-correct is retired and
-  not drawn in turn any more (its groups would have zero variance). Under uniform selection it
-  is never drawn again; under predictive selection it is *reviewed* instead: when its turn
-  comes it is drawn with probability ``review_weight`` (:func:`take_probability`), and a review
-  that is not all-correct puts it back in the draw. Prompts a policy once solved regress, and
+  not drawn in turn any more (its groups would have zero variance); it is *reviewed* instead
+  (under either strategy): when its turn comes it is drawn with probability ``review_weight``
+  (:func:`take_probability`), and a review that is not all-correct puts it back in the draw. Prompts a policy once solved regress, and
   the cost of repairing them grows with the delay before they are seen again (issue 40).
 - Regression: a prompt all-correct at some visit and not all-correct at a later one has
   *regressed* (``data/regressed_frac``, :meth:`DifficultyTracker.regressed_frac`).
@@ -108,7 +107,7 @@ class PromptSelectionConfig:
     skip_threshold: float = 0.5
     history_decay: float = 0.5
     revisit_after: int = 16
-    #: Predictive selection: the probability that a retired prompt is drawn when its turn
+    #: The probability that a retired prompt is drawn when its turn
     #: comes (a review; its expected gap is 1 / review_weight epochs), in [0, 1]; 0: retired
     #: for good (the former behaviour). 0.2 as prime-rl's easy-pool weight: solved prompts
     #: kept at a fifth of the rate of the others rather than dropped (issue 40).
@@ -337,7 +336,8 @@ Decision = Literal["new", "due", "predicted", "floor", "skip"]
 
 
 class PredictiveSelector:
-    """Skips prompts whose next group is predicted to have zero variance (module docstring).
+    """Skips prompts whose next group is predicted to have zero variance (module docstring),
+    and reviews retired prompts (:meth:`review`; under uniform selection that is all it does).
 
     Args:
         n: Group size of the next visit.

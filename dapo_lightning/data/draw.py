@@ -5,8 +5,8 @@ Without retiring, parking or predictive selection every prompt is eligible and a
 next stretch of the epoch stream (:class:`~dapo_lightning.data.sampler.PromptSampler`, the
 paper's sampler; a round is at most one epoch). With any of them the draw is *distinct*: each
 prompt at most once per round, a round never longer than the eligible prompts (no wrap-around),
-retired prompts reviewed under predictive selection
-(:meth:`~dapo_lightning.data.difficulty.PredictiveSelector.review`).
+retired prompts reviewed (:meth:`~dapo_lightning.data.difficulty.PredictiveSelector.review`,
+under either strategy).
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ def draw_round(
     uid_of: Callable[[int], str],
     count: int,
     stats: StepStats,
+    predictive: bool = True,
 ) -> tuple[list[int], list[int]]:
     """``count`` prompt indices (fewer when fewer are eligible) and the epochs they were drawn
-    in. Counts the reviews among the newly drawn prompts (given-back ones aside) and the
-    drawn prompts in ``stats`` (:meth:`StepStats.finish` divides one by the other)."""
+    in: ``selector`` reviews retired prompts, and skips predicted zero-variance ones when
+    ``predictive``. Counts the reviews among the newly drawn prompts (given-back ones aside) and
+    the drawn prompts in ``stats`` (:meth:`StepStats.finish` divides one by the other)."""
     if not (selection.retire_after or selection.park_after or selector is not None):
         idx = sampler.take(count)
     else:
@@ -42,10 +44,12 @@ def draw_round(
             return tracker.eligible(uid_of(i), epoch)
 
         skip = review = None
-        if selector is not None:
+        if selector is not None and predictive:
 
             def skip(i: int, epoch: int) -> bool:
                 return not selector.take(tracker.stats.get(uid_of(i)), epoch)
+
+        if selector is not None:
 
             def review(i: int, epoch: int) -> bool:
                 return selector.review(tracker.stats.get(uid_of(i)))

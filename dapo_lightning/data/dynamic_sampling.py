@@ -173,6 +173,11 @@ class DynamicSamplingConfig:
         """Predictive selection is on (and meaningful: the filter drops zero variance)."""
         return self.selection.strategy == "predictive" and self.filter_metric is not None
 
+    @property
+    def reviews(self) -> bool:
+        """Retired prompts are reviewed (drawn at ``review_weight`` when their turn comes)."""
+        return self.selection.retire_after > 0 and self.selection.review_weight > 0
+
     def make_tracker(self) -> DifficultyTracker:
         """Per-prompt statistics (retiring, parking, predictive selection, and the regression
         statistic of every run)."""

@@ -129,13 +129,19 @@ def engine_group_shard(
 
 
 def tokenize_prompt_sets(
-    train: list[PromptRecord], val: list[PromptRecord], tokenizer: Any, prompts: PromptConfig
+    train: list[PromptRecord],
+    val: list[PromptRecord],
+    tokenizer: Any,
+    prompts: PromptConfig,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[PromptRecord], list[PromptRecord], int]:
-    """``(train, held-out, prompts dropped)`` with token ids, as ``prompts`` prepares them."""
+    """``(train, held-out, prompts dropped)`` with token ids, as ``prompts`` prepares them
+    (``tools``: an environment's tool schemas for a chat template that renders them)."""
     kw = dict(
         apply_chat_template=prompts.apply_chat_template,
         max_prompt_length=prompts.max_prompt_length,
         overlong_prompts=prompts.overlong_prompts,
+        tools=tools,
     )
     train_records, dropped = tokenize_records(train, tokenizer, **kw)
     val_records: list[PromptRecord] = []

@@ -132,7 +132,7 @@ class RolloutProducer:
         )
         self.selector = (
             PredictiveSelector(config.n, config.selection, seed=f"{seed}-{layout.group}-select")
-            if config.predictive
+            if config.predictive or config.reviews
             else None
         )
         self.rounds = GenerationRounds(

@@ -38,7 +38,7 @@ class GenerationRounds:
         scorer: Samples and scores.
         sampler: Draws prompt indices (this rank's shard).
         tracker: Per-prompt statistics (retire, park, predictive selection), or None.
-        selector: Predictive selection, or None.
+        selector: Predictive selection and reviews of retired prompts, or None.
         on_scored: Called with every round's scored rollouts before the filter (shaping).
     """
 
@@ -71,8 +71,11 @@ class GenerationRounds:
         def uid_of(i: int) -> str:
             return self.records[i].uid
 
-        sel = self.config.selection
-        return draw_round(self.sampler, self.tracker, self.selector, sel, uid_of, count, stats)
+        cfg = self.config
+        return draw_round(
+            self.sampler, self.tracker, self.selector, cfg.selection, uid_of, count, stats,
+            predictive=cfg.predictive,
+        )  # fmt: skip
 
     def _filter(
         self,

@@ -393,8 +393,10 @@ def tokenize_records(
     apply_chat_template: bool = True,
     max_prompt_length: int | None = None,
     overlong_prompts: Literal["error", "drop"] = "error",
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[PromptRecord], int]:
-    """Fill ``prompt_ids``; prompts over ``max_prompt_length`` tokens raise or are dropped.
+    """Fill ``prompt_ids``; prompts over ``max_prompt_length`` tokens raise or are dropped
+    (``tools``: JSON schemas the chat template renders, :func:`~dapo_lightning.prompts.encode_prompt`).
 
     Returns (records kept, number dropped).
     """
@@ -408,7 +410,7 @@ def tokenize_records(
         )
     kept, dropped = [], 0
     for i, r in enumerate(records):
-        ids = encode_prompt(tokenizer, r.prompt, apply_chat_template)
+        ids = encode_prompt(tokenizer, r.prompt, apply_chat_template, tools)
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             if overlong_prompts == "drop":
                 dropped += 1

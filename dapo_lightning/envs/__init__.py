@@ -1,15 +1,17 @@
 """Multi-turn episodes: environments, tools, and the runner that turns episodes into rollouts.
 
 * :mod:`dapo_lightning.envs.base`: the :class:`Environment` protocol, :class:`StepResult`,
-  :class:`EnvironmentConfig` (``data.init_args.environment``), the tool-call tag format,
-  :class:`ToolEnvironment`, and :data:`ENVIRONMENTS` (the environments by name);
+  :class:`EnvironmentConfig` (``data.init_args.environment``) and :data:`ENVIRONMENTS` (the
+  environments by name);
+* :mod:`dapo_lightning.envs.tools`: the tool-call tag format and :class:`ToolEnvironment`,
+  an environment whose public typed methods are its tools;
 * :mod:`dapo_lightning.envs.calculator`: the built-in ``calculator`` environment;
 * :mod:`dapo_lightning.envs.runner`: :class:`EpisodeRunner`, an engine that runs episodes;
 * :mod:`dapo_lightning.envs.session`: the engine session and prompt instructions the data
   module uses.
 
 Your own environment: a class with ``reset(record)`` and ``step(text) -> StepResult`` (or a
-:class:`ToolEnvironment` with ``tools``), named in ``data.init_args.environment.name`` by its
+:class:`ToolEnvironment` subclass whose public methods are the tools), named in ``data.init_args.environment.name`` by its
 dotted path, or by the name it is registered under with :func:`register_environment` (once its
 module is imported).
 """
@@ -24,10 +26,6 @@ from dapo_lightning.envs.base import (
     Environment,
     EnvironmentConfig,
     StepResult,
-    ToolCall,
-    ToolCallError,
-    ToolEnvironment,
-    parse_tool_calls,
     register_environment,
 )
 from dapo_lightning.envs.calculator import CalculatorEnvironment, CalculatorError, evaluate
@@ -37,7 +35,19 @@ from dapo_lightning.envs.runner import (
     EpisodeRunner,
     ObservationFormatter,
 )
-from dapo_lightning.envs.session import EpisodeSession, with_instructions
+from dapo_lightning.envs.session import (
+    EpisodeSession,
+    introduce_tools,
+    prompt_tools,
+    with_instructions,
+)
+from dapo_lightning.envs.tools import (
+    ToolCall,
+    ToolCallError,
+    ToolEnvironment,
+    parse_tool_calls,
+    template_renders_tools,
+)
 
 
 def environment_class(name: str) -> type:
@@ -86,7 +96,10 @@ __all__ = [
     "environment_class",
     "environment_factory",
     "evaluate",
+    "introduce_tools",
     "parse_tool_calls",
+    "prompt_tools",
     "register_environment",
+    "template_renders_tools",
     "with_instructions",
 ]

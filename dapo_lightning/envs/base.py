@@ -1,29 +1,17 @@
-"""The environment protocol of multi-turn episodes, its settings, and tool calls in text.
+"""The environment protocol of multi-turn episodes and its settings.
 
 An *episode* starts from a prompt record. The policy writes an assistant turn; the
 environment's :meth:`Environment.step` reads that turn's text and answers with a
 :class:`StepResult`: an observation (a tool's output or a user turn) that is appended to the
 conversation before the next assistant turn, or ``done``. When the episode is done the
 environment may give the reward itself (``StepResult.reward``); otherwise the run's reward
-function scores the final assistant turn, as it scores a single-turn response.
-
-Tool calls are written in one documented tag format, the Hermes / Qwen2.5 one (what
-Qwen2.5's chat template asks a model for when it is given ``tools=``)::
-
-    <tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>
-
-:func:`parse_tool_calls` reads them from a turn's text. Neither the tiny test tokenizer's
-ChatML template nor SmolLM2-135M-Instruct's has a tool-call section of its own, so the tag
-format is what :class:`ToolEnvironment` asks for in its instructions (a system message the
-data module puts in front of every prompt). The tool's output comes back as a message of role
-``EnvironmentConfig.observation_role`` (default ``"tool"``) rendered by the chat template.
+function scores the final assistant turn, as it scores a single-turn response. Tools (the
+tag format, environments whose methods are tools) live in :mod:`dapo_lightning.envs.tools`.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -150,97 +138,6 @@ def register_environment(name: str) -> Callable[[type], type]:
     """Class decorator registering an environment class (:class:`Environment`: ``reset`` and
     ``step``) under ``name``, for ``data.init_args.environment.name``."""
     return ENVIRONMENTS.register(name)
-
-
-class ToolCallError(ValueError):
-    """A tool call that cannot be run (bad JSON, unknown tool, bad arguments)."""
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A parsed tool call: the tool's name and its keyword arguments."""
-
-    name: str
-    arguments: dict[str, Any]
-
-
-TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
-    """The tool calls of ``text`` in the tag format, in order.
-
-    Each ``<tool_call>BODY</tool_call>`` must hold a JSON object
-    ``{"name": str, "arguments": object}``; one that does not is returned as a
-    :class:`ToolCallError` in its place (the environment reports it to the policy).
-    """
-    out: list[ToolCall | ToolCallError] = []
-    for body in TOOL_CALL_RE.findall(text):
-        try:
-            call = json.loads(body.strip())
-        except json.JSONDecodeError as err:
-            out.append(ToolCallError(f"the tool call is not valid JSON ({err.msg})"))
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            out.append(ToolCallError('a tool call needs {"name": ..., "arguments": {...}}'))
-            continue
-        arguments = call.get("arguments", {})
-        if not isinstance(arguments, dict):
-            out.append(ToolCallError("the tool call's arguments must be a JSON object"))
-            continue
-        out.append(ToolCall(call["name"], arguments))
-    return out
-
-
-#: A tool: keyword arguments in, text out; it raises to report an error to the policy.
-Tool = Callable[..., str]
-
-
-class ToolEnvironment:
-    """An environment of tools: a turn with tool calls gets their outputs, a turn without one
-    ends the episode (the reward function scores it).
-
-    Subclasses set :attr:`tools` (name -> callable returning text) and may override
-    :meth:`instructions`. A tool that raises (or a call that names no tool, or bad arguments)
-    answers ``error: <message>`` and counts as a tool error; the episode goes on.
-    """
-
-    #: The tools by name.
-    tools: Mapping[str, Tool] = {}
-
-    def __init__(self) -> None:
-        self.record: PromptRecord | None = None
-
-    def instructions(self) -> str | None:
-        """A system message telling the policy how to call the tools (None: none)."""
-        return None
-
-    def reset(self, record: PromptRecord) -> None:
-        self.record = record
-
-    def step(self, text: str) -> StepResult:
-        calls = parse_tool_calls(text)
-        if not calls:
-            return StepResult(done=True)
-        outputs, errors = [], 0
-        for call in calls:
-            try:
-                outputs.append(self._run(call))
-            except (ToolCallError, ArithmeticError, TypeError, ValueError) as err:
-                errors += 1
-                outputs.append(f"error: {err}")
-        return StepResult(observation="\n".join(outputs), tool_calls=len(calls), tool_errors=errors)
-
-    def _run(self, call: ToolCall | ToolCallError) -> str:
-        if isinstance(call, ToolCallError):
-            raise call
-        tool = self.tools.get(call.name)
-        if tool is None:
-            raise ToolCallError(f"no tool named {call.name!r} (tools: {sorted(self.tools)})")
-        result = tool(**call.arguments)
-        if not isinstance(result, str):
-            raise TypeError(f"tool {call.name!r} returned {type(result).__name__}, not text")
-        return result
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from dapo_lightning.envs.base import StepResult, ToolEnvironment, register_environment
+from dapo_lightning.envs.base import StepResult, register_environment
+from dapo_lightning.envs.tools import ToolEnvironment
 
 #: Longest expression the calculator reads (characters) and deepest nesting.
 MAX_EXPRESSION_CHARS = 200
@@ -128,11 +129,6 @@ def format_number(value: Fraction) -> str:
     return f"{float(value):.10g}"
 
 
-def calculator(expression: str) -> str:
-    """The calculator tool: ``expression`` evaluated, as text (raises CalculatorError)."""
-    return format_number(evaluate(expression))
-
-
 @register_environment("calculator")
 class CalculatorEnvironment(ToolEnvironment):
     """Episodes with one tool, ``calculator(expression)``.
@@ -147,14 +143,20 @@ class CalculatorEnvironment(ToolEnvironment):
             tool is asked to once; None (default): such a turn is the final answer.
     """
 
-    tools = {"calculator": calculator}
-
     def __init__(self, nudge: str | None = None) -> None:
         super().__init__()
         if nudge is not None and (not isinstance(nudge, str) or not nudge.strip()):
             raise ValueError("CalculatorEnvironment nudge must be a non-empty text or None.")
         self.nudge = nudge
         self.called = False
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression exactly.
+
+        Args:
+            expression: Numbers, + - * / and parentheses, e.g. "3*4".
+        """
+        return format_number(evaluate(expression))
 
     def step(self, text: str) -> StepResult:
         result = super().step(text)

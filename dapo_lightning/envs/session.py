@@ -9,6 +9,7 @@ from typing import Any
 from dapo_lightning.envs.base import Environment, EnvironmentConfig, declared_metrics
 from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter
 from dapo_lightning.envs.stats import env_stats
+from dapo_lightning.envs.tools import template_renders_tools
 from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rollout.base import RolloutEngine
 from dapo_lightning.rollout.session import EngineSession
@@ -74,6 +75,32 @@ class EpisodeSession(EngineSession):
         if isinstance(engine, EpisodeRunner):
             return engine.take_stats()
         return env_stats(None, declared_metrics(self.make_env()))
+
+
+def prompt_tools(
+    env: Any, tokenizer: Any, use_chat_template: bool
+) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """How prompts tell the policy about ``env``'s tools: ``(instructions, tools)``.
+
+    ``(None, schemas)`` when the chat template renders tools in the tag format
+    (:func:`~dapo_lightning.envs.tools.template_renders_tools`) and the environment has tool
+    schemas; else ``(env.instructions(), None)`` (None when it has no ``instructions``)."""
+    schemas = env.tool_schemas() if callable(getattr(env, "tool_schemas", None)) else []
+    if schemas and use_chat_template and template_renders_tools(tokenizer):
+        return None, schemas
+    instructions = getattr(env, "instructions", None)
+    return (instructions() if callable(instructions) else None), None
+
+
+def introduce_tools(
+    records: Sequence[PromptRecord], env: Any, tokenizer: Any, use_chat_template: bool
+) -> list[dict[str, Any]] | None:
+    """Tell the prompts about ``env``'s tools (:func:`prompt_tools`): put its instructions in
+    front of every record's prompt, in place, or return the schemas the chat template renders
+    (``tools=`` of :func:`~dapo_lightning.prompts.encode_prompt`)."""
+    text, tools = prompt_tools(env, tokenizer, use_chat_template)
+    with_instructions(records, text, use_chat_template)
+    return tools
 
 
 def with_instructions(
