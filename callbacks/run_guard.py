@@ -7,6 +7,10 @@ resuming").
   checkpointing off, ``enable_checkpointing=False``, nothing is saved). Lightning's
   ``ModelCheckpoint(save_last=True)`` alone saves on its own schedule only: a run stopping at
   update 50 with ``every_n_train_steps=20`` would end with update 40 on disk.
+* **Periodic saves**: ``ModelCheckpoint(every_n_train_steps=N)`` saves only when the update
+  count lands on a multiple of N after a rollout step; a step's several updates can step over
+  it (and a step with an odd count shifts every later one off the multiples). When a step
+  passes a multiple without landing on it, the guard writes ``last.ckpt`` (:func:`skipped_a_save`).
 * **SIGTERM / SIGINT** (:mod:`dapo_lightning.interrupt`): the signal only records a stop request.
   The rollout step under way finishes (or, during generation, the producer raises
   :class:`~dapo_lightning.interrupt.StopRequested` between rounds), the state is saved, and the
@@ -104,6 +108,7 @@ class RunGuard(DAPOCallback):
         self._started = False
         self._in_optimizer_step = False
         self._saved_step = -1
+        self._step_at_batch_start = 0
         self._stopping: str | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -167,6 +172,7 @@ class RunGuard(DAPOCallback):
     ) -> None:
         if self._stopping is not None:  # should_stop was overruled (min_steps): stop anyway
             raise StopRequested(self._stopping)
+        self._step_at_batch_start = trainer.global_step
 
     @override
     def on_train_batch_end(
@@ -177,6 +183,13 @@ class RunGuard(DAPOCallback):
         if reason is not None:
             self._stopping = reason
             trainer.should_stop = True
+        checkpoint = _model_checkpoint(trainer)
+        every = getattr(checkpoint, "_every_n_train_steps", 0)
+        if checkpoint is not None and skipped_a_save(
+            self._step_at_batch_start, trainer.global_step, every
+        ):
+            self._write_last(trainer, checkpoint)  # quietly: the periodic save it stands for
+            self._saved_step = trainer.global_step
 
     # ------------------------------------------------------------------ saving
     @override
@@ -292,6 +305,15 @@ class RunGuard(DAPOCallback):
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def skipped_a_save(before: int, after: int, every: int) -> bool:
+    """Whether a rollout step's updates (global step ``before`` -> ``after``) passed a multiple
+    of ``every_n_train_steps`` without stopping on one. ``ModelCheckpoint`` saves only when the
+    step count *is* a multiple after a batch; a rollout step makes several updates, and one
+    with an odd count (fewer groups kept: ``on_exhausted: train_on_kept``) would shift every
+    later count off the multiples, so it would never save again. The guard saves then."""
+    return every >= 1 and after % every != 0 and after // every > before // every
 
 
 def _model_checkpoint(trainer: pl.Trainer) -> ModelCheckpoint | None:

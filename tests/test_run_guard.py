@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 from dapo_lightning.callbacks import RunDirLockedError, RunGuard
+from dapo_lightning.callbacks.run_guard import skipped_a_save
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -493,6 +494,7 @@ def _fit(
     steps: int = 6,
     micro_batch_size: int = 16,
     mini_batch_size: int | None = None,
+    every_n_train_steps: int = 10,
     **module_kw: Any,
 ):
     trainer_kw = {k: module_kw.pop(k) for k in ("min_steps",) if k in module_kw}
@@ -504,7 +506,9 @@ def _fit(
         **module_kw,
     )
     callbacks = [
-        ModelCheckpoint(dirpath=root / "ckpts", save_last=True, every_n_train_steps=10),
+        ModelCheckpoint(
+            dirpath=root / "ckpts", save_last=True, every_n_train_steps=every_n_train_steps
+        ),
         RunGuard(),
         *callbacks,
     ]
@@ -522,6 +526,33 @@ def test_exception_between_updates_is_saved(tmp_path, tiny_checkpoint, capsys):
     assert step_of(tmp_path / "ckpts" / "last.ckpt") == 3
     assert "saved on RuntimeError: reward server went away, update 3" in capsys.readouterr().err
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+class _LastSaved(Callback):
+    """Records the update held by ``last.ckpt`` at the start of every rollout step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.seen = path, []
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        self.seen.append(step_of(self.path) if self.path.exists() else None)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "every", "expected"),
+    [(2, 4, 3, True), (4, 6, 3, False), (6, 8, 3, False), (19, 21, 20, True), (0, 5, 0, False)],
+)
+def test_skipped_a_save(before, after, every, expected):
+    assert skipped_a_save(before, after, every) is expected
+
+
+def test_a_periodic_save_stepped_over_by_a_rollout_step_is_made(tmp_path, tiny_checkpoint):
+    """2 updates per rollout step, every_n_train_steps=3: ModelCheckpoint saves at update 6
+    only (its count lands on a multiple); the guard saves update 4 (3 stepped over) and 10."""
+    recorder = _LastSaved(tmp_path / "ckpts" / "last.ckpt")
+    _fit(tmp_path, tiny_checkpoint, recorder, steps=10, mini_batch_size=2, every_n_train_steps=3)
+    assert recorder.seen == [None, None, 4, 6, 6]  # at the starts of updates 1, 3, 5, 7, 9
+    assert step_of(tmp_path / "ckpts" / "last.ckpt") == 10
 
 
 def test_exception_inside_an_optimizer_step_is_not_saved(tmp_path, tiny_checkpoint, capsys):
