@@ -23,6 +23,7 @@ from dapo_lightning.callbacks.overlong import OverlongRewardShaping, overlong_pe
 from dapo_lightning.callbacks.progress import DAPOProgressBar, run_summary, stop_reason
 from dapo_lightning.callbacks.run_guard import RunDirLockedError, RunGuard
 from dapo_lightning.callbacks.snapshot import TrainingSnapshot
+from dapo_lightning.callbacks.step_checkpoint import StepCheckpoint
 from dapo_lightning.callbacks.summary import DAPOModelSummary
 
 from dapo_lightning.hooks import DAPO_HOOKS, DAPOCallback
@@ -39,6 +40,7 @@ __all__ = [
     "RunDirLockedError",
     "RunGuard",
     "SignalState",
+    "StepCheckpoint",
     "TrainingSnapshot",
     "ValidateAtStart",
     "adaptive_coef",

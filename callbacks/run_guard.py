@@ -10,7 +10,8 @@ resuming").
 * **Periodic saves**: ``ModelCheckpoint(every_n_train_steps=N)`` saves only when the update
   count lands on a multiple of N after a rollout step; a step's several updates can step over
   it (and a step with an odd count shifts every later one off the multiples). When a step
-  passes a multiple without landing on it, the guard writes ``last.ckpt`` (:func:`skipped_a_save`).
+  passes a multiple without landing on it, it saves all the same: the guard makes each plain
+  ``ModelCheckpoint`` a :class:`~dapo_lightning.callbacks.step_checkpoint.StepCheckpoint`.
 * **SIGTERM / SIGINT** (:mod:`dapo_lightning.interrupt`): the signal only records a stop request.
   The rollout step under way finishes (or, during generation, the producer raises
   :class:`~dapo_lightning.interrupt.StopRequested` between rounds), the state is saved, and the
@@ -48,6 +49,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from dapo_lightning.callbacks.step_checkpoint import save_stepped_over_multiples
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -108,7 +110,6 @@ class RunGuard(DAPOCallback):
         self._started = False
         self._in_optimizer_step = False
         self._saved_step = -1
-        self._step_at_batch_start = 0
         self._stopping: str | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -119,6 +120,7 @@ class RunGuard(DAPOCallback):
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         _check_writable(trainer)
+        save_stepped_over_multiples(trainer)
         if self.lock:
             self._lock = RunLock.acquire_for(trainer, Path(trainer.default_root_dir))
 
@@ -172,7 +174,6 @@ class RunGuard(DAPOCallback):
     ) -> None:
         if self._stopping is not None:  # should_stop was overruled (min_steps): stop anyway
             raise StopRequested(self._stopping)
-        self._step_at_batch_start = trainer.global_step
 
     @override
     def on_train_batch_end(
@@ -183,13 +184,6 @@ class RunGuard(DAPOCallback):
         if reason is not None:
             self._stopping = reason
             trainer.should_stop = True
-        checkpoint = _model_checkpoint(trainer)
-        every = getattr(checkpoint, "_every_n_train_steps", 0)
-        if checkpoint is not None and skipped_a_save(
-            self._step_at_batch_start, trainer.global_step, every
-        ):
-            self._write_last(trainer, checkpoint)  # quietly: the periodic save it stands for
-            self._saved_step = trainer.global_step
 
     # ------------------------------------------------------------------ saving
     @override
@@ -305,15 +299,6 @@ class RunGuard(DAPOCallback):
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-
-
-def skipped_a_save(before: int, after: int, every: int) -> bool:
-    """Whether a rollout step's updates (global step ``before`` -> ``after``) passed a multiple
-    of ``every_n_train_steps`` without stopping on one. ``ModelCheckpoint`` saves only when the
-    step count *is* a multiple after a batch; a rollout step makes several updates, and one
-    with an odd count (fewer groups kept: ``on_exhausted: train_on_kept``) would shift every
-    later count off the multiples, so it would never save again. The guard saves then."""
-    return every >= 1 and after % every != 0 and after // every > before // every
 
 
 def _model_checkpoint(trainer: pl.Trainer) -> ModelCheckpoint | None:

@@ -16,6 +16,7 @@ from test_producer import ScriptedEngine
 
 from dapo_lightning import DAPODataModule, DAPOModule, DynamicSamplingConfig, SamplingConfig
 from dapo_lightning.data.config import PromptConfig, ScoringConfig
+from dapo_lightning.data.difficulty import PromptSelectionConfig
 from tests._harness import fit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_a_solved_training_set_stops_the_fit_with_a_final_checkpoint(tiny_checkpoint, tmp_path):
     """Every answer right: with the default retire_after=3 each prompt is retired after its third
-    all-correct visit; when none is left the module stops the run and the guard saves."""
+    all-correct visit; when none is left the module stops the run and the guard saves (reviews
+    off, so the count of steps is exact: a review would take a slot of a step)."""
     data = DAPODataModule(
         str(tiny_checkpoint),
         reward="arithmetic",
@@ -34,7 +36,12 @@ def test_a_solved_training_set_stops_the_fit_with_a_final_checkpoint(tiny_checkp
         ),
         sampling=SamplingConfig(max_tokens=8),
         # no filter: all-right groups are trained on (zero advantage) until they retire
-        dynamic_sampling=DynamicSamplingConfig(n=2, train_batch_size=4, filter_metric=None),
+        dynamic_sampling=DynamicSamplingConfig(
+            n=2,
+            train_batch_size=4,
+            filter_metric=None,
+            selection=PromptSelectionConfig(review_weight=0.0),
+        ),
     )  # default round sizing (kept_frac): without a filter a round is what is missing
     assert data.dynamic_sampling.selection.retire_after == 3  # the default
     assert data.dynamic_sampling.round_sizing == "kept_frac"  # the default
@@ -54,9 +61,10 @@ def test_a_solved_training_set_stops_the_fit_with_a_final_checkpoint(tiny_checkp
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_quickstart_without_early_stopping_runs_until_solved(tmp_path):
-    """The real command with EarlyStopping removed and the library's default retire_after (3;
-    quickstart.yaml turns retiring off for its held-out target): the model learns the training
-    sums, they retire, and the run ends with exit 0, the stop message and last.ckpt."""
+    """The real command with EarlyStopping removed and the library's default selection
+    (uniform, retire_after 3, reviews at 0.2): the model learns the training sums, they retire
+    (a review that is not all-correct puts one back), and the run ends with exit 0, the stop
+    message and last.ckpt."""
     override = tmp_path / "no_early_stop.yaml"
     override.write_text(
         """
@@ -78,7 +86,6 @@ trainer:
         str(override),
     ]
     args += ["--trainer.default_root_dir", str(tmp_path / "run")]
-    args += ["--data.init_args.dynamic_sampling.selection.retire_after", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1750)
     out = proc.stdout + proc.stderr

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 from dapo_lightning.callbacks import RunDirLockedError, RunGuard
-from dapo_lightning.callbacks.run_guard import skipped_a_save
+from dapo_lightning.callbacks.step_checkpoint import StepCheckpoint, skipped_a_save
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -548,9 +548,15 @@ def test_skipped_a_save(before, after, every, expected):
 
 def test_a_periodic_save_stepped_over_by_a_rollout_step_is_made(tmp_path, tiny_checkpoint):
     """2 updates per rollout step, every_n_train_steps=3: ModelCheckpoint saves at update 6
-    only (its count lands on a multiple); the guard saves update 4 (3 stepped over) and 10."""
+    only (its count lands on a multiple); as the StepCheckpoint the guard makes of it, it also
+    saves update 4 (3 stepped over) and 10 (9), under ModelCheckpoint's state key."""
     recorder = _LastSaved(tmp_path / "ckpts" / "last.ckpt")
-    _fit(tmp_path, tiny_checkpoint, recorder, steps=10, mini_batch_size=2, every_n_train_steps=3)
+    trainer = _fit(
+        tmp_path, tiny_checkpoint, recorder, steps=10, mini_batch_size=2, every_n_train_steps=3
+    )
+    checkpoint = trainer.checkpoint_callback
+    assert type(checkpoint) is StepCheckpoint
+    assert checkpoint.state_key.startswith("ModelCheckpoint{")
     assert recorder.seen == [None, None, 4, 6, 6]  # at the starts of updates 1, 3, 5, 7, 9
     assert step_of(tmp_path / "ckpts" / "last.ckpt") == 10
 
