@@ -41,7 +41,7 @@ The recipe's batch shape: 256 prompts, ``n = 8``, ``train_batch_size = 8``, ``ge
   4.3 n, and removed: benchmarks/RESULTS.md).
 
 Prints the two tables, writes ``benchmarks/out/sampling_efficiency.png`` and ends with the line
-``samples per kept group: uniform X.X n, default Y.Y n``.
+``samples per kept group: uniform X.X n, all parts Y.Y n``.
 
 Usage::
 
@@ -81,13 +81,17 @@ from dapo_lightning.rollout.session import EngineSession  # noqa: E402
 
 #: The recipe's dynamic-sampling shape (configs/smollm2_135m.yaml).
 RECIPE = dict(n=8, train_batch_size=8, gen_batch_size=16, max_num_gen_batches=10)
-#: The recipe's prompt selection (``dynamic_sampling.selection``; the rest: the defaults).
-RECIPE_SELECTION = dict(retire_after=3)
+#: The SmolLM2 recipes' prompt selection (``dynamic_sampling.selection``, predictive as they set
+#: it; the rest: the defaults).
+RECIPE_SELECTION = dict(retire_after=3, strategy="predictive")
 
 #: The former behaviour: uniform draws, fixed rounds, whole rounds (the HF engine's path), the
 #: surplus dropped.
 UNIFORM = dict(
-    selection={"strategy": "uniform"}, round_sizing="fixed", in_flight=False, carry_over=False
+    selection={"strategy": "uniform", "review_weight": 0.0},
+    round_sizing="fixed",
+    in_flight=False,
+    carry_over=False,
 )
 
 
@@ -405,7 +409,8 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
 #: (no back-off), history weighed 0.9 per visit.
 SECOND_PASS = {"revisit_after": 16, "revisit_within": 16, "history_decay": 0.9}
 
-#: The configurations compared: the former behaviour, each part alone, all parts (the defaults).
+#: The configurations compared: the former behaviour, each part alone, all parts (the SmolLM2
+#: recipes' sampling: predictive selection and the library's defaults for the rest).
 CONFIGS: dict[str, dict[str, Any]] = {
     "uniform (former)": UNIFORM,
     "+ predictive selection": {**UNIFORM, "selection": {"strategy": "predictive"}},
@@ -421,7 +426,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "all parts, second-pass selection": {"selection": SECOND_PASS},
     "second pass + history_decay 0.5": {"selection": {**SECOND_PASS, "history_decay": 0.5}},
     "second pass + back-off 16-32": {"selection": {**SECOND_PASS, "revisit_within": 32}},
-    "all parts (default)": {},
+    "all parts (recipe)": {},
 }
 
 
@@ -492,10 +497,10 @@ def main(argv: list[str] | None = None) -> None:
         ylabel="samples per kept group / n",
     )
     print(f"wrote {png}")
-    uniform, default = results["uniform (former)"], results["all parts (default)"]
+    uniform, parts = results["uniform (former)"], results["all parts (recipe)"]
     print(
         f"samples per kept group: uniform {uniform.samples_per_group:.1f} n, "
-        f"default {default.samples_per_group:.1f} n"
+        f"all parts {parts.samples_per_group:.1f} n"
     )
 
 

@@ -60,7 +60,7 @@ def _tensor_parallel(rank: int, world: int) -> dict:
 
 
 def _sized(rank: int, world: int) -> dict:
-    """The new defaults (predictive selection, rounds sized from the kept fraction) with ranks
+    """Predictive selection and rounds sized from the kept fraction (the default) with ranks
     that filter differently: every round's prompt count is agreed over ranks."""
     from test_producer import ScriptedEngine, make_producer
 

@@ -97,8 +97,8 @@ def test_sampling_efficiency_simulated_quick() -> None:
     last = out.strip().splitlines()[-1]
     assert last.startswith("samples per kept group: uniform ") and last.endswith(" n")
     uniform = float(last.split("uniform ")[1].split(" n")[0])
-    default = float(last.split("default ")[1].split(" n")[0])
-    assert default < uniform  # predictive selection already helps within 20 steps
+    parts = float(last.split("all parts ")[1].split(" n")[0])
+    assert parts < uniform  # predictive selection already helps within 20 steps
 
 
 def test_mean_over_budget_is_the_area_under_the_curve() -> None:

@@ -239,7 +239,7 @@ def test_reference_checkpoint_holds_everything(reference):
     data = ckpt["DAPODataModule"]["ranks"][0]  # one entry per rank
     producer = data["producer"]
     assert producer["sampler"]["epoch"] >= 1 and "cursor" in producer["sampler"]  # prompt cursor
-    assert producer["selector"]["rng"]  # predictive selection's RNG (the default selection)
+    assert producer["selector"]["rng"]  # the reviews' RNG (and predictive selection's)
     assert producer["kept_estimate"][1] > 0  # the kept fraction that sizes the rounds
     assert producer["tracker"]["stats"]  # per-prompt statistics
     assert isinstance(producer["carried"], list)  # carried groups
