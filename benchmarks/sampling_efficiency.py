@@ -352,14 +352,12 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
         current_uid = [""]
         take = producer.sampler.take
 
-        def take_recording(
-            k: int, eligible: Any = None, max_empty_epochs: int = 2, skip: Any = None
-        ):
+        def take_recording(k: int, eligible: Any = None, skip: Any = None, **kwargs: Any):
             def skip_named(i: int, epoch: int) -> bool:
                 current_uid[0] = records[i].uid
                 return skip(i, epoch)
 
-            return take(k, eligible, max_empty_epochs, skip=skip_named if skip else None)
+            return take(k, eligible, skip=skip_named if skip else None, **kwargs)
 
         producer.sampler.take = take_recording
     t0 = time.perf_counter()
