@@ -84,6 +84,11 @@ RG_SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
     "chain_2x1": ("chain_sum", {"min_terms": 2, "max_terms": 2, "max_digits": 1}),
     "chain_3x1": ("chain_sum", {"min_terms": 3, "max_terms": 3, "max_digits": 1}),
     "chain_2x2": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}),
+    # issue 39's tool-needing task: "Solve the following multiplication: 57 * 87."
+    "products_2x2": (
+        "products",
+        {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2},
+    ),
 }
 
 

@@ -42,7 +42,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from dapo_lightning.checks import check_finite
+from dapo_lightning.checks import check_choice, check_finite
 
 #: Where :class:`RolloutCorrection` sits in a run's YAML (``model.init_args.loss.rollout_correction``),
 #: named as its errors name it: ``loss.LOSS_PATH`` + ``.rollout_correction`` (written out:
@@ -108,12 +108,18 @@ class RolloutCorrection:
         clip_min: Lower bound ``C_min`` (>= 0, < ``C_max``); None takes the preset's, or none.
         stale_tis_cap: Token-TIS cap of stale responses (sampled by an older policy version)
             when ``mode`` is ``off``; None leaves them uncorrected.
+        stale_old: The old policy of the PPO ratio on stale responses: ``"trainer"``
+            (default: the trainer's before the step, the stale tokens weighed by the
+            correction, AReaL's decoupled objective) or ``"engine"`` (the engine's log-probs
+            that sampled them: plain PPO on stale samples, the clip bounding the move from the
+            policy that sampled them, verl's bypass mode; their correction weight is then 1).
     """
 
     mode: CorrectionMode = "off"
     clip_max: float | None = None
     clip_min: float | None = None
     stale_tis_cap: float | None = 2.0
+    stale_old: Literal["trainer", "engine"] = "trainer"
 
     def __post_init__(self) -> None:
         prefix = ROLLOUT_CORRECTION_PATH
@@ -122,6 +128,7 @@ class RolloutCorrection:
                 f"{prefix}.mode={self.mode!r} is not known; valid: "
                 f"{', '.join(MODES + tuple(PRESETS))}."
             )
+        check_choice(f"{prefix}.stale_old", self.stale_old, ("trainer", "engine"))
         for name in ("clip_max", "clip_min", "stale_tis_cap"):
             check_finite(f"{prefix}.{name}", getattr(self, name), none_ok=True)
         if self.stale_tis_cap is not None and not self.stale_tis_cap > 0:

@@ -208,6 +208,8 @@ class UpdateLoop:
             or has_dropout(self.policy)
         )
         old = self.old_log_probs(batch) if exact_old else None
+        if old is not None and self.loss.rollout_correction.stale_old == "engine":
+            old = torch.where(stale[:, None], batch.rollout_log_probs.to(old.dtype), old)
         return StepTensors(
             advantages=self.advantages(batch),
             old_log_probs=old,
