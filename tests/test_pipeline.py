@@ -182,16 +182,19 @@ def test_sync_is_the_default(tiny_checkpoint, tmp_path):
     assert [s[0] for s in module.seen] == [0, 1]
 
 
+@pytest.mark.parametrize("stale_old", ["trainer", "engine"])
 def test_every_update_trains_on_one_step_old_groups_with_the_independent_tis_weights(
-    tiny_checkpoint, tmp_path, monkeypatch
+    tiny_checkpoint, tmp_path, monkeypatch, stale_old
 ):
     """DAPOModule with one_step_off (2 updates per rollout step, filter off): every batch after
     the first was sampled with the weights from before the previous step (2 policy versions
     old), and the correction the update applies to it is token TIS
-    w_t = min(exp(old_t - engine_t), 2), old_t computed here from the step's starting weights."""
+    w_t = min(exp(old_t - engine_t), 2), old_t computed here from the step's starting weights.
+    With ``stale_old: engine`` the ratio's old log-probs on those rows are the engine's (plain
+    PPO on the stale samples) and their correction weight is exactly 1."""
     import dapo_lightning.update_loop as update_loop
-    from dapo_lightning import BatchingConfig, DAPOModule
-    from dapo_lightning.rollout_correction import correction_weights
+    from dapo_lightning import BatchingConfig, DAPOModule, PolicyLossConfig
+    from dapo_lightning.rollout_correction import RolloutCorrection, correction_weights
 
     seen: list[dict] = []
     real = update_loop.behaviour_log_probs
@@ -207,6 +210,7 @@ def test_every_update_trains_on_one_step_old_groups_with_the_independent_tis_wei
         str(tiny_checkpoint),
         optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
         batching=BatchingConfig(mini_batch_size=1, micro_batch_size=8),
+        loss=PolicyLossConfig(rollout_correction=RolloutCorrection(stale_old=stale_old)),
         parity_check_every=0,
     )
     starts: list[tuple[int, dict[str, torch.Tensor]]] = []
@@ -233,6 +237,12 @@ def test_every_update_trains_on_one_step_old_groups_with_the_independent_tis_wei
         assert torch.equal(behaviour, batch.rollout_log_probs.to(behaviour.dtype))
         mask = batch.response_mask.bool()
         old = token_log_probs(probe, weights, batch)  # the step's starting policy, here
+        if stale_old == "engine":
+            engine = batch.rollout_log_probs.to(old.dtype)
+            assert torch.equal(record["old"][mask], engine[mask])  # the ratio's old policy
+            got, _ = correction_weights(record["old"], behaviour, mask, correction)
+            assert torch.equal(got[mask], torch.ones_like(got[mask]))
+            continue
         assert torch.allclose(record["old"][mask], old[mask], atol=1e-5)  # the update's own
         expected = torch.clamp(torch.exp(old - batch.rollout_log_probs), max=2.0)
         got, _ = correction_weights(old, behaviour, mask, correction)
