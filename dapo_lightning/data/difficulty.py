@@ -9,8 +9,9 @@ updated with the ``acc`` of its samples.
 - Retire: a prompt whose last ``retire_after`` visits in a row were all-correct is retired and
   not drawn in turn any more (its groups would have zero variance); it is *reviewed* instead
   (under either strategy): when its turn comes it is drawn with probability ``review_weight``
-  (:func:`take_probability`), and a review that is not all-correct puts it back in the draw. Prompts a policy once solved regress, and
-  the cost of repairing them grows with the delay before they are seen again (issue 40).
+  (:func:`take_probability`), and a review that is not all-correct puts it back in the draw.
+  Prompts a policy once solved regress, and the cost of repairing them grows with the delay
+  before they are seen again (issue 40).
 - Regression: a prompt all-correct at some visit and not all-correct at a later one has
   *regressed* (``data/regressed_frac``, :meth:`DifficultyTracker.regressed_frac`).
 - Park: a prompt never solved after ``park_after`` visits is parked; it is skipped until
@@ -111,10 +112,10 @@ class PromptSelectionConfig:
     skip_threshold: float = 0.5
     history_decay: float = 0.5
     revisit_after: int = 16
-    #: The probability that a retired prompt is drawn when its turn
-    #: comes (a review; its expected gap is 1 / review_weight epochs), in [0, 1]; 0: retired
-    #: for good (the former behaviour). 0.2 as prime-rl's easy-pool weight: solved prompts
-    #: kept at a fifth of the rate of the others rather than dropped (issue 40).
+    #: The probability that a retired prompt is drawn when its turn comes (a review; its
+    #: expected gap is 1 / review_weight epochs), in [0, 1]; 0: retired for good (the former
+    #: behaviour). 0.2 as prime-rl's easy-pool weight: solved prompts kept at a fifth of the
+    #: rate of the others rather than dropped (issue 40).
     review_weight: float = 0.2
 
     def __post_init__(self) -> None:

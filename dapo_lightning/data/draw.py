@@ -30,7 +30,8 @@ def draw_round(
     uid_of: Callable[[int], str],
     count: int,
     stats: StepStats,
-    predictive: bool = True,
+    *,
+    predictive: bool,
 ) -> tuple[list[int], list[int]]:
     """``count`` prompt indices (fewer when fewer are eligible) and the epochs they were drawn
     in: ``selector`` reviews retired prompts, and skips predicted zero-variance ones when

@@ -11,9 +11,9 @@
   module uses.
 
 Your own environment: a class with ``reset(record)`` and ``step(text) -> StepResult`` (or a
-:class:`ToolEnvironment` subclass whose public methods are the tools), named in ``data.init_args.environment.name`` by its
-dotted path, or by the name it is registered under with :func:`register_environment` (once its
-module is imported).
+:class:`ToolEnvironment` subclass whose public methods are the tools), named in
+``data.init_args.environment.name`` by its dotted path, or by the name it is registered under
+with :func:`register_environment` (once its module is imported).
 """
 
 from __future__ import annotations
