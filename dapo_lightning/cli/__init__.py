@@ -1,5 +1,5 @@
 """The ``dapo-lightning`` command: LightningCLI for ``fit`` / ``validate``, plus ``plot``,
-``export`` and ``make-model``.
+``export``, ``make-model`` and ``sft``.
 
 Examples::
 
@@ -45,8 +45,8 @@ taken for the option it begins (:class:`StrictArgumentParser`).
 :mod:`~dapo_lightning.cli.parser` (options), :mod:`~dapo_lightning.cli.run_setup` (run paths,
 threads, checks before the ranks start, resuming), :mod:`~dapo_lightning.cli.model_source`
 (the first-use model, the model path check), :mod:`~dapo_lightning.cli.errors` (the error
-contract); ``plot``, ``export`` and ``make-model`` are :mod:`dapo_lightning.plot`,
-:mod:`dapo_lightning.export` and :mod:`dapo_lightning.models`.
+contract); ``plot``, ``export``, ``make-model`` and ``sft`` are :mod:`dapo_lightning.plot`,
+:mod:`dapo_lightning.export`, :mod:`dapo_lightning.models` and :mod:`dapo_lightning.sft`.
 
 **Exit status**: 0 when the fit finished; 143 / 130 when SIGTERM / SIGINT stopped it (after
 saving); 2 for a bad configuration (one ``error:`` line, no traceback), found before training
@@ -98,6 +98,7 @@ OTHER_COMMANDS = {
     "plot": "draw a run's metrics.csv into RUN_DIR/metrics.png",
     "export": "write a checkpoint's policy as a Hugging Face model folder",
     "make-model": "write a real model folder from a file an installed package ships",
+    "sft": "supervised warm-up on an environment's demonstrations (agent RL's cold start)",
 }
 
 
@@ -138,6 +139,13 @@ def _run_lightning(args: list[str] | None) -> None:
     run_reporting_errors(command)
 
 
+def _sft_main(argv: list[str]) -> None:
+    """``dapo-lightning sft`` (:mod:`dapo_lightning.sft`), with the error contract of ``fit``."""
+    from dapo_lightning.sft import sft_main
+
+    run_reporting_errors(lambda: sft_main(argv))
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``dapo-lightning`` console script."""
     argv = sys.argv[1:] if args is None else args
@@ -147,7 +155,12 @@ def main(args: list[str] | None = None) -> None:
     # Before Lightning and vLLM print them, and before export / make-model load a model
     # (transformers imports deepspeed, which logs its CPU-accelerator line): logging_setup.py.
     quiet_known_warnings()
-    other = {"plot": plot_main, "export": export_main, "make-model": make_model_main}
+    other = {
+        "plot": plot_main,
+        "export": export_main,
+        "make-model": make_model_main,
+        "sft": _sft_main,
+    }
     if argv[0] in other:  # the commands of OTHER_COMMANDS
         other[argv[0]](argv[1:])
         return

@@ -37,16 +37,14 @@ from dapo_lightning.data.loading import (
     load_prompt_sets,
     load_tokenizer,
     make_reward_runner,
+    prompt_fields,
     prompt_task,
     tokenize_prompt_sets,
 )
 from dapo_lightning.data.pipeline import check_pipeline, make_stream, rollout_process_group
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer
 from dapo_lightning.data.rank_layout import RankLayout
-from dapo_lightning.data.sources import (
-    FieldMap,
-    PromptRecord,
-)
+from dapo_lightning.data.sources import PromptRecord
 from dapo_lightning.data.stream import RolloutStream
 from dapo_lightning.envs import (
     EnvironmentConfig,
@@ -175,9 +173,7 @@ class DAPODataModule(pl.LightningDataModule):
         self.task_kwargs = dict(prompts.task_kwargs or {})
         #: Prompt fields and preparation; the reward's runner settings; validation.
         self.prompts, self.scoring, self.validation = prompts, scoring, validation
-        self.fields = prompts.field_map()
-        if self.task is not None:  # a task's rows have these fields
-            self.fields = FieldMap("prompt", "answer", "uid", None)
+        self.fields = prompt_fields(prompts, self.task)
         self.reward = reward if reward is not None else (self.task.reward if self.task else "dapo")
         self.engine_spec: str | RolloutEngine = engine
         self.engine_kwargs = dict(engine_kwargs or {})
@@ -244,7 +240,8 @@ class DAPODataModule(pl.LightningDataModule):
         tools = None  # the prompts learn of the tools by the template's tools= or instructions
         if self._make_env is not None and self.environment.add_instructions:
             env, template = self._make_env(), self.prompts.apply_chat_template
-            tools = introduce_tools(train + val, env, self.tokenizer, template)
+            role = self.environment.observation_role
+            tools = introduce_tools(train + val, env, self.tokenizer, template, role)
         self.train_records, self.val_records, self.dropped_prompts = tokenize_prompt_sets(
             train, val, self.tokenizer, self.prompts, tools
         )

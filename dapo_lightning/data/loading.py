@@ -57,6 +57,14 @@ def prompt_task(prompts: PromptConfig) -> Task | None:
     return task
 
 
+def prompt_fields(prompts: PromptConfig, task: Task | None) -> FieldMap:
+    """Where a row's fields are: a built-in task's rows have ``prompt`` / ``answer`` / ``uid``;
+    prompt files have the keys of ``prompts``."""
+    if task is not None:
+        return FieldMap("prompt", "answer", "uid", None)
+    return prompts.field_map()
+
+
 def load_prompt_sets(
     task: Any,
     task_kwargs: dict[str, Any],

@@ -17,11 +17,14 @@ parenthesis or an over-long expression raise :class:`CalculatorError` (the envir
 
 from __future__ import annotations
 
+import json
 import re
 from fractions import Fraction
+from typing import Any
 
 from dapo_lightning.envs.base import StepResult, register_environment
 from dapo_lightning.envs.tools import ToolEnvironment
+from dapo_lightning.prompts import PromptRecord
 
 #: Longest expression the calculator reads (characters) and deepest nesting.
 MAX_EXPRESSION_CHARS = 200
@@ -129,6 +132,31 @@ def format_number(value: Fraction) -> str:
     return f"{float(value):.10g}"
 
 
+#: Candidate expressions in a question: digits and operators, at least one operator.
+_EXPRESSION_RE = re.compile(r"[-(\d][\d\s.()]*(?:[-+*/][\s(]*[\d.][\d\s.()]*)+")
+
+
+def _last_text(prompt: Any) -> str:
+    """The text of a prompt's last message (a text prompt as it is)."""
+    if isinstance(prompt, str):
+        return prompt
+    return str(prompt[-1]["content"]) if prompt else ""
+
+
+#: The calculator's worked example (``example: true``): a question, the call, the result, the
+#: answer, as chat turns (the result's ``tool`` role becomes ``environment.observation_role``).
+EXAMPLE: tuple[dict[str, str], ...] = (
+    {"role": "user", "content": "What is 12 * 34 + 5?"},
+    {
+        "role": "assistant",
+        "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34+5"}}'
+        "</tool_call>",
+    },
+    {"role": "tool", "content": "413"},
+    {"role": "assistant", "content": "12 * 34 + 5 = 413"},
+)
+
+
 @register_environment("calculator")
 class CalculatorEnvironment(ToolEnvironment):
     """Episodes with one tool, ``calculator(expression)``.
@@ -141,14 +169,36 @@ class CalculatorEnvironment(ToolEnvironment):
         nudge: A user turn sent back when the first turns of an episode make no tool call
             (e.g. ``"Check it with the calculator first."``), so a model that never tries the
             tool is asked to once; None (default): such a turn is the final answer.
+        example: Start every prompt with one worked example as chat turns (:data:`EXAMPLE`:
+            a product, the call, its result, the answer; :meth:`demonstration`).
     """
 
-    def __init__(self, nudge: str | None = None) -> None:
+    def __init__(self, nudge: str | None = None, example: bool = False) -> None:
         super().__init__()
         if nudge is not None and (not isinstance(nudge, str) or not nudge.strip()):
             raise ValueError("CalculatorEnvironment nudge must be a non-empty text or None.")
+        if not isinstance(example, bool):
+            raise ValueError(f"CalculatorEnvironment example must be true or false, got {example!r}.")
         self.nudge = nudge
+        self.example = example
         self.called = False
+
+    def demonstration(self) -> list[dict[str, str]] | None:
+        """:data:`EXAMPLE` when ``example`` is on, else None."""
+        return [dict(m) for m in EXAMPLE] if self.example else None
+
+    def demonstrate(self, record: PromptRecord) -> list[str] | None:
+        """A call on the longest expression in the prompt's last message that evaluates,
+        then its value as the answer ("The answer is 4959."); None when there is none."""
+        found = _EXPRESSION_RE.findall(_last_text(record.prompt))
+        for expression in sorted((e.strip().rstrip(".").strip() for e in found), key=len)[::-1]:
+            try:
+                value = format_number(evaluate(expression))
+            except CalculatorError:
+                continue
+            call = {"name": "calculator", "arguments": {"expression": expression}}
+            return [f"<tool_call>{json.dumps(call)}</tool_call>", f"The answer is {value}."]
+        return None
 
     def calculator(self, expression: str) -> str:
         """Evaluate an arithmetic expression exactly.

@@ -93,14 +93,44 @@ def prompt_tools(
 
 
 def introduce_tools(
-    records: Sequence[PromptRecord], env: Any, tokenizer: Any, use_chat_template: bool
+    records: Sequence[PromptRecord],
+    env: Any,
+    tokenizer: Any,
+    use_chat_template: bool,
+    observation_role: str = "tool",
 ) -> list[dict[str, Any]] | None:
     """Tell the prompts about ``env``'s tools (:func:`prompt_tools`): put its instructions in
     front of every record's prompt, in place, or return the schemas the chat template renders
-    (``tools=`` of :func:`~dapo_lightning.prompts.encode_prompt`)."""
+    (``tools=`` of :func:`~dapo_lightning.prompts.encode_prompt`); then its worked example,
+    if it has one (``demonstration()``; its ``"tool"`` messages take ``observation_role``)."""
     text, tools = prompt_tools(env, tokenizer, use_chat_template)
     with_instructions(records, text, use_chat_template)
+    demonstration = getattr(env, "demonstration", None)
+    messages = demonstration() if callable(demonstration) else None
+    if messages:
+        messages = [
+            {**m, "role": observation_role} if m["role"] == "tool" else m for m in messages
+        ]
+    with_demonstration(records, messages)
     return tools
+
+
+def with_demonstration(
+    records: Sequence[PromptRecord], messages: Sequence[dict[str, str]] | None
+) -> None:
+    """Put the chat turns ``messages`` (a worked example) in every record's prompt, in place,
+    after its system message and before its first other message; prompts of plain text get
+    the turns as ``role: content`` lines in front."""
+    if not messages:
+        return
+    for r in records:
+        prompt = r.prompt
+        if isinstance(prompt, str):
+            lines = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+            r.prompt = f"{lines}\n\n{prompt}"
+            continue
+        head = 1 if prompt and prompt[0].get("role") == "system" else 0
+        r.prompt = [*prompt[:head], *(dict(m) for m in messages), *prompt[head:]]
 
 
 def with_instructions(

@@ -207,6 +207,18 @@ class ToolEnvironment:
         reward function scores it."""
         return None
 
+    def demonstration(self) -> list[dict[str, str]] | None:
+        """A worked example as chat messages (a question, a tool call, its result, the
+        answer), put in front of every prompt after the instructions (``add_instructions``):
+        a small model copies the call format from it. None (this default): no example."""
+        return None
+
+    def demonstrate(self, record: PromptRecord) -> list[str] | None:
+        """The assistant turns of a correct episode on ``record`` (tool calls in the tag
+        format, then the answer), the traces of the supervised cold start
+        (:mod:`dapo_lightning.sft`); None (this default): none for this record."""
+        return None
+
     def tool_functions(self) -> dict[str, Tool]:
         """The callable tools by name: :attr:`tools`, else the tool methods of this object."""
         if self.tools:

@@ -1,0 +1,213 @@
+"""What an untrained model does with a tool on a task that needs one: accuracy, pass@n and
+tool-call rate per way of telling it about the tool, through the engine the recipes train with.
+
+Issue 39's question before any RL: can the model do the task without the tool (it should not),
+can the tool do it (perfect use: it should), and how often does the model call the tool when the
+prompt tells it how? RL only reinforces calls the model already makes now and then.
+
+On the first ``--prompts`` training problems of a reasoning-gym setting (``--setting``, one of
+``task_headroom.RG_SETTINGS``; default ``products_2x2``: "Solve the following multiplication:
+57 * 87.") it runs, per ``--variants``:
+
+* ``no_tool``: single-turn responses to the task's prompt;
+* ``tool``: episodes with the ``calculator`` environment, its instructions as the system message;
+* ``nudge``: the same, a turn without a call is asked once to check with the calculator;
+* ``demo``: the same, the prompt starting with one worked example as chat turns (a question,
+  a tool call, its result, the answer: :meth:`ToolEnvironment.demonstration`);
+* ``perfect``: a scripted policy that calls the calculator on the question's expression and
+  answers its result (the task's ceiling with the tool, through the same environment and scorer).
+
+and prints accuracy (mean over ``--n`` samples), pass@n, the share of episodes with a tool call,
+turns per episode and assistant tokens. Writes ``benchmarks/out/tool_headroom.json`` and
+``.png``.
+
+Usage::
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/tool_headroom.py            # ~3 min
+    .venv/bin/python benchmarks/tool_headroom.py --variants tool demo --prompts 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import bar_chart, out_dir, print_table  # noqa: E402
+from smollm2_curve import DEFAULT_MODEL_DIR, ensure_model  # noqa: E402
+from task_headroom import RG_SETTINGS  # noqa: E402
+
+from dapo_lightning.data.sources import (  # noqa: E402
+    FieldMap,
+    records_from_rows,
+    tokenize_records,
+)
+from dapo_lightning.envs import EnvironmentConfig, environment_factory  # noqa: E402
+from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter  # noqa: E402
+from dapo_lightning.envs.session import introduce_tools  # noqa: E402
+from dapo_lightning.rollout.base import SamplingConfig  # noqa: E402
+from dapo_lightning.tasks.reasoning_gym import (  # noqa: E402
+    ReasoningGymReward,
+    make_reasoning_gym_rows,
+)
+
+VARIANTS = ("no_tool", "tool", "nudge", "demo", "perfect")
+NUDGE = "Check it with the calculator first."
+
+
+def problem_rows(setting: str, prompts: int) -> list[dict[str, Any]]:
+    """The setting's first ``prompts`` seed-0 training rows (the recipes' split)."""
+    dataset, config = RG_SETTINGS[setting]
+    return make_reasoning_gym_rows(seed=0, dataset=dataset, config=config, size=prompts, val_size=0)
+
+
+def expression_of(question: str) -> str:
+    """The arithmetic in a reasoning-gym question ("Solve ...: 57 * 87." -> "57 * 87")."""
+    found = re.findall(r"[-\d(][-\d\s+*/().]*\d\)?", question)
+    return max(found, key=len).strip()
+
+
+class ScriptedEngine:
+    """A perfect tool user (a fake policy: what the tool allows, not what a model does): turn 1
+    calls the calculator on the question's expression, turn 2 answers the observation."""
+
+    def __init__(self, tokenizer: Any, questions: dict[tuple[int, ...], str]) -> None:
+        self.tokenizer = tokenizer
+        self.questions = questions
+
+    def generate(self, prompts: Any, n: int, sampling: SamplingConfig) -> list[list[Any]]:
+        from dapo_lightning.rollout.base import Completion
+
+        out = []
+        for p in prompts:
+            p = list(p)
+            start = next(k for k in self.questions if tuple(p[: len(k)]) == k)
+            if len(p) == len(start):  # the first turn: the call
+                call = {"name": "calculator", "arguments": {"expression": self.questions[start]}}
+                text = f"<tool_call>{json.dumps(call)}</tool_call>"
+            else:  # the answer: the last number the tool said
+                seen = self.tokenizer.decode(p[len(start) :], skip_special_tokens=True)
+                text = f"The answer is {re.findall(r'-?[0-9.]+', seen)[-1]}."
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids.append(self.tokenizer.eos_token_id)
+            out.append([Completion(ids, [0.0] * len(ids), "stop", text)] * n)
+        return out
+
+
+def run_variant(
+    variant: str, engine: Any, tokenizer: Any, rows: list[dict[str, Any]], args: Any
+) -> dict[str, Any]:
+    """One variant's row of the table (see the module docstring)."""
+    records = records_from_rows([dict(r) for r in rows], FieldMap(answer_key="answer"))
+    reward = ReasoningGymReward(answer_format=args.answer_format)
+    sampling = SamplingConfig(max_tokens=args.max_tokens, temperature=args.temperature)
+    runner: Any = engine
+    if variant != "no_tool":
+        kwargs = {"nudge": NUDGE} if variant == "nudge" else {}
+        if variant == "demo":
+            kwargs = {"example": True}
+        config = EnvironmentConfig(
+            name="calculator", kwargs=kwargs, max_turns=args.max_turns,
+            max_episode_tokens=args.max_model_len,
+        )  # fmt: skip
+        make_env = environment_factory(config)
+        tools = introduce_tools(records, make_env(), tokenizer, True)
+        records, _ = tokenize_records(records, tokenizer, tools=tools)
+        if variant == "perfect":
+            questions = {tuple(r.prompt_ids): expression_of(row["prompt"][0]["content"])
+                         for r, row in zip(records, rows)}  # fmt: skip
+            engine = ScriptedEngine(tokenizer, questions)
+        runner = EpisodeRunner(
+            engine, config, make_env=make_env, formatter=ObservationFormatter(tokenizer),
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            records=records, max_episode_tokens=args.max_model_len,
+        )  # fmt: skip
+    else:
+        records, _ = tokenize_records(records, tokenizer)
+    t0 = time.perf_counter()
+    n = args.n
+    groups = runner.generate([r.prompt_ids for r in records], n, sampling)
+    seconds = time.perf_counter() - t0
+    acc, passed, called, turns, tokens = [], [], [], [], []
+    for r, group in zip(records, groups):
+        entry = r.meta["reward_kwargs"]["rg_entry"]
+        texts = [c.text or tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
+        ok = [reward.score_one(text, entry).acc for text in texts]
+        acc.extend(map(float, ok))
+        passed.append(float(any(ok)))
+        for c in group:
+            called.append(float(getattr(c, "tool_calls", 0) > 0))
+            turns.append(float(getattr(c, "turns", 1)))
+            tokens.append(sum(c.loss_mask) if c.loss_mask else len(c.token_ids))
+    example = groups[0][0]
+    return {
+        "variant": variant,
+        "acc": round(fmean(acc), 3),
+        f"pass@{n}": round(fmean(passed), 3),
+        "tool-call rate": round(fmean(called), 3),
+        "turns": round(fmean(turns), 2),
+        "tokens": round(fmean(tokens), 1),
+        "s": round(seconds, 1),
+        "example": tokenizer.decode(example.token_ids, skip_special_tokens=False)[:300],
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--setting", choices=sorted(RG_SETTINGS), default="products_2x2")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--prompts", type=int, default=32, help="problems")
+    parser.add_argument("--n", type=int, default=8, help="samples per problem (group size)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=64, help="assistant tokens per episode")
+    parser.add_argument("--max-turns", type=int, default=3, help="assistant turns per episode")
+    parser.add_argument("--max-model-len", type=int, default=384, help="engine context")
+    parser.add_argument("--dtype", default="auto", help="engine dtype (auto: fits the device)")
+    parser.add_argument("--answer-format", default="last_number", help="reasoning-gym extractor")
+    args = parser.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from dapo_lightning.rollout.vllm import VLLMRolloutEngine
+
+    model_dir = ensure_model(args.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = VLLMRolloutEngine(
+        str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len,
+        kv_cache_space_gb=2, seed=0,
+    )  # fmt: skip
+    rows = problem_rows(args.setting, args.prompts)
+    results = []
+    for variant in args.variants:
+        row = run_variant(variant, engine, tokenizer, rows, args)
+        print(f"{variant}: {row}", flush=True)
+        results.append(row)
+    columns = [k for k in results[0] if k != "example"]
+    print_table(
+        f"untrained {model_dir.name} on {args.setting}: {args.prompts} problems, {args.n} "
+        f"samples at T={args.temperature}, {args.max_tokens} assistant tokens, "
+        f"{args.max_turns} turns (dtype {engine.dtype})",
+        columns, [[r[c] for c in columns] for r in results],
+    )  # fmt: skip
+    for r in results:
+        print(f"{r['variant']} example: {r['example']!r}")
+    (out_dir() / "tool_headroom.json").write_text(json.dumps({"args": vars(args) | {
+        "model_dir": str(args.model_dir)}, "results": results}, indent=1))  # fmt: skip
+    bar_chart(
+        out_dir() / "tool_headroom.png",
+        f"untrained {model_dir.name} on {args.setting}",
+        [r["variant"] for r in results],
+        {k: [r[k] for r in results] for k in ("acc", f"pass@{args.n}", "tool-call rate")},
+        ylabel="share",
+    )
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,425 @@
+"""The cold start of agent RL: a short supervised warm-up on episodes an environment writes.
+
+A small model that never calls a tool gives RL no tool use to reinforce (SmolLM2-135M-Instruct
+made 0 calls in 3,500 episodes with the calculator's instructions). Peers start agent RL from a
+model fine-tuned on tool-use traces (verl's ReTool recipe). Here the traces are written by the
+environment itself: :meth:`~dapo_lightning.envs.ToolEnvironment.demonstrate` gives the
+assistant turns of a correct episode on a prompt record, and those turns are played through the
+same :class:`~dapo_lightning.envs.runner.EpisodeRunner` that runs RL episodes (by
+:class:`ReplayEngine`), so a demonstration has exactly the token layout and the loss mask of an
+RL episode: the chat template's observation messages between the turns, observation tokens
+masked out.
+
+The loss is the token-mean negative log-likelihood of the assistant tokens
+(:func:`masked_nll`)::
+
+    L = - sum_{b,t} m[b,t] log pi(y[b,t] | x[b], y[b,<t]) / sum_{b,t} m[b,t]
+
+with ``m`` the episode's loss mask (1 on assistant tokens, 0 on observations and padding).
+
+Run it with ``dapo-lightning sft --config configs/smollm2_tool_use_sft.yaml`` (:func:`sft_main`):
+it writes a Hugging Face model folder that ``fit`` loads as ``model.model_name_or_path``. The
+problems demonstrated are the ``prompts`` of the sft config: simpler ones than the RL task's, so
+the warm-up teaches the call format, not the task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import Tensor
+
+from dapo_lightning.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.envs import EnvironmentConfig, environment_factory
+from dapo_lightning.envs.runner import Episode, EpisodeRunner, ObservationFormatter
+from dapo_lightning.prompts import PromptRecord
+from dapo_lightning.rollout.base import Completion, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+def masked_nll(log_probs: Tensor, mask: Tensor) -> Tensor:
+    """Token-mean negative log-likelihood: ``-sum(m * logp) / max(sum(m), 1)``.
+
+    Args:
+        log_probs: ``[B, T]`` log-probabilities of the target tokens.
+        mask: ``[B, T]`` 1 on the tokens that count (assistant tokens), 0 elsewhere.
+    """
+    mask = mask.to(log_probs.dtype)
+    return -(log_probs * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+class ReplayEngine:
+    """A rollout engine that writes given assistant turns instead of sampling them.
+
+    ``turns`` maps a prompt's token ids to the texts of its episode's assistant turns; the
+    k-th call for a context that starts with that prompt returns turn k, tokenized, EOS
+    appended, log-probabilities 0. Each prompt is played once (``n = 1``).
+    """
+
+    def __init__(self, tokenizer: Any, turns: dict[tuple[int, ...], list[str]]) -> None:
+        self.tokenizer = tokenizer
+        self.turns = turns
+        self.played: dict[tuple[int, ...], int] = {}
+
+    def _prompt_of(self, context: Sequence[int]) -> tuple[int, ...]:
+        for prompt in self.turns:
+            if tuple(context[: len(prompt)]) == prompt:
+                return prompt
+        raise ValueError("ReplayEngine got a context that starts with none of its prompts.")
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        """Each context's next scripted turn (``n`` must be 1)."""
+        if n != 1:
+            raise ValueError(f"ReplayEngine plays each demonstration once (n=1), got n={n}.")
+        out = []
+        for context in prompts:
+            prompt = self._prompt_of(context)
+            k = self.played.get(prompt, 0)
+            self.played[prompt] = k + 1
+            script = self.turns[prompt]
+            text = script[min(k, len(script) - 1)]
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            ids.append(int(self.tokenizer.eos_token_id))
+            out.append([Completion(ids, [0.0] * len(ids), "stop", text)])
+        return out
+
+
+def demonstration_rollouts(
+    records: Sequence[PromptRecord],
+    environment: EnvironmentConfig,
+    tokenizer: Any,
+    *,
+    max_tokens: int,
+    max_episode_tokens: int,
+    use_chat_template: bool = True,
+) -> ScoredRollouts:
+    """The environment's demonstrations on ``records``, as RL episodes (module docstring).
+
+    Records the environment writes no demonstration for are skipped; an episode the
+    demonstration does not finish (cut by ``max_tokens`` / ``max_episode_tokens``, or an
+    environment failure) is dropped with a warning.
+
+    Raises:
+        ValueError: the environment wrote no complete demonstration at all.
+    """
+    make_env = environment_factory(environment)
+    turns: dict[tuple[int, ...], list[str]] = {}
+    for r in records:
+        demonstrate = getattr(make_env(), "demonstrate", None)
+        script = demonstrate(r) if callable(demonstrate) else None
+        if script:
+            turns[tuple(r.prompt_ids or ())] = list(script)
+    runner = EpisodeRunner(
+        ReplayEngine(tokenizer, turns),
+        environment,
+        make_env=make_env,
+        formatter=ObservationFormatter(tokenizer, environment.observation_role, use_chat_template),
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        records=[r for r in records if tuple(r.prompt_ids or ()) in turns],
+        max_episode_tokens=max_episode_tokens,
+    )
+    prompts = [list(p) for p in turns]
+    sampling = SamplingConfig(max_tokens=max_tokens, temperature=1.0)
+    episodes = [g[0] for g in runner.generate(prompts, 1, sampling)] if prompts else []
+    kept = [(p, e) for p, e in zip(prompts, episodes) if _complete(e)]
+    if len(kept) < len(episodes):
+        log.warning(
+            "sft: %d of %d demonstrations did not finish (cut by sampling.max_tokens or "
+            "max_episode_tokens, or the environment failed): left out",
+            len(episodes) - len(kept), len(episodes),
+        )  # fmt: skip
+    if not kept:
+        raise ValueError(
+            f"environment {environment.name!r} wrote no complete demonstration for "
+            f"{len(records)} prompts: give it demonstrate(record) (ToolEnvironment), prompts "
+            "it can solve, or more sampling.max_tokens / max_episode_tokens."
+        )
+    n = len(kept)
+    ones = torch.ones(n)
+    return ScoredRollouts(
+        prompt_ids=[p for p, _ in kept],
+        response_ids=[list(e.token_ids) for _, e in kept],
+        rollout_log_probs=[list(e.log_probs) for _, e in kept],
+        finish_reason=["stop"] * n,
+        group_index=torch.arange(n),
+        prompt_uid=[str(i) for i in range(n)],
+        score=ones,
+        acc=ones.clone(),
+        reward=ones.clone(),
+        loss_mask=torch.ones(n, dtype=torch.bool),
+        sampling=sampling,
+        token_mask=[list(e.loss_mask or [1] * len(e.token_ids)) for _, e in kept],
+    )
+
+
+def _complete(episode: Completion) -> bool:
+    return (
+        isinstance(episode, Episode)
+        and episode.finish_reason == "stop"
+        and episode.failure is None
+    )
+
+
+@dataclass
+class SFTSettings:
+    """The warm-up's optimisation.
+
+    Args:
+        steps: AdamW updates.
+        lr: Learning rate (constant).
+        batch_size: Demonstrations per update (drawn without replacement, reshuffled each
+            pass over them).
+        weight_decay: AdamW weight decay.
+    """
+
+    steps: int = 30
+    lr: float = 1.0e-5
+    batch_size: int = 8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"sft.{name} must be an integer >= 1, got {value!r}.")
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
+            raise ValueError(f"sft.lr must be a finite number > 0, got {self.lr!r}.")
+        if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < 1e9):
+            raise ValueError(f"sft.weight_decay must be a finite number >= 0, got {self.weight_decay!r}.")
+
+
+class DemonstrationBatches(torch.utils.data.IterableDataset):
+    """Endless padded batches of ``batch_size`` demonstrations, reshuffled each pass."""
+
+    def __init__(self, rollouts: ScoredRollouts, batch_size: int, pad_token_id: int, seed: int):
+        self.rollouts = rollouts
+        self.batch_size = min(batch_size, len(rollouts))
+        self.pad_token_id = pad_token_id
+        self.seed = seed
+
+    def __iter__(self) -> Iterator[RolloutBatch]:
+        rng = random.Random(self.seed)
+        while True:
+            order = list(range(len(self.rollouts)))
+            rng.shuffle(order)
+            for i in range(0, len(order) - self.batch_size + 1, self.batch_size):
+                part = self.rollouts.select(order[i : i + self.batch_size])
+                part.group_index = torch.arange(len(part))
+                yield RolloutBatch.from_rollouts(part, group_size=1, pad_token_id=self.pad_token_id)
+
+
+class SFTModule(LightningModule):
+    """Masked next-token likelihood on padded demonstration batches (:func:`masked_nll`).
+
+    Args:
+        model_name_or_path: The model to warm up.
+        settings: Optimisation settings.
+        torch_dtype: Weights' dtype when loaded.
+    """
+
+    def __init__(
+        self, model_name_or_path: str, settings: SFTSettings, torch_dtype: str = "float32"
+    ) -> None:
+        super().__init__()
+        self.model_name_or_path = model_name_or_path
+        self.settings = settings
+        self.torch_dtype = torch_dtype
+        self.policy: Any = None
+
+    def configure_model(self) -> None:
+        if self.policy is None:
+            from transformers import AutoModelForCausalLM
+
+            self.policy = AutoModelForCausalLM.from_pretrained(
+                self.model_name_or_path, dtype=getattr(torch, self.torch_dtype)
+            )
+            self.policy.train()
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
+        from dapo_lightning.logprobs import response_log_probs
+
+        batch = batch.trim()
+        logp, _ = response_log_probs(
+            self.policy, batch.input_ids, batch.attention_mask, batch.response_width
+        )
+        loss = masked_nll(logp, batch.response_mask)
+        tokens = batch.response_mask.sum()
+        self.log("sft/loss", loss.detach(), prog_bar=True, batch_size=batch.batch_size)
+        self.log("sft/tokens", tokens, batch_size=batch.batch_size)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        s = self.settings
+        return torch.optim.AdamW(self.policy.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+
+
+@dataclass
+class SFTConfig:
+    """``dapo-lightning sft``: the model, the problems demonstrated and their episodes.
+
+    Args:
+        model_name_or_path: The model to warm up (a folder or hub name).
+        output_dir: The warmed-up model folder to write (must not exist, or be empty); ``fit``
+            loads it as ``model.model_name_or_path``.
+        prompts: The problems demonstrated (``data.prompts`` of a fit config: a ``task`` with
+            ``task_kwargs``, or ``train_files``); simpler ones than the RL task's teach the
+            format without the task. Held-out rows of a task are not used.
+        environment: The environment that writes and plays the demonstrations (the fit
+            config's ``data.environment``, so the episodes have the same format).
+        max_tokens: Most assistant tokens per episode (the fit config's ``sampling.max_tokens``).
+        train: The optimisation (:class:`SFTSettings`).
+        seed: Seeds the problems (a task's ``seed``) and the batch order.
+        accelerator: Lightning's ``accelerator`` (``auto``, ``cpu``, ``gpu``).
+        precision: Lightning's ``precision``; ``auto`` as ``fit`` decides
+            (:mod:`dapo_lightning.precision`).
+        torch_dtype: Weights' dtype when loaded (and written).
+        log_dir: Where the ``metrics.csv`` of the warm-up goes; None: ``<output_dir>-logs``.
+    """
+
+    model_name_or_path: str
+    output_dir: str
+    prompts: Any = None
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    max_tokens: int = 64
+    train: SFTSettings = field(default_factory=SFTSettings)
+    seed: int = 0
+    accelerator: str = "auto"
+    precision: str = "auto"
+    torch_dtype: str = "float32"
+    log_dir: str | None = None
+
+
+def load_demonstration_records(config: SFTConfig, tokenizer: Any) -> list[PromptRecord]:
+    """The training prompt records of ``config.prompts`` with the environment's instructions
+    (and worked example), tokenized as ``fit`` tokenizes them."""
+    from dapo_lightning.data.config import PromptConfig, ValidationConfig
+    from dapo_lightning.data.loading import load_prompt_sets, prompt_fields, prompt_task
+    from dapo_lightning.data.sources import tokenize_records
+    from dapo_lightning.envs.session import introduce_tools
+
+    prompts = config.prompts if isinstance(config.prompts, PromptConfig) else PromptConfig(
+        **(config.prompts or {})
+    )
+    task = prompt_task(prompts)
+    fields = prompt_fields(prompts, task)
+    train, _ = load_prompt_sets(
+        task, prompts.task_kwargs or {}, prompts.train_files, fields, prompts,
+        ValidationConfig(fraction=0.0), config.seed,
+    )  # fmt: skip
+    env = environment_factory(config.environment)()
+    tools = None
+    if config.environment.add_instructions:
+        tools = introduce_tools(
+            train, env, tokenizer, prompts.apply_chat_template,
+            config.environment.observation_role,
+        )  # fmt: skip
+    records, _ = tokenize_records(
+        train, tokenizer, apply_chat_template=prompts.apply_chat_template,
+        max_prompt_length=prompts.max_prompt_length, overlong_prompts=prompts.overlong_prompts,
+        tools=tools,
+    )  # fmt: skip
+    return records
+
+
+def run_sft(config: SFTConfig) -> Path:
+    """Write demonstrations, fit :class:`SFTModule` on them, export the model folder.
+
+    Returns:
+        The written model folder.
+    """
+    from lightning.pytorch.loggers import CSVLogger
+    from transformers import AutoTokenizer
+
+    from dapo_lightning.export import check_new_folder, export_pretrained
+    from dapo_lightning.precision import resolve_trainer_precision
+
+    out = check_new_folder(config.output_dir)
+    started, cpu0 = time.perf_counter(), time.process_time()
+    tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
+    records = load_demonstration_records(config, tokenizer)
+    max_prompt = max(len(r.prompt_ids or ()) for r in records)
+    budget = config.environment.episode_budget(max_prompt, config.max_tokens)
+    rollouts = demonstration_rollouts(
+        records, config.environment, tokenizer, max_tokens=config.max_tokens,
+        max_episode_tokens=budget,
+        use_chat_template=config.prompts is None or _chat(config.prompts),
+    )  # fmt: skip
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    data = DemonstrationBatches(rollouts, config.train.batch_size, int(pad), config.seed)
+    module = SFTModule(config.model_name_or_path, config.train, config.torch_dtype)
+    log_dir = Path(config.log_dir) if config.log_dir else out.parent / f"{out.name}-logs"
+    trainer = Trainer(
+        accelerator=config.accelerator,
+        devices=1,
+        precision=resolve_trainer_precision(config.precision, config.accelerator),
+        max_steps=config.train.steps,
+        logger=CSVLogger(str(log_dir), name="", version=""),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    torch.manual_seed(config.seed)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    export_pretrained(module.policy, tokenizer, out)
+    summary = {
+        "demonstrations": len(rollouts),
+        "steps": config.train.steps,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "cpu_s": round(time.process_time() - cpu0, 1),
+        "final_loss": float(trainer.callback_metrics.get("sft/loss", float("nan"))),
+    }
+    (log_dir / "sft_summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"sft: wrote {out} ({json.dumps(summary)})")
+    return out
+
+
+def _chat(prompts: Any) -> bool:
+    if isinstance(prompts, dict):
+        return bool(prompts.get("apply_chat_template", True))
+    return bool(getattr(prompts, "apply_chat_template", True))
+
+
+def sft_main(argv: Sequence[str] | None = None, *, run: Callable[[SFTConfig], Path] = run_sft) -> Path:
+    """``dapo-lightning sft --config SFT.yaml [--key value ...]`` (:class:`SFTConfig`)."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    from dapo_lightning.data.config import PromptConfig
+
+    parser = ArgumentParser(
+        prog="dapo-lightning sft",
+        description="Supervised warm-up on the demonstrations an environment writes (the cold "
+        "start of agent RL); writes a model folder fit can load.",
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="an sft YAML file")
+    parser.add_class_arguments(SFTConfig, as_group=False, skip={"prompts"})
+    parser.add_class_arguments(PromptConfig, "prompts")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    init = parser.instantiate_classes(args)
+    values = {k: v for k, v in vars(init).items() if k not in ("config", "__path__")}
+    return run(SFTConfig(**values))
+
+
+__all__ = [
+    "DemonstrationBatches",
+    "ReplayEngine",
+    "SFTConfig",
+    "SFTModule",
+    "SFTSettings",
+    "demonstration_rollouts",
+    "masked_nll",
+    "run_sft",
+    "sft_main",
+]
