@@ -69,6 +69,7 @@ from _common import REPO_ROOT, config_callbacks, out_dir, print_table  # noqa: E
 RECIPES = {
     "word_problems": "configs/smollm2_135m.yaml",
     "reasoning_gym": "configs/smollm2_reasoning_gym.yaml",
+    "tool_use": "configs/smollm2_tool_use.yaml",  # agent RL: products with the calculator
 }
 #: The word-problem recipe (the default ``--recipe``).
 RECIPE = RECIPES["word_problems"]
@@ -90,7 +91,11 @@ METHODS: dict[str, list[str]] = {
 }
 #: Each recipe's target: ``("acc", x)`` held-out val/acc >= x, ``("gain", x)`` val/acc >= the
 #: initial val/acc + x.
-TARGETS = {"word_problems": ("acc", 0.8), "reasoning_gym": ("gain", 0.35)}
+TARGETS = {
+    "word_problems": ("acc", 0.8),
+    "reasoning_gym": ("gain", 0.35),
+    "tool_use": ("acc", 0.6),
+}
 #: Line style of each method in the PNG.
 STYLES = {
     "dapo": "-",
@@ -242,7 +247,7 @@ def read_run(run_dir: Path, cores: int) -> dict[str, Any]:
         n = _group_size(run_dir)
         groups = sum(v for _, v in series.get("data/generated_groups", []))
         samples = int(groups) * n
-        tool_calls = [v for _, v in series.get("env/tool_calls_mean", [])]
+        tool_calls = [v for _, v in series.get("env/tool_use_frac", [])]
         gen_s = sum(v for _, v in series.get("time/generation_s", []))
         batch_samples = int(sum(v for _, v in series.get("data/batch_groups", []))) * n
     except (FileNotFoundError, StopIteration, KeyError):
@@ -299,7 +304,8 @@ def summarize(
         # on (= samples per kept group in units of n)
         "gen_s_per_update": run["gen_s"] / trained[-1][0] if trained else None,
         "samples_per_kept": run["samples"] / run["batch_samples"] if run["batch_samples"] else None,
-        # multi-turn runs: tool calls per training episode, first step and mean of the last 5
+        # multi-turn runs: share of training episodes with a tool call, first step and mean of
+        # the last 5
         "tool_calls_first": run["tool_calls"][0] if run["tool_calls"] else None,
         "tool_calls_last": sum(run["tool_calls"][-5:]) / len(run["tool_calls"][-5:])
         if run["tool_calls"]
@@ -417,7 +423,9 @@ def plot(results: list[dict[str, Any]], path: Path, budget_min: float, clock: st
     axes[0].set_ylabel("held-out val/acc (64 problems x 4 samples)")
     axes[0 if clock == "wall" else 1].axvline(budget_min, color="red", ls=":", lw=1)
     axes[2].legend(fontsize=8)
-    task = "word problems" if recipe == "word_problems" else "reasoning-gym arithmetic"
+    task = {"word_problems": "word problems", "tool_use": "products with a calculator"}.get(
+        recipe, "reasoning-gym arithmetic"
+    )
     names = " vs ".join(dict.fromkeys(r["method"].upper() for r in results))
     fig.suptitle(f"SmolLM2-135M-Instruct {task} on CPU: {names}, equal training budget")
     fig.tight_layout()
@@ -577,7 +585,7 @@ def report(
             "samples",
             "gen s / update",
             "samples / kept group",
-            "tool calls/episode",
+            "episodes calling a tool",
             "load start / end",
             "exit",
         ],

@@ -39,6 +39,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor
 
 from dapo_lightning.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.checks import ConfigError, check_count, check_finite
 from dapo_lightning.envs import EnvironmentConfig, environment_factory
 from dapo_lightning.envs.runner import Episode, EpisodeRunner, ObservationFormatter
 from dapo_lightning.prompts import PromptRecord
@@ -112,7 +113,7 @@ def demonstration_rollouts(
     environment failure) is dropped with a warning.
 
     Raises:
-        ValueError: the environment wrote no complete demonstration at all.
+        ConfigError: the environment wrote no complete demonstration at all.
     """
     make_env = environment_factory(environment)
     turns: dict[tuple[int, ...], list[str]] = {}
@@ -141,7 +142,7 @@ def demonstration_rollouts(
             len(episodes) - len(kept), len(episodes),
         )  # fmt: skip
     if not kept:
-        raise ValueError(
+        raise ConfigError(
             f"environment {environment.name!r} wrote no complete demonstration for "
             f"{len(records)} prompts: give it demonstrate(record) (ToolEnvironment), prompts "
             "it can solve, or more sampling.max_tokens / max_episode_tokens."
@@ -190,14 +191,15 @@ class SFTSettings:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"sft.{name} must be an integer >= 1, got {value!r}.")
-        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
-            raise ValueError(f"sft.lr must be a finite number > 0, got {self.lr!r}.")
-        if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < 1e9):
-            raise ValueError(f"sft.weight_decay must be a finite number >= 0, got {self.weight_decay!r}.")
+        check_count("train.steps", self.steps, 1, "AdamW updates")
+        check_count("train.batch_size", self.batch_size, 1, "demonstrations per update")
+        check_finite("train.lr", self.lr, "Give a learning rate > 0, e.g. 1e-5.")
+        check_finite("train.weight_decay", self.weight_decay, "Give a decay >= 0.")
+        if self.lr <= 0 or self.weight_decay < 0:
+            raise ConfigError(
+                f"train.lr must be > 0 and train.weight_decay >= 0, got {self.lr} and "
+                f"{self.weight_decay}."
+            )
 
 
 class DemonstrationBatches(torch.utils.data.IterableDataset):
@@ -345,9 +347,18 @@ def run_sft(config: SFTConfig) -> Path:
     from dapo_lightning.export import check_new_folder, export_pretrained
     from dapo_lightning.precision import resolve_trainer_precision
 
-    out = check_new_folder(config.output_dir)
+    try:
+        out = check_new_folder(config.output_dir)
+    except FileExistsError as err:
+        raise ConfigError(f"output_dir: {err}") from None
     started, cpu0 = time.perf_counter(), time.process_time()
-    tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
+    except OSError as err:
+        raise ConfigError(
+            f"model_name_or_path={config.model_name_or_path!r} cannot be loaded ({err}); give "
+            "a model folder (dapo-lightning make-model) or a hub name."
+        ) from None
     records = load_demonstration_records(config, tokenizer)
     max_prompt = max(len(r.prompt_ids or ()) for r in records)
     budget = config.environment.episode_budget(max_prompt, config.max_tokens)
@@ -394,11 +405,14 @@ def _chat(prompts: Any) -> bool:
 
 def sft_main(argv: Sequence[str] | None = None, *, run: Callable[[SFTConfig], Path] = run_sft) -> Path:
     """``dapo-lightning sft --config SFT.yaml [--key value ...]`` (:class:`SFTConfig`)."""
+    from argparse import ArgumentError
+
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     from dapo_lightning.data.config import PromptConfig
 
     parser = ArgumentParser(
+        exit_on_error=False,
         prog="dapo-lightning sft",
         description="Supervised warm-up on the demonstrations an environment writes (the cold "
         "start of agent RL); writes a model folder fit can load.",
@@ -406,8 +420,14 @@ def sft_main(argv: Sequence[str] | None = None, *, run: Callable[[SFTConfig], Pa
     parser.add_argument("--config", action=ActionConfigFile, help="an sft YAML file")
     parser.add_class_arguments(SFTConfig, as_group=False, skip={"prompts"})
     parser.add_class_arguments(PromptConfig, "prompts")
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    init = parser.instantiate_classes(args)
+    try:
+        args = parser.parse_args(list(argv) if argv is not None else None)
+    except ArgumentError as err:  # one line, as every other bad setting
+        raise ConfigError("sft: " + " ".join(str(err).split())) from None
+    try:
+        init = parser.instantiate_classes(args)
+    except (ValueError, TypeError) as err:  # a dataclass's own check (ConfigError included)
+        raise ConfigError(f"sft {err}") from None
     values = {k: v for k, v in vars(init).items() if k not in ("config", "__path__")}
     return run(SFTConfig(**values))
 

@@ -302,6 +302,8 @@ def test_episodes_interleave_turns_and_observations(tiny):
     eps = [e for g in groups for e in g]
     assert [e.turns for e in eps] == [3, 3, 3, 3]  # stopped turns: the environment decided
     assert stats["env/turns_mean"] == pytest.approx(sum(e.turns for e in eps) / 4)
+    # a call on each of the 2 turns the environment answered; every episode called
+    assert stats["env/tool_calls_mean"] == 2.0 and stats["env/tool_use_frac"] == 1.0
     assert stats["env/failures"] == 0 and stats["env/timeouts"] == 0
     lengths = [len(records[i // 2].prompt_ids) + len(e.token_ids) for i, e in enumerate(eps)]
     assert stats["env/episode_tokens_mean"] == pytest.approx(sum(lengths) / 4)
@@ -532,3 +534,15 @@ def test_readme_environment_example_runs(tiny, tmp_path, monkeypatch):
         hints = len(ep.loss_mask) - sum(ep.loss_mask)
         tok = tiny[0]
         assert hints == 2 * len(ObservationFormatter(tok)("Not quite. Try again."))
+
+
+def test_env_stats_are_the_counts_per_episode():
+    """env/tool_use_frac is the share of episodes with a call (issue 39's "calls in 80% of
+    episodes"), beside calls per episode."""
+    from dapo_lightning.envs.stats import env_stats
+
+    totals = {"episodes": 4, "turns": 7, "tool_calls": 5, "tool_errors": 1, "calling": 3, "tokens": 100}
+    stats = env_stats(totals)
+    assert stats["env/tool_use_frac"] == 0.75 and stats["env/tool_calls_mean"] == 1.25
+    assert stats["env/turns_mean"] == 1.75 and stats["env/tool_error_rate"] == 0.2
+    assert env_stats(None)["env/tool_use_frac"] == 0.0

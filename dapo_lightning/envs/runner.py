@@ -435,6 +435,7 @@ class EpisodeRunner:
             "episodes": len(episodes),
             "turns": sum(e.turns for e in episodes),
             "tool_calls": sum(e.tool_calls for e in episodes),
+            "calling": sum(e.tool_calls > 0 for e in episodes),
             "tool_errors": sum(e.tool_errors for e in episodes),
             "failures": len(failed),
             "timeouts": sum(e.failure == "timeout" for e in failed),

@@ -103,15 +103,15 @@ def introduce_tools(
     front of every record's prompt, in place, or return the schemas the chat template renders
     (``tools=`` of :func:`~dapo_lightning.prompts.encode_prompt`); then its worked example,
     if it has one (``demonstration()``; its ``"tool"`` messages take ``observation_role``)."""
-    text, tools = prompt_tools(env, tokenizer, use_chat_template)
-    with_instructions(records, text, use_chat_template)
     demonstration = getattr(env, "demonstration", None)
     messages = demonstration() if callable(demonstration) else None
     if messages:
         messages = [
             {**m, "role": observation_role} if m["role"] == "tool" else m for m in messages
         ]
-    with_demonstration(records, messages)
+    with_demonstration(records, messages)  # first: the instructions go in front of it
+    text, tools = prompt_tools(env, tokenizer, use_chat_template)
+    with_instructions(records, text, use_chat_template)
     return tools
 
 

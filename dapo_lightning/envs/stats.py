@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 #: metric the environment declares).
 STAT_KEYS = (
     "episodes", "turns", "tool_calls", "tool_errors", "failures", "timeouts", "tokens",
-    "observations_cut",
+    "observations_cut", "calling",
 )  # fmt: skip
 
 
@@ -20,6 +20,7 @@ def env_stats(
 
     env/turns_mean          = assistant turns / episodes
     env/tool_calls_mean     = tool calls / episodes
+    env/tool_use_frac       = episodes with at least one tool call / episodes
     env/tool_error_rate     = failed tool calls / tool calls      (0 without calls)
     env/episode_tokens_mean = (prompt + response tokens) / episodes
     env/failures            = episodes the environment failed (raised, hung, garbage)
@@ -34,6 +35,7 @@ def env_stats(
     out = {
         "env/turns_mean": get("turns") / episodes,
         "env/tool_calls_mean": get("tool_calls") / episodes,
+        "env/tool_use_frac": get("calling") / episodes,
         "env/tool_error_rate": get("tool_errors") / max(get("tool_calls"), 1.0),
         "env/episode_tokens_mean": get("tokens") / episodes,
         "env/failures": get("failures"),
