@@ -167,9 +167,7 @@ def demonstration_rollouts(
 
 def _complete(episode: Completion) -> bool:
     return (
-        isinstance(episode, Episode)
-        and episode.finish_reason == "stop"
-        and episode.failure is None
+        isinstance(episode, Episode) and episode.finish_reason == "stop" and episode.failure is None
     )
 
 
@@ -311,8 +309,10 @@ def load_demonstration_records(config: SFTConfig, tokenizer: Any) -> list[Prompt
     from dapo_lightning.data.sources import tokenize_records
     from dapo_lightning.envs.session import introduce_tools
 
-    prompts = config.prompts if isinstance(config.prompts, PromptConfig) else PromptConfig(
-        **(config.prompts or {})
+    prompts = (
+        config.prompts
+        if isinstance(config.prompts, PromptConfig)
+        else PromptConfig(**(config.prompts or {}))
     )
     task = prompt_task(prompts)
     fields = prompt_fields(prompts, task)
@@ -403,7 +403,9 @@ def _chat(prompts: Any) -> bool:
     return bool(getattr(prompts, "apply_chat_template", True))
 
 
-def sft_main(argv: Sequence[str] | None = None, *, run: Callable[[SFTConfig], Path] = run_sft) -> Path:
+def sft_main(
+    argv: Sequence[str] | None = None, *, run: Callable[[SFTConfig], Path] = run_sft
+) -> Path:
     """``dapo-lightning sft --config SFT.yaml [--key value ...]`` (:class:`SFTConfig`)."""
     from argparse import ArgumentError
 

@@ -541,7 +541,14 @@ def test_env_stats_are_the_counts_per_episode():
     episodes"), beside calls per episode."""
     from dapo_lightning.envs.stats import env_stats
 
-    totals = {"episodes": 4, "turns": 7, "tool_calls": 5, "tool_errors": 1, "calling": 3, "tokens": 100}
+    totals = {
+        "episodes": 4,
+        "turns": 7,
+        "tool_calls": 5,
+        "tool_errors": 1,
+        "calling": 3,
+        "tokens": 100,
+    }
     stats = env_stats(totals)
     assert stats["env/tool_use_frac"] == 0.75 and stats["env/tool_calls_mean"] == 1.25
     assert stats["env/turns_mean"] == 1.75 and stats["env/tool_error_rate"] == 0.2

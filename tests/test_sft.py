@@ -32,7 +32,11 @@ from tests.test_envs_fit import HF_STOPS, fit
 
 #: The tiny tokenizer spells bytes: a call is ~80 tokens, a prompt with the instructions ~290.
 CALCULATOR = EnvironmentConfig(name="calculator", max_turns=3, max_episode_tokens=512)
-TASK = {"task": "arithmetic", "task_kwargs": {"level": 1, "num_prompts": 12}, "max_prompt_length": 320}
+TASK = {
+    "task": "arithmetic",
+    "task_kwargs": {"level": 1, "num_prompts": 12},
+    "max_prompt_length": 320,
+}
 
 
 def test_masked_nll_is_the_token_mean_of_the_masked_negative_log_likelihoods():
@@ -44,7 +48,9 @@ def test_masked_nll_is_the_token_mean_of_the_masked_negative_log_likelihoods():
 
 def test_the_calculator_demonstrates_a_call_on_the_question_and_its_value():
     def demo(text):
-        return CalculatorEnvironment().demonstrate(PromptRecord("u", [{"role": "user", "content": text}], "0"))
+        return CalculatorEnvironment().demonstrate(
+            PromptRecord("u", [{"role": "user", "content": text}], "0")
+        )
 
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "57 * 87"}}</tool_call>'
     assert demo("Solve the following multiplication: 57 * 87. Give only the result.") == [
@@ -62,7 +68,9 @@ def test_the_worked_example_sits_between_the_instructions_and_the_question(tiny_
     introduce_tools(records, CalculatorEnvironment(example=True), tokenizer, True, "user")
     roles = [m["role"] for m in records[0].prompt]
     assert roles == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert records[0].prompt[1:5] == [{**m, "role": "user"} if m["role"] == "tool" else m for m in EXAMPLE]
+    assert records[0].prompt[1:5] == [
+        {**m, "role": "user"} if m["role"] == "tool" else m for m in EXAMPLE
+    ]
     assert records[0].prompt[-1]["content"] == "2+3="
     plain = [PromptRecord("u", "2+3=", "5")]
     introduce_tools(plain, CalculatorEnvironment(example=True), tokenizer, False)
@@ -75,9 +83,7 @@ def test_demonstrations_are_episodes_with_the_rl_layout_and_masks(tiny_checkpoin
     turns are in the loss mask."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
     questions = {"2+3=": "5", "7*6=": "42", "no sum": None}
-    records = [
-        PromptRecord(q, [{"role": "user", "content": q}], "0") for q in questions
-    ]
+    records = [PromptRecord(q, [{"role": "user", "content": q}], "0") for q in questions]
     for r in records:
         r.prompt_ids = encode_prompt(tokenizer, r.prompt, True)
     rollouts = demonstration_rollouts(
@@ -104,11 +110,15 @@ def _demo_nll(model_dir, rollouts):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     batch = RolloutBatch.from_rollouts(rollouts, group_size=1, pad_token_id=0)
     with torch.no_grad():
-        logp, _ = response_log_probs(model, batch.input_ids, batch.attention_mask, batch.response_width)
+        logp, _ = response_log_probs(
+            model, batch.input_ids, batch.attention_mask, batch.response_width
+        )
     return masked_nll(logp, batch.response_mask).item()
 
 
-def test_the_warm_up_lowers_the_demonstrations_nll_and_writes_a_loadable_model(tmp_path, tiny_checkpoint):
+def test_the_warm_up_lowers_the_demonstrations_nll_and_writes_a_loadable_model(
+    tmp_path, tiny_checkpoint
+):
     out = tmp_path / "warm"
     config = SFTConfig(
         model_name_or_path=str(tiny_checkpoint), output_dir=str(out), prompts=TASK,
@@ -121,10 +131,15 @@ def test_the_warm_up_lowers_the_demonstrations_nll_and_writes_a_loadable_model(t
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
     records = load_demonstration_records(config, tokenizer)
     assert len(records) == 12 and "calculator" in records[0].prompt[0]["content"]
-    rollouts = demonstration_rollouts(records, CALCULATOR, tokenizer, max_tokens=160, max_episode_tokens=512)
+    rollouts = demonstration_rollouts(
+        records, CALCULATOR, tokenizer, max_tokens=160, max_episode_tokens=512
+    )
     before, after = _demo_nll(tiny_checkpoint, rollouts), _demo_nll(out, rollouts)
     assert math.isfinite(after) and after < before - 1.0, (before, after)
-    losses = [float(row.split(",")[1]) for row in (tmp_path / "warm-logs" / "metrics.csv").read_text().splitlines()[1:]]
+    losses = [
+        float(row.split(",")[1])
+        for row in (tmp_path / "warm-logs" / "metrics.csv").read_text().splitlines()[1:]
+    ]
     assert len(losses) == 6 and losses[-1] < losses[0]
     summary = json.loads((tmp_path / "warm-logs" / "sft_summary.json").read_text())
     assert summary["demonstrations"] == 12 and summary["steps"] == 6
@@ -140,13 +155,23 @@ def test_the_warm_up_lowers_the_demonstrations_nll_and_writes_a_loadable_model(t
         (["--train.stepz", "3"], "--train.stepz"),
     ],
 )
-def test_bad_sft_settings_are_one_error_line_naming_the_field(tmp_path, tiny_checkpoint, args, field):
-    argv = ["--model_name_or_path", str(tiny_checkpoint), "--output_dir", str(tmp_path / "o"), *args]
+def test_bad_sft_settings_are_one_error_line_naming_the_field(
+    tmp_path, tiny_checkpoint, args, field
+):
+    argv = [
+        "--model_name_or_path",
+        str(tiny_checkpoint),
+        "--output_dir",
+        str(tmp_path / "o"),
+        *args,
+    ]
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         sft_main(argv, run=lambda config: tmp_path)
 
 
-def test_a_taken_output_dir_and_an_environment_without_demonstrations_are_config_errors(tmp_path, tiny_checkpoint):
+def test_a_taken_output_dir_and_an_environment_without_demonstrations_are_config_errors(
+    tmp_path, tiny_checkpoint
+):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("x")
     base = dict(model_name_or_path=str(tiny_checkpoint), prompts=TASK, environment=CALCULATOR)
@@ -176,6 +201,8 @@ def test_sft_then_fit_through_the_console_script(tmp_path, tiny_checkpoint):
     assert bad.stderr.strip().splitlines()[-1].startswith("dapo-lightning: error: output_dir:")
     env = "{name: calculator, max_turns: 2, max_episode_tokens: 512}"
     (tmp_path / "fit").mkdir()
-    run_dir, _ = fit(tmp_path / "fit", out, env, *HF_STOPS, "--data.init_args.prompts.max_prompt_length", "320")
+    run_dir, _ = fit(
+        tmp_path / "fit", out, env, *HF_STOPS, "--data.init_args.prompts.max_prompt_length", "320"
+    )
     rows = read_csv(run_dir)
     assert [v for _, v in series(rows, "rollout/step")] == [1.0, 2.0]

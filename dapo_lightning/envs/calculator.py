@@ -178,7 +178,9 @@ class CalculatorEnvironment(ToolEnvironment):
         if nudge is not None and (not isinstance(nudge, str) or not nudge.strip()):
             raise ValueError("CalculatorEnvironment nudge must be a non-empty text or None.")
         if not isinstance(example, bool):
-            raise ValueError(f"CalculatorEnvironment example must be true or false, got {example!r}.")
+            raise ValueError(
+                f"CalculatorEnvironment example must be true or false, got {example!r}."
+            )
         self.nudge = nudge
         self.example = example
         self.called = False

@@ -106,9 +106,7 @@ def introduce_tools(
     demonstration = getattr(env, "demonstration", None)
     messages = demonstration() if callable(demonstration) else None
     if messages:
-        messages = [
-            {**m, "role": observation_role} if m["role"] == "tool" else m for m in messages
-        ]
+        messages = [{**m, "role": observation_role} if m["role"] == "tool" else m for m in messages]
     with_demonstration(records, messages)  # first: the instructions go in front of it
     text, tools = prompt_tools(env, tokenizer, use_chat_template)
     with_instructions(records, text, use_chat_template)
