@@ -46,6 +46,8 @@ class ScoredRollouts:
             its token count, the entropy, the KL and the parity check
             (:meth:`RolloutBatch.from_rollouts` ANDs it into ``response_mask``). None: every
             token was sampled.
+        tool_calls: Per response, the tool calls its episode made (multi-turn episodes
+            only; None for single-turn rollouts).
     """
 
     prompt_ids: list[list[int]]
@@ -62,6 +64,7 @@ class ScoredRollouts:
     loss_mask: Tensor | None = None
     extra: dict[str, list[Any]] = field(default_factory=dict)
     token_mask: list[list[int]] | None = None
+    tool_calls: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.reward is None:
@@ -144,6 +147,7 @@ class ScoredRollouts:
             loss_mask=self.loss_mask[idx],
             extra={k: [v[i] for i in index] for k, v in self.extra.items()},
             token_mask=None if self.token_mask is None else [self.token_mask[i] for i in index],
+            tool_calls=None if self.tool_calls is None else [self.tool_calls[i] for i in index],
         )
 
 

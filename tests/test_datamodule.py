@@ -183,6 +183,13 @@ def test_validation_metrics():
     )
     m = validation_metrics(r)
     assert m == {"val/acc": 0.25, "val/pass@2": 0.5, "val/response_length": 1.75}
+    # episodes: the share that called a tool (2 of 4), kept through select and concat
+    r.tool_calls = [0, 2, 1, 0]
+    assert validation_metrics(r)["val/tool_use_frac"] == 0.5
+    from dapo_lightning.data.rollout_groups import concat_rollouts
+
+    both = concat_rollouts([r.select([1, 0]), r.select([2, 3])])
+    assert both.tool_calls == [2, 0, 1, 0] and validation_metrics(both)["val/tool_use_frac"] == 0.5
 
 
 def test_constructor_errors(tiny_checkpoint):

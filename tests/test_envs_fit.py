@@ -246,3 +246,5 @@ def test_an_environment_class_with_tool_methods_fits_by_name(tmp_path, tiny_chec
     chars = [v for _, v in series(rows, "env/answer_chars")]
     assert len(chars) == 2 and all(0 < v < 100 for v in chars), chars
     assert all(v == 0 for _, v in series(rows, "env/failures"))
+    # held-out episodes report their tool use too (the random model calls nothing)
+    assert [v for _, v in series(rows, "val/tool_use_frac")][:1] == [0.0]

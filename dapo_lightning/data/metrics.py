@@ -31,6 +31,7 @@ def validation_metrics(rollouts: ScoredRollouts) -> dict[str, float]:
         val/acc             = mean_i acc[i]                   (avg@k)
         val/pass@k          = mean_g max_{i in g} acc[i]
         val/response_length = mean_i len(response_i)
+        val/tool_use_frac   = mean_i [tool_calls[i] > 0]     (multi-turn episodes only)
 
     ``k`` is the size of the first group (all groups have the same size).
     """
@@ -41,15 +42,19 @@ def validation_metrics(rollouts: ScoredRollouts) -> dict[str, float]:
     k = int((g == g[0]).sum())
     acc = rollouts.acc.float()
     best = torch.zeros(num_groups).scatter_reduce(0, g, acc, "amax", include_self=False)
-    return {
+    out = {
         "val/acc": float(acc.mean()),
         f"val/pass@{k}": float(best.mean()),
         "val/response_length": float(rollouts.response_length.float().mean()),
     }
+    if rollouts.tool_calls is not None:
+        out["val/tool_use_frac"] = sum(c > 0 for c in rollouts.tool_calls) / len(rollouts)
+    return out
 
 
 class ValidationMetrics(torch.nn.Module):
-    """``val/acc``, ``val/pass@k`` and ``val/response_length`` as ``torchmetrics`` metrics.
+    """``val/acc``, ``val/pass@k``, ``val/response_length`` (and with episodes
+    ``val/tool_use_frac``) as ``torchmetrics`` metrics.
 
     Each is a :class:`~torchmetrics.MeanMetric` of the batches' :func:`validation_metrics`
     weighted by their response counts: over a validation (every batch of every rank)::
@@ -69,12 +74,13 @@ class ValidationMetrics(torch.nn.Module):
         self.acc = MeanMetric()
         self.pass_at_k = MeanMetric()
         self.response_length = MeanMetric()
+        self.tool_use = MeanMetric()  # episodes only
 
     def update(self, rollouts: ScoredRollouts, batch_idx: int) -> dict[str, MeanMetric]:
         """Add one validation batch (the first, ``batch_idx`` 0, starts a fresh validation);
         returns the metrics by logged name, for ``log_dict``."""
         if batch_idx == 0:  # an interrupted validation leaves nothing behind
-            for metric in (self.acc, self.pass_at_k, self.response_length):
+            for metric in (self.acc, self.pass_at_k, self.response_length, self.tool_use):
                 metric.reset()
         values = validation_metrics(rollouts)
         pass_name = next(k for k in values if k.startswith("val/pass@"))
@@ -82,11 +88,15 @@ class ValidationMetrics(torch.nn.Module):
         self.acc.update(values["val/acc"], weight)
         self.pass_at_k.update(values[pass_name], weight)
         self.response_length.update(values["val/response_length"], weight)
-        return {
+        out = {
             "val/acc": self.acc,
             pass_name: self.pass_at_k,
             "val/response_length": self.response_length,
         }
+        if "val/tool_use_frac" in values:
+            self.tool_use.update(values["val/tool_use_frac"], weight)
+            out["val/tool_use_frac"] = self.tool_use
+        return out
 
 
 def rollout_step_metrics(

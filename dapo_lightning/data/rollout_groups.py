@@ -39,6 +39,9 @@ def concat_rollouts(parts: Sequence[ScoredRollouts]) -> ScoredRollouts:
         token_mask=None
         if all(p.token_mask is None for p in parts)
         else [m for p in parts for m in p.token_masks()],
+        tool_calls=None
+        if all(p.tool_calls is None for p in parts)
+        else [c for p in parts for c in (p.tool_calls or [0] * len(p))],
     )
 
 

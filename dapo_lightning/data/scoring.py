@@ -19,7 +19,7 @@ import torch
 from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.data.sources import PromptRecord
 from dapo_lightning.data.step_stats import StepStats, numeric_extras
-from dapo_lightning.envs.runner import episode_results, token_masks
+from dapo_lightning.envs.runner import episode_results, episode_tool_calls, token_masks
 from dapo_lightning.rewards.base import RewardRunner
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
@@ -111,6 +111,7 @@ class RolloutScorer:
             policy_version=policy_version,
             extra={k: [r.extra.get(k) for r in results] for k in extra_keys},
             token_mask=token_masks([c for *_, c in flat]),
+            tool_calls=episode_tool_calls([c for *_, c in flat]),
         )
         stats.score_seconds += t2 - t1
         stats.generated_samples += float(len(flat))

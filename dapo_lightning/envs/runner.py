@@ -117,6 +117,14 @@ def token_masks(completions: Sequence[Completion]) -> list[list[int]] | None:
     return [list(c.loss_mask or [1] * len(c.token_ids)) for c in completions]
 
 
+def episode_tool_calls(completions: Sequence[Completion]) -> list[int] | None:
+    """Tool calls of each completion (0 for one that is not an episode); None when none is
+    an episode (single-turn rollouts)."""
+    if not any(isinstance(c, Episode) for c in completions):
+        return None
+    return [c.tool_calls if isinstance(c, Episode) else 0 for c in completions]
+
+
 class ObservationFormatter:
     """Observation text -> the tokens that follow an assistant turn's EOS.
 
