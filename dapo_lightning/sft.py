@@ -29,19 +29,29 @@ import json
 import logging
 import random
 import time
+from argparse import ArgumentError
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse import ActionConfigFile, ArgumentParser
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
 
 from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.checks import ConfigError, check_count, check_finite
+from dapo_lightning.data.config import PromptConfig, ValidationConfig
+from dapo_lightning.data.loading import load_prompt_sets, prompt_fields, prompt_task
+from dapo_lightning.data.sources import tokenize_records
 from dapo_lightning.envs import EnvironmentConfig, environment_factory
 from dapo_lightning.envs.runner import Episode, EpisodeRunner, ObservationFormatter
+from dapo_lightning.envs.session import introduce_tools
+from dapo_lightning.export import check_new_folder, export_pretrained
+from dapo_lightning.logprobs import response_log_probs
+from dapo_lightning.precision import resolve_trainer_precision
 from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rollout.base import Completion, SamplingConfig
 
@@ -248,8 +258,6 @@ class SFTModule(LightningModule):
             self.policy.train()
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
-        from dapo_lightning.logprobs import response_log_probs
-
         batch = batch.trim()
         logp, _ = response_log_probs(
             self.policy, batch.input_ids, batch.attention_mask, batch.response_width
@@ -304,11 +312,6 @@ class SFTConfig:
 def load_demonstration_records(config: SFTConfig, tokenizer: Any) -> list[PromptRecord]:
     """The training prompt records of ``config.prompts`` with the environment's instructions
     (and worked example), tokenized as ``fit`` tokenizes them."""
-    from dapo_lightning.data.config import PromptConfig, ValidationConfig
-    from dapo_lightning.data.loading import load_prompt_sets, prompt_fields, prompt_task
-    from dapo_lightning.data.sources import tokenize_records
-    from dapo_lightning.envs.session import introduce_tools
-
     prompts = (
         config.prompts
         if isinstance(config.prompts, PromptConfig)
@@ -341,11 +344,7 @@ def run_sft(config: SFTConfig) -> Path:
     Returns:
         The written model folder.
     """
-    from lightning.pytorch.loggers import CSVLogger
     from transformers import AutoTokenizer
-
-    from dapo_lightning.export import check_new_folder, export_pretrained
-    from dapo_lightning.precision import resolve_trainer_precision
 
     try:
         out = check_new_folder(config.output_dir)
@@ -407,12 +406,6 @@ def sft_main(
     argv: Sequence[str] | None = None, *, run: Callable[[SFTConfig], Path] = run_sft
 ) -> Path:
     """``dapo-lightning sft --config SFT.yaml [--key value ...]`` (:class:`SFTConfig`)."""
-    from argparse import ArgumentError
-
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    from dapo_lightning.data.config import PromptConfig
-
     parser = ArgumentParser(
         exit_on_error=False,
         prog="dapo-lightning sft",

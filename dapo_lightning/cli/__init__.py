@@ -79,6 +79,7 @@ from dapo_lightning.interrupt import exit_on_stop
 from dapo_lightning.logging_setup import quiet_known_warnings
 from dapo_lightning.models import make_model_main
 from dapo_lightning.plot import plot_main
+from dapo_lightning.sft import sft_main
 
 __all__ = [
     "AUTO_CKPT",
@@ -141,8 +142,6 @@ def _run_lightning(args: list[str] | None) -> None:
 
 def _sft_main(argv: list[str]) -> None:
     """``dapo-lightning sft`` (:mod:`dapo_lightning.sft`), with the error contract of ``fit``."""
-    from dapo_lightning.sft import sft_main
-
     run_reporting_errors(lambda: sft_main(argv))
 
 
