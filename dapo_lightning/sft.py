@@ -17,7 +17,7 @@ The loss is the token-mean negative log-likelihood of the assistant tokens
 
 with ``m`` the episode's loss mask (1 on assistant tokens, 0 on observations and padding).
 
-Run it with ``dapo-lightning sft --config configs/smollm2_tool_use_sft.yaml`` (:func:`sft_main`):
+Run it with ``dapo-lightning sft --config configs/sft/smollm2_tool_use.yaml`` (:func:`sft_main`):
 it writes a Hugging Face model folder that ``fit`` loads as ``model.model_name_or_path``. The
 problems demonstrated are the ``prompts`` of the sft config: simpler ones than the RL task's, so
 the warm-up teaches the call format, not the task.
