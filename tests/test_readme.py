@@ -21,7 +21,7 @@ README line                                  what the test runs
 ``... dapo-lightning fit --help`` or any     as written
 command with ``--help`` / ``--model.help``
 / ``--data.help`` / ``--print_config``
-``... dapo-lightning fit ...``               the same line plus ``--print_config`` (every key and
+``... dapo-lightning fit/sft ...``           the same line plus ``--print_config`` (every key and
                                              config file must parse; training is too heavy)
 ``... dapo-lightning validate/plot/export``  as written, on the quickstart run the test makes
 on ``configs/quickstart.yaml`` / runs/       first (2 updates of the tiny model)
@@ -132,8 +132,8 @@ def plan(command: str) -> Step:
             return Step("help: as written", words, env)
         if sub == "make-model":
             return Step("make-model: --help", [prog, sub, "--help"], env)
-        if sub == "fit":
-            return Step("fit: --print_config", [*words, "--print_config"], env)
+        if sub in ("fit", "sft"):
+            return Step(f"{sub}: --print_config", [*words, "--print_config"], env)
         on_quickstart = sub in ("plot", "export") or QUICKSTART in words
         if sub in ("validate", "plot", "export") and on_quickstart:
             return Step("quickstart run: as written", words, env)
