@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
             }
         )
     columns = list(rows[0])
-    print_table("agent RL: held-out accuracy and tool use", columns, [[r[c] for c in columns] for r in rows])
+    print_table(
+        "agent RL: held-out accuracy and tool use", columns, [[r[c] for c in columns] for r in rows]
+    )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,10 +106,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         if run["steps"]:
             ups, use, turns = zip(*run["steps"])
             axes[2].plot(ups, use, "o-", color=color, label=f"{label}: calling")
-            axes[2].plot(ups, [(t or 0) / 3 for t in turns], "x--", color=color, label=f"{label}: turns / 3")
-    axes[0].set(xlabel="CPU minutes, cold start included (shaded)", ylabel="held-out val/acc", ylim=(0, 1.02))
+            axes[2].plot(
+                ups, [(t or 0) / 3 for t in turns], "x--", color=color, label=f"{label}: turns / 3"
+            )
+    axes[0].set(
+        xlabel="CPU minutes, cold start included (shaded)",
+        ylabel="held-out val/acc",
+        ylim=(0, 1.02),
+    )
     axes[1].set(xlabel="CPU minutes", ylabel="held-out episodes calling the tool", ylim=(0, 1.02))
-    axes[2].set(xlabel="optimizer updates", ylabel="training episodes: share calling, turns/3", ylim=(0, 1.02))
+    axes[2].set(
+        xlabel="optimizer updates",
+        ylabel="training episodes: share calling, turns/3",
+        ylim=(0, 1.02),
+    )
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

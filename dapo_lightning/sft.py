@@ -42,7 +42,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
 
 from dapo_lightning.batch import RolloutBatch, ScoredRollouts
-from dapo_lightning.checks import ConfigError, check_count, check_finite
+from dapo_lightning.checks import ConfigError, check_choice, check_count, check_finite
 from dapo_lightning.data.config import PromptConfig, ValidationConfig
 from dapo_lightning.data.loading import load_prompt_sets, prompt_fields, prompt_task
 from dapo_lightning.data.sources import tokenize_records
@@ -308,6 +308,11 @@ class SFTConfig:
     torch_dtype: str = "float32"
     log_dir: str | None = None
 
+    def __post_init__(self) -> None:
+        check_count("max_tokens", self.max_tokens, 1, "assistant tokens per episode")
+        check_count("seed", self.seed, 0, "any integer >= 0")
+        check_choice("torch_dtype", self.torch_dtype, ("float32", "bfloat16", "float16"))
+
 
 def load_demonstration_records(config: SFTConfig, tokenizer: Any) -> list[PromptRecord]:
     """The training prompt records of ``config.prompts`` with the environment's instructions
@@ -358,7 +363,12 @@ def run_sft(config: SFTConfig) -> Path:
             f"model_name_or_path={config.model_name_or_path!r} cannot be loaded ({err}); give "
             "a model folder (dapo-lightning make-model) or a hub name."
         ) from None
-    records = load_demonstration_records(config, tokenizer)
+    try:
+        records = load_demonstration_records(config, tokenizer)
+    except ConfigError:
+        raise
+    except ValueError as err:  # the task's own checks (an unknown task or option)
+        raise ConfigError(f"prompts: {err}") from None
     max_prompt = max(len(r.prompt_ids or ()) for r in records)
     budget = config.environment.episode_budget(max_prompt, config.max_tokens)
     rollouts = demonstration_rollouts(

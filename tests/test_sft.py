@@ -153,6 +153,8 @@ def test_the_warm_up_lowers_the_demonstrations_nll_and_writes_a_loadable_model(
         (["--train.lr", "nan"], "train.lr"),
         (["--environment.max_turns", "0"], "environment.max_turns"),
         (["--train.stepz", "3"], "--train.stepz"),
+        (["--torch_dtype", "float8"], "torch_dtype"),
+        (["--max_tokens", "0"], "max_tokens"),
     ],
 )
 def test_bad_sft_settings_are_one_error_line_naming_the_field(
@@ -177,6 +179,8 @@ def test_a_taken_output_dir_and_an_environment_without_demonstrations_are_config
     base = dict(model_name_or_path=str(tiny_checkpoint), prompts=TASK, environment=CALCULATOR)
     with pytest.raises(ConfigError, match="output_dir: .*already exists"):
         run_sft(SFTConfig(output_dir=str(tmp_path / "taken"), **base))
+    with pytest.raises(ConfigError, match="task='nope' is not a built-in task"):
+        run_sft(SFTConfig(output_dir=str(tmp_path / "o"), **{**base, "prompts": {"task": "nope"}}))
     shop = EnvironmentConfig(name="_episode_envs.Shop", max_turns=2, add_instructions=False)
     with pytest.raises(ConfigError, match="wrote no complete demonstration"):
         run_sft(SFTConfig(**{**base, "environment": shop}, output_dir=str(tmp_path / "o")))
