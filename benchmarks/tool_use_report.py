@@ -13,7 +13,11 @@ Usage::
     .venv/bin/python benchmarks/tool_use_report.py \\
         "cold start + DAPO, seed 0=benchmarks/out/tool_use_s0/dapo/seed0@runs/smollm2_tool_use/sft_seed0" \\
         "cold start + DAPO, seed 1=benchmarks/out/tool_use_s1/dapo/seed1@runs/smollm2_tool_use/sft_seed1" \\
+        --cold-start-only runs/smollm2_tool_use/sft_56_seed0@VALIDATE_RUN_DIR ... \\
         --out docs/img/smollm2_tool_use.png
+
+A cold start alone is scored by ``dapo-lightning validate --config configs/smollm2_tool_use.yaml
+--model.init_args.model_name_or_path SFT_DIR --trainer.default_root_dir VALIDATE_RUN_DIR``.
 """
 
 from __future__ import annotations
@@ -61,8 +65,34 @@ def read_tool_run(run_dir: Path, offset_s: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="LABEL=RUN_DIR@COLD_START_MODEL_DIR (or @-)")
+    parser.add_argument(
+        "--cold-start-only",
+        nargs="*",
+        default=[],
+        metavar="MODEL_DIR@VALIDATE_DIR",
+        help="cold starts without RL: the sft folder and the run folder of `dapo-lightning "
+        "validate` on it (its val/acc and val/tool_use_frac), drawn against their CPU minutes",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/tool_use.png"))
     args = parser.parse_args(argv)
+    alone = []
+    for spec in args.cold_start_only:
+        model, _, validate_dir = spec.partition("@")
+        metrics = read_metrics(find_metrics_csv(Path(validate_dir) / "logs-validate"))
+        alone.append(
+            (
+                cold_start_cpu_s(model) / 60,
+                metrics["val/acc"][-1][1],
+                metrics["val/tool_use_frac"][-1][1],
+                Path(model).name,
+            )
+        )
+    if alone:
+        print_table(
+            "cold start only (no RL): held-out val/acc and tool use",
+            ["model", "CPU min", "val/acc", "val tool use"],
+            [[name, round(m, 1), a, t] for m, a, t, name in alone],
+        )
     runs = {}
     for spec in args.runs:
         label, rest = spec.split("=", 1)
@@ -109,6 +139,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
             axes[2].plot(
                 ups, [(t or 0) / 3 for t in turns], "x--", color=color, label=f"{label}: turns / 3"
             )
+    if alone:
+        alone.sort()
+        for ax, k in ((axes[0], 1), (axes[1], 2)):
+            ax.plot([a[0] for a in alone], [a[k] for a in alone], "k^:", label="more cold start, no RL")
     axes[0].set(
         xlabel="CPU minutes, cold start included (shaded)",
         ylabel="held-out val/acc",
