@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     if alone:
         alone.sort()
         for ax, k in ((axes[0], 1), (axes[1], 2)):
-            ax.plot([a[0] for a in alone], [a[k] for a in alone], "k^:", label="more cold start, no RL")
+            ax.plot(
+                [a[0] for a in alone], [a[k] for a in alone], "k^:", label="more cold start, no RL"
+            )
     axes[0].set(
         xlabel="CPU minutes, cold start included (shaded)",
         ylabel="held-out val/acc",
