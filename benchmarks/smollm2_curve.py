@@ -39,6 +39,8 @@ Usage::
     .venv/bin/python benchmarks/smollm2_curve.py --name smollm2_curve_lr1e-4 --model.optimizer.init_args.lr 1e-4
     .venv/bin/python benchmarks/smollm2_curve.py --recipe reasoning_gym --budget-min 20   # the
         # reasoning-gym recipe (configs/smollm2_reasoning_gym.yaml), target +0.35 over the start
+    .venv/bin/python benchmarks/smollm2_curve.py --recipe tool_use --model-dir SFT_DIR --budget-min 27
+        # agent RL (configs/smollm2_tool_use.yaml) from a cold start (dapo-lightning sft), target 0.6
 
 Extra arguments go to every ``dapo-lightning fit`` (e.g. ``--trainer.val_check_interval 10``).
 """
