@@ -569,7 +569,7 @@ def padded_tokens(case: Case) -> dict[str, int]:
     """Tokens each framework computes (padding included) for the case's batch."""
     import torch
 
-    from dapo_lightning.module import micro_batch_rows
+    from dapo_lightning.update import micro_batch_rows
 
     lengths = case.lengths()
     ours = 0
