@@ -108,6 +108,13 @@ def current_rss_bytes() -> int:
 GIB = 1024**3
 
 
+def generated_steps(series: dict[str, list[tuple[float, float]]], key: str) -> dict[float, float]:
+    """``key`` by logged step, for the rollout steps that generated (a step trained only on
+    carried-over groups logs its episode metrics as 0 over no episodes)."""
+    generated = dict(series.get("data/generated_groups", []))
+    return {s: v for s, v in series.get(key, []) if generated.get(s, 1) > 0}
+
+
 # ----------------------------------------------------------------------------- workers
 def emit_result(result: dict[str, Any]) -> None:
     """Print ``result`` as the worker's single JSON result line (read by :func:`run_worker`)."""

@@ -65,7 +65,13 @@ import yaml
 from dapo_lightning.plot import find_metrics_csv, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO_ROOT, config_callbacks, out_dir, print_table  # noqa: E402
+from _common import (  # noqa: E402
+    REPO_ROOT,
+    config_callbacks,
+    generated_steps,
+    out_dir,
+    print_table,
+)
 
 #: The recipes (``--recipe``), relative to the repository root.
 RECIPES = {
@@ -243,13 +249,13 @@ def read_run(run_dir: Path, cores: int) -> dict[str, Any]:
         for r in rows
         if r["val_acc"] is not None
     ]
-    samples, tool_calls, gen_s, batch_samples = 0, [], 0.0, 0
+    samples, tool_use, gen_s, batch_samples = 0, [], 0.0, 0
     try:
         series = read_metrics(find_metrics_csv(run_dir / "logs"))
         n = _group_size(run_dir)
         groups = sum(v for _, v in series.get("data/generated_groups", []))
         samples = int(groups) * n
-        tool_calls = [v for _, v in series.get("env/tool_use_frac", [])]
+        tool_use = list(generated_steps(series, "env/tool_use_frac").values())
         gen_s = sum(v for _, v in series.get("time/generation_s", []))
         batch_samples = int(sum(v for _, v in series.get("data/batch_groups", []))) * n
     except (FileNotFoundError, StopIteration, KeyError):
@@ -257,7 +263,7 @@ def read_run(run_dir: Path, cores: int) -> dict[str, Any]:
     return {
         "curve": curve,
         "samples": samples,
-        "tool_calls": tool_calls,
+        "tool_use": tool_use,
         "gen_s": gen_s,
         "batch_samples": batch_samples,
     }
@@ -308,9 +314,9 @@ def summarize(
         "samples_per_kept": run["samples"] / run["batch_samples"] if run["batch_samples"] else None,
         # multi-turn runs: share of training episodes with a tool call, first step and mean of
         # the last 5
-        "tool_calls_first": run["tool_calls"][0] if run["tool_calls"] else None,
-        "tool_calls_last": sum(run["tool_calls"][-5:]) / len(run["tool_calls"][-5:])
-        if run["tool_calls"]
+        "tool_use_first": run["tool_use"][0] if run["tool_use"] else None,
+        "tool_use_last": sum(run["tool_use"][-5:]) / len(run["tool_use"][-5:])
+        if run["tool_use"]
         else None,
         "total_s": total_s,
         "load_start": load_start,
@@ -450,9 +456,10 @@ def _num(value: float | None, digits: int = 1) -> Any:
     return "-" if value is None else round(value, digits)
 
 
-def _tool_calls(result: dict[str, Any]) -> str:
-    """Tool calls per training episode, first step -> mean of the last 5 ("-": single-turn)."""
-    first, last = result.get("tool_calls_first"), result.get("tool_calls_last")
+def _tool_use(result: dict[str, Any]) -> str:
+    """Share of training episodes calling a tool, first step -> mean of the last 5 ("-":
+    single-turn, or a run recorded before env/tool_use_frac)."""
+    first, last = result.get("tool_use_first"), result.get("tool_use_last")
     return "-" if first is None else f"{first:.2f} -> {last:.2f}"
 
 
@@ -561,7 +568,7 @@ def report(
             r["samples"],
             _num(r.get("gen_s_per_update"), 2),
             "-" if r.get("samples_per_kept") is None else f"{r['samples_per_kept']:.2f} n",
-            _tool_calls(r),
+            _tool_use(r),
             f"{r['load_start'].split()[0]} / {r['load_end'].split()[0]}",
             r["exit_code"],
         ]

@@ -14,8 +14,10 @@ On the first ``--prompts`` training problems of a reasoning-gym setting (``--set
 * ``nudge``: the same, a turn without a call is asked once to check with the calculator;
 * ``demo``: the same, the prompt starting with one worked example as chat turns (a question,
   a tool call, its result, the answer: :meth:`ToolEnvironment.demonstration`);
-* ``perfect``: a scripted policy that calls the calculator on the question's expression and
-  answers its result (the task's ceiling with the tool, through the same environment and scorer).
+* ``perfect``: a scripted policy, the calculator's own demonstrations
+  (:meth:`CalculatorEnvironment.demonstrate`: a call on the question's expression, then its
+  value) replayed by :class:`~dapo_lightning.sft.ReplayEngine`: the task's ceiling with the tool,
+  through the same environment and scorer (one episode per problem: it is deterministic).
 
 and prints accuracy (mean over ``--n`` samples), pass@n, the share of episodes with a tool call,
 turns per episode and assistant tokens. Writes ``benchmarks/out/tool_headroom.json`` and
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,7 @@ from dapo_lightning.envs import EnvironmentConfig, environment_factory  # noqa: 
 from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter  # noqa: E402
 from dapo_lightning.envs.session import introduce_tools  # noqa: E402
 from dapo_lightning.rollout.base import SamplingConfig  # noqa: E402
+from dapo_lightning.sft import ReplayEngine  # noqa: E402
 from dapo_lightning.tasks.reasoning_gym import (  # noqa: E402
     ReasoningGymReward,
     make_reasoning_gym_rows,
@@ -65,39 +67,6 @@ def problem_rows(setting: str, prompts: int) -> list[dict[str, Any]]:
     """The setting's first ``prompts`` seed-0 training rows (the recipes' split)."""
     dataset, config = RG_SETTINGS[setting]
     return make_reasoning_gym_rows(seed=0, dataset=dataset, config=config, size=prompts, val_size=0)
-
-
-def expression_of(question: str) -> str:
-    """The arithmetic in a reasoning-gym question ("Solve ...: 57 * 87." -> "57 * 87")."""
-    found = re.findall(r"[-\d(][-\d\s+*/().]*\d\)?", question)
-    return max(found, key=len).strip()
-
-
-class ScriptedEngine:
-    """A perfect tool user (a fake policy: what the tool allows, not what a model does): turn 1
-    calls the calculator on the question's expression, turn 2 answers the observation."""
-
-    def __init__(self, tokenizer: Any, questions: dict[tuple[int, ...], str]) -> None:
-        self.tokenizer = tokenizer
-        self.questions = questions
-
-    def generate(self, prompts: Any, n: int, sampling: SamplingConfig) -> list[list[Any]]:
-        from dapo_lightning.rollout.base import Completion
-
-        out = []
-        for p in prompts:
-            p = list(p)
-            start = next(k for k in self.questions if tuple(p[: len(k)]) == k)
-            if len(p) == len(start):  # the first turn: the call
-                call = {"name": "calculator", "arguments": {"expression": self.questions[start]}}
-                text = f"<tool_call>{json.dumps(call)}</tool_call>"
-            else:  # the answer: the last number the tool said
-                seen = self.tokenizer.decode(p[len(start) :], skip_special_tokens=True)
-                text = f"The answer is {re.findall(r'-?[0-9.]+', seen)[-1]}."
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            ids.append(self.tokenizer.eos_token_id)
-            out.append([Completion(ids, [0.0] * len(ids), "stop", text)] * n)
-        return out
 
 
 def run_variant(
@@ -119,10 +88,11 @@ def run_variant(
         make_env = environment_factory(config)
         tools = introduce_tools(records, make_env(), tokenizer, True)
         records, _ = tokenize_records(records, tokenizer, tools=tools)
-        if variant == "perfect":
-            questions = {tuple(r.prompt_ids): expression_of(row["prompt"][0]["content"])
-                         for r, row in zip(records, rows)}  # fmt: skip
-            engine = ScriptedEngine(tokenizer, questions)
+        if variant == "perfect":  # the calculator's own demonstrations, replayed
+            env = make_env()
+            engine = ReplayEngine(
+                tokenizer, {tuple(r.prompt_ids): env.demonstrate(r) for r in records}
+            )
         runner = EpisodeRunner(
             engine, config, make_env=make_env, formatter=ObservationFormatter(tokenizer),
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
@@ -131,7 +101,7 @@ def run_variant(
     else:
         records, _ = tokenize_records(records, tokenizer)
     t0 = time.perf_counter()
-    n = args.n
+    n = 1 if variant == "perfect" else args.n  # a scripted policy: one episode says it all
     groups = runner.generate([r.prompt_ids for r in records], n, sampling)
     seconds = time.perf_counter() - t0
     acc, passed, called, turns, tokens = [], [], [], [], []
@@ -149,7 +119,7 @@ def run_variant(
     return {
         "variant": variant,
         "acc": round(fmean(acc), 3),
-        f"pass@{n}": round(fmean(passed), 3),
+        f"pass@{args.n}": round(fmean(passed), 3),
         "tool-call rate": round(fmean(called), 3),
         "turns": round(fmean(turns), 2),
         "tokens": round(fmean(tokens), 1),

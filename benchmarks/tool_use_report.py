@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_table  # noqa: E402
+from _common import generated_steps, print_table  # noqa: E402
 
 from dapo_lightning.plot import find_metrics_csv, read_metrics  # noqa: E402
 
@@ -55,10 +55,9 @@ def read_tool_run(run_dir: Path, offset_s: float) -> dict[str, Any]:
         for r in clock
         if r["val_acc"] is not None
     ]
-    use = dict(series.get("env/tool_use_frac", []))
-    turns = dict(series.get("env/turns_mean", []))
-    kept = dict(series.get("data/generated_groups", []))
-    steps = [(int(s) + 1, use[s], turns.get(s)) for s in sorted(use) if kept.get(s, 1) > 0]
+    use = generated_steps(series, "env/tool_use_frac")
+    turns = generated_steps(series, "env/turns_mean")
+    steps = [(int(s) + 1, use[s], turns.get(s)) for s in sorted(use)]
     return {"val": val, "steps": steps, "cold_start_min": offset_s / 60}
 
 

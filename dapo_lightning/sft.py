@@ -54,6 +54,7 @@ from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.precision import resolve_trainer_precision
 from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rollout.base import Completion, SamplingConfig
+from dapo_lightning.weights import TORCH_DTYPES, load_policy
 
 log = logging.getLogger(__name__)
 
@@ -250,11 +251,7 @@ class SFTModule(LightningModule):
 
     def configure_model(self) -> None:
         if self.policy is None:
-            from transformers import AutoModelForCausalLM
-
-            self.policy = AutoModelForCausalLM.from_pretrained(
-                self.model_name_or_path, dtype=getattr(torch, self.torch_dtype)
-            )
+            self.policy = load_policy(self.model_name_or_path, self.torch_dtype)
             self.policy.train()
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
@@ -281,9 +278,10 @@ class SFTConfig:
         model_name_or_path: The model to warm up (a folder or hub name).
         output_dir: The warmed-up model folder to write (must not exist, or be empty); ``fit``
             loads it as ``model.model_name_or_path``.
-        prompts: The problems demonstrated (``data.prompts`` of a fit config: a ``task`` with
-            ``task_kwargs``, or ``train_files``); simpler ones than the RL task's teach the
-            format without the task. Held-out rows of a task are not used.
+        prompts: The problems demonstrated (``data.prompts`` of a fit config, as a
+            :class:`PromptConfig` or its keyword dict: a ``task`` with ``task_kwargs``, or
+            ``train_files``); simpler ones than the RL task's teach the format without the
+            task. Held-out rows of a task are not used.
         environment: The environment that writes and plays the demonstrations (the fit
             config's ``data.environment``, so the episodes have the same format).
         max_tokens: Most assistant tokens per episode (the fit config's ``sampling.max_tokens``).
@@ -298,7 +296,7 @@ class SFTConfig:
 
     model_name_or_path: str
     output_dir: str
-    prompts: Any = None
+    prompts: PromptConfig | dict[str, Any] | None = None
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     max_tokens: int = 64
     train: SFTSettings = field(default_factory=SFTSettings)
@@ -309,19 +307,17 @@ class SFTConfig:
     log_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prompts, PromptConfig):  # YAML / keyword form: one type after
+            self.prompts = PromptConfig(**(self.prompts or {}))
         check_count("max_tokens", self.max_tokens, 1, "assistant tokens per episode")
         check_count("seed", self.seed, 0, "any integer >= 0")
-        check_choice("torch_dtype", self.torch_dtype, ("float32", "bfloat16", "float16"))
+        check_choice("torch_dtype", self.torch_dtype, TORCH_DTYPES)
 
 
 def load_demonstration_records(config: SFTConfig, tokenizer: Any) -> list[PromptRecord]:
     """The training prompt records of ``config.prompts`` with the environment's instructions
     (and worked example), tokenized as ``fit`` tokenizes them."""
-    prompts = (
-        config.prompts
-        if isinstance(config.prompts, PromptConfig)
-        else PromptConfig(**(config.prompts or {}))
-    )
+    prompts = config.prompts
     task = prompt_task(prompts)
     fields = prompt_fields(prompts, task)
     train, _ = load_prompt_sets(
@@ -374,7 +370,7 @@ def run_sft(config: SFTConfig) -> Path:
     rollouts = demonstration_rollouts(
         records, config.environment, tokenizer, max_tokens=config.max_tokens,
         max_episode_tokens=budget,
-        use_chat_template=config.prompts is None or _chat(config.prompts),
+        use_chat_template=config.prompts.apply_chat_template,
     )  # fmt: skip
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     data = DemonstrationBatches(rollouts, config.train.batch_size, int(pad), config.seed)
@@ -404,12 +400,6 @@ def run_sft(config: SFTConfig) -> Path:
     (log_dir / "sft_summary.json").write_text(json.dumps(summary, indent=1))
     print(f"sft: wrote {out} ({json.dumps(summary)})")
     return out
-
-
-def _chat(prompts: Any) -> bool:
-    if isinstance(prompts, dict):
-        return bool(prompts.get("apply_chat_template", True))
-    return bool(getattr(prompts, "apply_chat_template", True))
 
 
 def sft_main(
