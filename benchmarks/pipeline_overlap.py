@@ -15,7 +15,10 @@ its batch (``time/trainer_wait_s``) and of the generation and update seconds, th
 training seconds to val/acc >= 0.9 (from the end of the initial validation), the best and final
 val/acc, the mean staleness; then the ratio of medians (sync / one_step_off) per seed. It writes
 ``benchmarks/out/pipeline_overlap.png``: val/acc against training seconds and against updates,
-sync solid, one_step_off dashed.
+sync solid, one_step_off dashed; and ``benchmarks/out/pipeline_overlap_trace.png``: 3 rollout
+steps from the middle of the first seed's runs, one row per thread (the trainer's main thread,
+the rollout thread), from each run's :class:`~dapo_lightning.callbacks.PhaseTrace` (the Chrome
+traces stay beside the runs, ``<mode>/seed<S>/logs/version_0/phase_trace.json``).
 
 Usage::
 
@@ -120,12 +123,13 @@ def run_mode(
     run_dir.mkdir(parents=True)
     override = write_override(run_dir, quick=quick, model_dir=model_dir)
     config = yaml.safe_load(override.read_text())
-    config["trainer"]["callbacks"].append(
+    config["trainer"]["callbacks"] += [
         {
             "class_path": "pipeline_overlap.StepClock",
             "init_args": {"path": str(run_dir / "step_clock.jsonl")},
-        }
-    )
+        },
+        {"class_path": "dapo_lightning.callbacks.PhaseTrace"},  # logs/version_0/phase_trace.json
+    ]
     pipeline, extra = MODES[mode]
     config.setdefault("data", {}).setdefault("init_args", {})["dynamic_sampling"] = {
         "pipeline": pipeline
@@ -158,8 +162,10 @@ def run_mode(
     trained = [c for c in curve if c[0] > 0]
     hit = next(((u, s) for u, acc, s in trained if acc >= TARGET), (None, None))
     steps = step_seconds(run_dir)
+    traces = sorted(run_dir.glob("logs/*/phase_trace.json"))
     return {
         "mode": mode, "seed": seed, "exit_code": proc.returncode, "curve": curve,
+        "trace": str(traces[-1]) if traces else None,
         "step_s": statistics.median(steps) if steps else None,
         "steps": len(series.get("rollout/step", [])),
         "wait_s": median_of(series, "time/trainer_wait_s"),
@@ -196,6 +202,68 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     ax_u.legend(fontsize=7)
     fig.suptitle("quickstart: sync (solid) vs one_step_off (dashed) rollouts")
     fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+#: Colour of each phase in the trace plot.
+PHASE_COLOURS = {
+    "rollout": "tab:blue",
+    "update": "tab:orange",
+    "weight push": "tab:green",
+    "wait for batch": "tab:gray",
+    "validation": "tab:purple",
+}
+
+
+def trace_window(spans: list[dict[str, Any]], steps: int = 3) -> tuple[float, float]:
+    """(start, end) in microseconds of ``steps`` consecutive rollout steps in the middle of
+    the run: from the start of one update span to the end of the update ``steps`` later, the
+    first such window with no validation in it."""
+    updates = sorted((s for s in spans if s["name"] == "update"), key=lambda s: s["ts"])
+    validations = [s for s in spans if s["name"] == "validation"]
+    for i in range(len(updates) // 2, len(updates) - steps):
+        start, end = updates[i]["ts"], updates[i + steps]["ts"]
+        if not any(start < v["ts"] < end for v in validations):
+            return start, end
+    raise ValueError(f"no {steps} rollout steps without a validation in the trace")
+
+
+def plot_trace(results: list[dict[str, Any]], path: Path) -> None:
+    """One row per thread (the trainer's main thread, the rollout thread) for each mode of the
+    first seed: a few rollout steps in the middle of the run, phases coloured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from dapo_lightning.trace import read_spans
+
+    seed = results[0]["seed"]
+    runs = [r for r in results if r["seed"] == seed and r.get("trace")]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.3 + 1.1 * len(runs)), squeeze=False)
+    for ax, r in zip(axes[:, 0], runs):
+        spans = read_spans(r["trace"])
+        start, end = trace_window(spans)
+        threads = sorted({s["thread"] for s in spans}, key=lambda t: t != "MainThread")
+        for row, thread in enumerate(threads):
+            for s in spans:
+                if s["thread"] == thread and s["ts"] < end and s["ts"] + s["dur"] > start:
+                    ax.broken_barh(
+                        [((s["ts"] - start) / 1e3, s["dur"] / 1e3)], (row - 0.4, 0.8),
+                        color=PHASE_COLOURS.get(s["name"], "black"),
+                    )  # fmt: skip
+        ax.set_yticks(range(len(threads)))
+        ax.set_yticklabels(["trainer" if t == "MainThread" else "rollout thread" for t in threads])
+        ax.set_xlim(0, (end - start) / 1e3)
+        ax.set_title(f"{r['mode']} (seed {seed}): 3 rollout steps", fontsize=9)
+    axes[-1, 0].set_xlabel("milliseconds")
+    fig.legend(
+        handles=[Patch(color=c, label=n) for n, c in PHASE_COLOURS.items()],
+        loc="upper right", fontsize=7, ncol=len(PHASE_COLOURS),
+    )  # fmt: skip
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -249,6 +317,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     png = out_dir() / f"{name}.png"
     plot(results, png)
     print(f"wrote {png}")
+    if any(r.get("trace") for r in results) and not args.quick:
+        trace_png = out_dir() / f"{name}_trace.png"
+        plot_trace(results, trace_png)
+        print(f"wrote {trace_png} (Chrome traces: {root}/<mode>/seed<S>/logs/*/phase_trace.json)")
     return results
 
 

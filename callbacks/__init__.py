@@ -25,6 +25,7 @@ from dapo_lightning.callbacks.run_guard import RunDirLockedError, RunGuard
 from dapo_lightning.callbacks.snapshot import TrainingSnapshot
 from dapo_lightning.callbacks.step_checkpoint import StepCheckpoint
 from dapo_lightning.callbacks.summary import DAPOModelSummary
+from dapo_lightning.callbacks.trace import PhaseTrace
 
 from dapo_lightning.hooks import DAPO_HOOKS, DAPOCallback
 
@@ -37,6 +38,7 @@ __all__ = [
     "Detector",
     "EntropyScheduler",
     "OverlongRewardShaping",
+    "PhaseTrace",
     "RunDirLockedError",
     "RunGuard",
     "SignalState",

@@ -51,6 +51,7 @@ from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.policy_loss import policy_loss
 from dapo_lightning.step_guard import NonFiniteGuard, StepStart, all_finite, nonfinite_step_input
 from dapo_lightning.strategy import StrategyAdapter
+from dapo_lightning.trace import phase
 from dapo_lightning.update import (
     LOSS_METRIC_OPS,
     BatchingConfig,
@@ -172,6 +173,7 @@ class UpdateLoop:
         self.ref_policy = ref_policy
 
     # ------------------------------------------------------------------ one rollout step
+    @phase("update")
     def run(self, batch: RolloutBatch, context: StepContext | None = None) -> StepTensors:
         """All updates of one rollout step on ``batch`` (trimmed); returns what they shared."""
         self.context = context if context is not None else StepContext()

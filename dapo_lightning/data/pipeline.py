@@ -51,6 +51,7 @@ from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.strategy import strategy_kind
 from dapo_lightning.threads import usable_cores
+from dapo_lightning.trace import phase
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,8 @@ class OneStepOffStream(RolloutStream):
         future, self._future = self._future, None
         if future is None:
             raise RuntimeError("OneStepOffStream: no batch is ready or in flight.")
-        return future.result()
+        with phase("wait for batch"):
+            return future.result()
 
     def quiesce(self) -> None:
         """Let the batch in flight finish and keep it as :attr:`ready` (before validation and

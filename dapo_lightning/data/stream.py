@@ -16,6 +16,7 @@ from dapo_lightning.data.sources import PromptRecord
 from dapo_lightning.envs import EpisodeSession
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
+from dapo_lightning.trace import phase
 
 
 class RolloutStream:
@@ -72,7 +73,8 @@ class RolloutStream:
             self.session.take_stats()  # validation's episodes are not this step's
         self.batch_start = (self.producer.state_dict(), self.session.state_dict())
         try:
-            batch = self.producer.next_batch(version)
+            with phase("rollout"):
+                batch = self.producer.next_batch(version)
         except TrainingComplete as done:
             return EndOfTraining(str(done)), None
         batch.stats["data/dropped_prompts"] = float(dropped_prompts)
@@ -115,5 +117,5 @@ class RolloutStream:
     ) -> ScoredRollouts:
         """``n`` scored responses for each prompt of ``chunk``."""
         version = self.version
-        with self.session.generating(version):
+        with phase("validation"), self.session.generating(version):
             return self.producer.score(chunk, [n] * len(chunk), sampling, version)

@@ -39,6 +39,7 @@ from torch import nn
 from dapo_lightning.lora import adapter_named_tensors, is_peft_model, merged_named_tensors
 from dapo_lightning.rollout.base import EngineSetup, RolloutEngine
 from dapo_lightning.rollout.engines import check_engine, engine_class
+from dapo_lightning.trace import phase
 from dapo_lightning.weights import full_named_tensors, is_sharded
 
 
@@ -179,7 +180,8 @@ class EngineSession:
             return False
         if self._policy is not None and not self.shares_policy:
             start = time.perf_counter()
-            self._push(self._policy_module())
+            with phase("weight push"):
+                self._push(self._policy_module())
             self.last_push_seconds = time.perf_counter() - start
             self.push_seconds_total += self.last_push_seconds
             self.pushes += 1
