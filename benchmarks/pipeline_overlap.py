@@ -76,6 +76,13 @@ MODES: dict[str, tuple[str, list[str]]] = {
         "one_step_off",
         ["--model.init_args.loss.rollout_correction.mode", "icepop"],
     ),
+    # plain PPO on the stale samples (ratio against the engine's log-probs) at half the
+    # quickstart's learning rate: configs/one_step_off.yaml plus the lr its comment gives
+    "one_step_off_engine_lr25": (
+        "one_step_off",
+        ["--config", str(REPO_ROOT / "configs" / "one_step_off.yaml"),
+         "--model.init_args.optimizer.init_args.lr", "0.00025"],
+    ),  # fmt: skip
 }
 
 

@@ -412,9 +412,11 @@ def plot(results: list[dict[str, Any]], path: Path, budget_min: float, clock: st
         (lambda p: p[0], "optimizer updates"),
     )
     colors: dict[int, str] = {}
+    other_styles = dict.fromkeys(r["method"] for r in results if r["method"] not in STYLES)
+    other_styles = {m: list(STYLES.values())[i % len(STYLES)] for i, m in enumerate(other_styles)}
     for r in results:
         color = colors.setdefault(r["seed"], f"C{len(colors)}")
-        style = STYLES[r["method"]]
+        style = STYLES.get(r["method"]) or other_styles[r["method"]]
         label = f"{r['method'].upper()} seed {r['seed']}"
         for ax, (x, _) in zip(axes, xs):
             ax.plot([x(p) for p in r["curve"]], [p[1] for p in r["curve"]], linestyle=style,
@@ -489,7 +491,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         help="run nothing: the tables and PNG from the runs already in the output folder "
         "(each run writes result.json; runs taken by separate invocations are reported together)",
     )
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="FOLDERS=LABEL",
+        default=None,
+        help="run nothing: report the runs under several output folders together, each group "
+        "of folders (a glob: rg_default_s*, rg_runs/dapo) under its label (one line style per label; --name "
+        "names the tables' PNG and JSON)",
+    )
     args, extra = parser.parse_known_args(argv)
+    if args.compare:
+        return report(compare_runs(args.compare), args.name or "smollm2_compare",
+                      args.budget_min, args.clock)  # fmt: skip
     methods = args.methods or (["dapo"] if args.quick else ["dapo", "grpo"])
     seeds = args.seeds[:1] if args.quick else args.seeds
     base = "smollm2_curve" if args.recipe == "word_problems" else "smollm2_rg_curve"
@@ -545,6 +559,19 @@ def mean_over_budget(curve: list[Any], budget_min: float, clock: str) -> float |
         area += (a0 + a_end) / 2 * (end - t0)
         covered = end
     return area / covered if covered else None
+
+
+def compare_runs(groups: list[str]) -> list[dict[str, Any]]:
+    """The ``result.json`` of every run under the output folders of each ``FOLDERS=LABEL``
+    (``FOLDERS`` a glob under benchmarks/out), their method replaced by ``LABEL``."""
+    results = []
+    for group in groups:
+        folders, _, label = group.partition("=")
+        found = sorted(out_dir().glob(f"{folders}/**/result.json"))
+        if not found:
+            raise SystemExit(f"--compare: no result.json under {out_dir() / folders}")
+        results += [dict(json.loads(p.read_text()), method=label or folders) for p in found]
+    return results
 
 
 def report(
