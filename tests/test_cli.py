@@ -442,6 +442,6 @@ def test_null_for_a_nested_optional_field_on_the_command_line(tmp_path):
     )  # fmt: skip
     check(proc)
     assert "stale_tis_cap: null" in proc.stdout and "max_staleness: null" in proc.stdout
-    assert "clip_ratio_high: 0.28" in proc.stdout and "lr: 0.0005" in proc.stdout  # kept
+    assert "clip_ratio_high: 0.28" in proc.stdout and "lr: 0.00025" in proc.stdout  # kept
     assert "strategy: uniform" in proc.stdout  # the quickstart's selection, beside the null
     assert "args parameter" not in proc.stderr  # LightningCLI reads sys.argv: no args warning

@@ -177,7 +177,7 @@ def test_resume_falls_back_past_a_truncated_checkpoint_and_applies_the_config(
     assert re.search(r"skipping \S*/run/checkpoints/last\.ckpt: it cannot be loaded", err), err
     assert re.search(r"auto: resuming from \S*/run/checkpoints/last-previous\.ckpt", err)
     assert re.search(r"Resuming from \S*/run/checkpoints/last-previous\.ckpt at update 2", err)
-    assert "lr: 0.0005 (checkpoint) -> 0.0001 (config)" in err
+    assert "lr: 0.00025 (checkpoint) -> 0.0001 (config)" in err
     assert "model.loss.clip_ratio_high: 0.28 (checkpoint) -> 0.3 (config)" in err
     rows = metrics(tmp_path / "run", version=1)
     assert [v for _, v in series(rows, "rollout/step")] == [3.0]  # update 3 again, from 2
