@@ -76,13 +76,11 @@ MODES: dict[str, tuple[str, list[str]]] = {
         "one_step_off",
         ["--model.init_args.loss.rollout_correction.mode", "icepop"],
     ),
-    # plain PPO on the stale samples (ratio against the engine's log-probs) at half the
-    # quickstart's learning rate: configs/one_step_off.yaml plus the lr its comment gives
-    "one_step_off_engine_lr25": (
+    # configs/one_step_off.yaml as shipped (plain PPO on the stale samples, TIS cap 1.0)
+    "one_step_off_config": (
         "one_step_off",
-        ["--config", str(REPO_ROOT / "configs" / "one_step_off.yaml"),
-         "--model.init_args.optimizer.init_args.lr", "0.00025"],
-    ),  # fmt: skip
+        ["--config", str(REPO_ROOT / "configs" / "one_step_off.yaml")],
+    ),
 }
 
 
