@@ -46,8 +46,19 @@ class PhaseTrace(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._finish(trainer)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._finish(trainer)  # the spans up to the failure are written too
+
+    def _finish(self, trainer: pl.Trainer) -> None:
+        """Stop recording and write the trace (once)."""
         recorder, self.recorder = self.recorder, None
-        if stage != "fit" or recorder is None:
+        if recorder is None:
             return
         recorder.__exit__(None, None, None)
         name = Path(self.filename)

@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch
+from dapo_lightning.callbacks import PhaseTrace
 from test_datamodule import trainer
 from test_pipeline import hf_dm
 
-from dapo_lightning.callbacks import PhaseTrace
 from dapo_lightning.trace import PhaseRecorder, phase, read_spans
 
 
@@ -105,3 +105,31 @@ def test_fit_writes_the_phases_and_one_step_off_overlaps_them(tiny_checkpoint, t
         # into the engine's own copy at each hand-over: batches 0 and 1 sample with the
         # initial weights, batches 2, 3 and 4 with those after steps 0, 1 and 2
         assert len(by_name["weight push"]) == 3
+
+
+def test_a_failed_fit_writes_its_spans_and_stops_recording(tiny_checkpoint, tmp_path):
+    """An exception in training: the trace up to it is written and the recorder is released
+    (a second fit in the same process records again)."""
+    from dapo_lightning import BatchingConfig, DAPOModule
+
+    class Failing(DAPOModule):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    module = Failing(
+        str(tiny_checkpoint),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        batching=BatchingConfig(mini_batch_size=1, micro_batch_size=8),
+        parity_check_every=0,
+    )
+    callback = PhaseTrace("failed.json")
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(tmp_path, 8, callbacks=[callback], logger=False).fit(
+            module, datamodule=hf_dm(tiny_checkpoint)
+        )
+    names = [s["name"] for s in read_spans(tmp_path / "failed.json")]
+    assert names.count("update") == 1 and names.count("rollout") == 2
+    with PhaseRecorder():  # released
+        pass
