@@ -13,7 +13,8 @@ It prints one row per run: the median seconds per rollout step (the differences 
 step ends; a step followed by a validation is left out), the median of the trainer's wait for
 its batch (``time/trainer_wait_s``) and of the generation and update seconds, the updates and
 training seconds to val/acc >= 0.9 (from the end of the initial validation), the best and final
-val/acc, the mean staleness; then the ratio of medians (sync / one_step_off) per seed. It writes
+val/acc, the mean staleness, the run's peak resident memory (its largest process); then per seed
+the ratios sync / one_step_off of the median seconds per step and of the seconds to 0.9. It writes
 ``benchmarks/out/pipeline_overlap.png``: val/acc against training seconds and against updates,
 sync solid, one_step_off dashed; and ``benchmarks/out/pipeline_overlap_trace.png``: 3 rollout
 steps from the middle of the first seed's runs, one row per thread (the trainer's main thread,
@@ -155,11 +156,11 @@ def run_mode(
     t0 = time.time()
     env[T0_ENV] = repr(t0)
     with open(run_dir / "fit.log", "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        print(
-            f"{mode} seed {seed}: exit {proc.returncode}\n{(run_dir / 'fit.log').read_text()[-1500:]}"
-        )
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)  # the run's resources (its largest process)
+    returncode = os.waitstatus_to_exitcode(status)
+    if returncode != 0:
+        print(f"{mode} seed {seed}: exit {returncode}\n{(run_dir / 'fit.log').read_text()[-1500:]}")
     series = read_metrics(find_metrics_csv(run_dir / "logs"))
     clock = {r["step"]: r["wall_s"] for r in read_wall_clock(run_dir) if not r["sanity"]}
     start_s = clock.get(0, 0.0)  # the end of the initial validation: training starts
@@ -169,7 +170,8 @@ def run_mode(
     steps = step_seconds(run_dir)
     traces = sorted(run_dir.glob("logs/*/phase_trace.json"))
     return {
-        "mode": mode, "seed": seed, "exit_code": proc.returncode, "curve": curve,
+        "mode": mode, "seed": seed, "exit_code": returncode, "curve": curve,
+        "peak_rss_mib": usage.ru_maxrss / 1024,
         "trace": str(traces[-1]) if traces else None,
         "step_s": statistics.median(steps) if steps else None,
         "steps": len(series.get("rollout/step", [])),
@@ -295,29 +297,27 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     rows = [
         [r["mode"], r["seed"], r["exit_code"], r["steps"], r["step_s"], r["wait_s"], r["gen_s"],
          r["update_s"], r["staleness"], r["updates_to_target"], r["seconds_to_target"], r["best"],
-         r["final"]]
+         r["final"], r["peak_rss_mib"]]
         for r in results
     ]  # fmt: skip
     print_table(
         "quickstart: sync vs one_step_off (medians over rollout steps)",
         ["mode", "seed", "exit", "steps", "s/step", "wait s", "gen s", "update s", "staleness",
-         f"updates to {TARGET}", f"s to {TARGET}", "best", "final"],
+         f"updates to {TARGET}", f"s to {TARGET}", "best", "final", "peak RSS MiB"],
         rows,
     )  # fmt: skip
-    ratios = []
-    for seed in seeds:
-        by = {r["mode"]: r for r in results if r["seed"] == seed}
-        base = by.get("sync", {}).get("step_s")
-        others = [m for m in args.modes if m != "sync"]
-        if base:
-            ratios.append(
-                [seed, *[base / by[m]["step_s"] if by[m]["step_s"] else None for m in others]]
-            )
-    print_table(
-        "seconds per rollout step, sync / mode",
-        ["seed", *[m for m in args.modes if m != "sync"]],
-        ratios,
-    )
+    others = [m for m in args.modes if m != "sync"]
+    for key, title in (
+        ("step_s", "seconds per rollout step, sync / mode"),
+        ("seconds_to_target", f"training seconds to {TARGET}, sync / mode"),
+    ):
+        ratios = []
+        for seed in seeds:
+            by = {r["mode"]: r for r in results if r["seed"] == seed}
+            base = by.get("sync", {}).get(key)
+            if base:
+                ratios.append([seed, *[base / by[m][key] if by[m][key] else None for m in others]])
+        print_table(title, ["seed", *others], ratios)
     (root / "results.json").write_text(json.dumps(results, indent=1))
     png = out_dir() / f"{name}.png"
     plot(results, png)
