@@ -39,7 +39,7 @@ from dapo_lightning.checks import check_optimizer_settings, optimizer_error
 from dapo_lightning.contract import PolicyHandle, RolloutChannel, rollout_channel
 from dapo_lightning.data.metrics import ValidationMetrics, rollout_step_metrics
 from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
-from dapo_lightning.log_step import set_logging_step
+from dapo_lightning.log_step import log_rollout_step, set_logging_step
 from dapo_lightning.lora import (
     LORA_CHECKPOINT_KEY,
     LoraSettings,
@@ -335,10 +335,10 @@ class DAPOModule(LightningModule):
         step = self.updater.run(batch, self._step_context())
         self.rollout_step += 1
         values = rollout_step_values(batch, step, version, time.perf_counter() - t_start, self)
-        self.log_dict(values, on_step=True, on_epoch=False, batch_size=max(batch.batch_size, 1))
-        # Lightning logs self.log() values (rollout/*, the validation after this step) at its
+        # Lightning logs self.log() values (callbacks', the validation after this step) at its
         # batch counter, which counts rollout steps: with several updates per step, put it at
         # updates done - 1, as with one (update/* are at global_step; plot's x axis is updates).
+        log_rollout_step(self.trainer, values, self.global_step - 1)
         set_logging_step(self.trainer, self.global_step - 1)
 
     def _step_context(self) -> StepContext:
