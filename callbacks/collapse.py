@@ -46,7 +46,6 @@ from typing_extensions import override
 from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.checks import ConfigError, check_count
 from dapo_lightning.hooks import DAPOCallback
-from dapo_lightning.log_step import log_rollout_step
 
 __all__ = [
     "BAD_WHEN",
@@ -161,7 +160,6 @@ class CollapseDetector(DAPOCallback):
         self.healthy_updates = 0  # healthy updates since the last snapshot
         self.snapshot: TrainingSnapshot | None = None
         self._pending = self._zero_pending()  # this step's counts from on_rollouts_scored
-        self._values: dict[str, float] = {}  # this step's judged values, logged at its end
 
     @property
     @override
@@ -208,9 +206,8 @@ class CollapseDetector(DAPOCallback):
     ) -> None:
         readings, self._pending = step_readings(batch, self._pending), self._zero_pending()
         self._act(trainer, pl_module, self._judge(trainer, pl_module, "step", readings))
-        fired = {f"collapse/fired_{name}": float(count) for name, count in self.fired.items()}
-        values, self._values = {**self._values, **fired}, {}
-        log_rollout_step(trainer, values, pl_module.global_step - 1)  # one row, as the module's
+        for name, count in self.fired.items():
+            _log(pl_module, f"collapse/fired_{name}", float(count))
 
     # ------------------------------------------------------- judging and acting
 
@@ -235,8 +232,8 @@ class CollapseDetector(DAPOCallback):
             self.states[det.name], did_fire, reason = judge(det, raw, state, anywhere)
             if value is not None:
                 self.last_value[det.name] = value
-                if math.isfinite(value):  # the step's last value is logged, as self.log keeps it
-                    self._values[f"collapse/{det.name}"] = value
+                if math.isfinite(value):
+                    _log(pl_module, f"collapse/{det.name}", value)
             if did_fire:
                 self.fired[det.name] += 1
                 fired.append((det, reason))
@@ -369,3 +366,7 @@ def _checked(
         )
     check_count("CollapseDetector.max_rollbacks", max_rollbacks, 0, "rollbacks before stopping")
     return dets
+
+
+def _log(pl_module: pl.LightningModule, name: str, value: float) -> None:
+    pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)

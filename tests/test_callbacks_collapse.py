@@ -709,8 +709,8 @@ def test_real_trainer_rolls_back_logs_and_checkpoints_state(tmp_path) -> None:
     # spikes from update 5: rollbacks after updates 6 and 8, to the state after update 4
     assert cb.rollbacks == 2
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01 * 0.25)
-    assert trainer.callback_metrics["collapse/fired_grad_norm_spike"].item() == 2.0
-    assert trainer.callback_metrics["collapse/grad_norm_spike"].item() == pytest.approx(100.0)
+    assert trainer.logged_metrics["collapse/fired_grad_norm_spike"].item() == 2.0
+    assert trainer.logged_metrics["collapse/grad_norm_spike"].item() == pytest.approx(100.0)
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
     assert saved[cb.state_key]["fired"] == {"grad_norm_spike": 2, "entropy": 0}
     assert saved[cb.state_key]["rollbacks"] == 2
