@@ -35,11 +35,12 @@ def log_rollout_step(trainer: Any, values: Mapping[str, float], step: int) -> No
     (``step + 1`` a multiple of ``trainer.log_every_n_steps``, or the run stopping), and
     every value into ``trainer.callback_metrics`` (for ``EarlyStopping``, ``ModelCheckpoint``
     monitors and the progress bar), as ``self.log(..., on_step=True, on_epoch=False)`` would."""
-    trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in values.items()})
+    floats = {k: float(v) for k, v in values.items()}
+    trainer.callback_metrics.update({k: torch.tensor(v) for k, v in floats.items()})
     every = trainer.log_every_n_steps
     if not trainer.loggers or not every or ((step + 1) % every and not trainer.should_stop):
         return
-    row = {**{k: float(v) for k, v in values.items()}, "epoch": trainer.current_epoch}
+    row = {**floats, "epoch": trainer.current_epoch}
     for logger in trainer.loggers:
         logger.log_metrics(row, step=step)
         logger.save()

@@ -5,17 +5,12 @@ from __future__ import annotations
 import csv
 
 import pytest
-import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.update import BatchingConfig
 from tests._harness import fit
 from tests._module_harness import FixedBatches, fixed_batch
-
-
-def adam(params):
-    return torch.optim.Adam(params, lr=1e-3)
 
 
 @pytest.mark.parametrize("every, logged_steps", [(1, [3, 7, 11]), (8, [7])])
@@ -26,7 +21,7 @@ def test_rollout_values_are_one_row_at_updates_done_minus_one(
     (3, 7, 11), thinned by ``log_every_n_steps`` as Lightning thins its own rows (every 8: only
     update 8 is a multiple), and the last step's values are in ``callback_metrics``. The same
     batch (sampled at version 0) every step: its staleness is the updates made before it."""
-    module = DAPOModule(str(tiny_checkpoint), optimizer=adam, batching=BatchingConfig(1))
+    module = DAPOModule(str(tiny_checkpoint), batching=BatchingConfig(1))
     logger = CSVLogger(tmp_path, name="logs")
     trainer = fit(module, FixedBatches(fixed_batch(), steps=3), logger=logger,
                   log_every_n_steps=every, max_steps=12)  # fmt: skip
