@@ -41,6 +41,8 @@ Usage::
         # reasoning-gym recipe (configs/smollm2_reasoning_gym.yaml), target +0.35 over the start
     .venv/bin/python benchmarks/smollm2_curve.py --recipe tool_use --model-dir SFT_DIR --budget-min 27
         # agent RL (configs/smollm2_tool_use.yaml) from a cold start (dapo-lightning sft), target 0.6
+    .venv/bin/python benchmarks/smollm2_curve.py --recipe arithmetic --model-dir SFT_DIR --budget-min 27
+        # chained calls (configs/smollm2_arithmetic.yaml) from its cold start, target 0.6
 
 Extra arguments go to every ``dapo-lightning fit`` (e.g. ``--trainer.val_check_interval 10``).
 """
@@ -78,6 +80,7 @@ RECIPES = {
     "word_problems": "configs/smollm2_135m.yaml",
     "reasoning_gym": "configs/smollm2_reasoning_gym.yaml",
     "tool_use": "configs/smollm2_tool_use.yaml",  # agent RL: products with the calculator
+    "arithmetic": "configs/smollm2_arithmetic.yaml",  # agent RL: chained calls of binary tools
 }
 #: The word-problem recipe (the default ``--recipe``).
 RECIPE = RECIPES["word_problems"]
@@ -103,6 +106,7 @@ TARGETS = {
     "word_problems": ("acc", 0.8),
     "reasoning_gym": ("gain", 0.35),
     "tool_use": ("acc", 0.6),
+    "arithmetic": ("acc", 0.6),
 }
 #: Line style of each method in the PNG.
 STYLES = {
@@ -433,7 +437,11 @@ def plot(results: list[dict[str, Any]], path: Path, budget_min: float, clock: st
     axes[0].set_ylabel("held-out val/acc (64 problems x 4 samples)")
     axes[0 if clock == "wall" else 1].axvline(budget_min, color="red", ls=":", lw=1)
     axes[2].legend(fontsize=8)
-    task = {"word_problems": "word problems", "tool_use": "products with a calculator"}.get(
+    task = {
+        "word_problems": "word problems",
+        "tool_use": "products with a calculator",
+        "arithmetic": "3-factor products with binary tools",
+    }.get(
         recipe, "reasoning-gym arithmetic"
     )
     names = " vs ".join(dict.fromkeys(r["method"].upper() for r in results))

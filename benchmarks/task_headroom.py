@@ -89,6 +89,11 @@ RG_SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
         "products",
         {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2},
     ),
+    # the two-call task (binary tools: multiply, then multiply the result): "15 * 43 * 75."
+    "products_3x2": (
+        "products",
+        {"min_terms": 3, "max_terms": 3, "min_digits": 2, "max_digits": 2},
+    ),
 }
 
 

@@ -10,13 +10,14 @@ On the first ``--prompts`` training problems of a reasoning-gym setting (``--set
 57 * 87.") it runs, per ``--variants``:
 
 * ``no_tool``: single-turn responses to the task's prompt;
-* ``tool``: episodes with the ``calculator`` environment, its instructions as the system message;
+* ``tool``: episodes with the ``--env`` environment (``calculator``, or ``arithmetic``: binary
+  tools), its instructions as the system message;
 * ``nudge``: the same, a turn without a call is asked once to check with the calculator;
 * ``demo``: the same, the prompt starting with one worked example as chat turns (a question,
   a tool call, its result, the answer: :meth:`ToolEnvironment.demonstration`);
-* ``perfect``: a scripted policy, the calculator's own demonstrations
+* ``perfect``: a scripted policy, the environment's own demonstrations
   (:meth:`CalculatorEnvironment.demonstrate`: a call on the question's expression, then its
-  value) replayed by :class:`~dapo_lightning.sft.ReplayEngine`: the task's ceiling with the tool,
+  value; the arithmetic one's: a call per operation) replayed by :class:`~dapo_lightning.envs.replay.ReplayEngine`: the task's ceiling with the tool,
   through the same environment and scorer (one episode per problem: it is deterministic).
 
 and prints accuracy (mean over ``--n`` samples), pass@n, the share of episodes with a tool call,
@@ -50,10 +51,10 @@ from dapo_lightning.data.sources import (  # noqa: E402
     tokenize_records,
 )
 from dapo_lightning.envs import EnvironmentConfig, environment_factory  # noqa: E402
+from dapo_lightning.envs.replay import ReplayEngine  # noqa: E402
 from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter  # noqa: E402
 from dapo_lightning.envs.session import introduce_tools  # noqa: E402
 from dapo_lightning.rollout.base import SamplingConfig  # noqa: E402
-from dapo_lightning.sft import ReplayEngine  # noqa: E402
 from dapo_lightning.tasks.reasoning_gym import (  # noqa: E402
     ReasoningGymReward,
     make_reasoning_gym_rows,
@@ -81,8 +82,10 @@ def run_variant(
         kwargs = {"nudge": NUDGE} if variant == "nudge" else {}
         if variant == "demo":
             kwargs = {"example": True}
+        if kwargs and args.env != "calculator":
+            raise SystemExit(f"error: --variants {variant} is the calculator's (--env calculator)")
         config = EnvironmentConfig(
-            name="calculator", kwargs=kwargs, max_turns=args.max_turns,
+            name=args.env, kwargs=kwargs, max_turns=args.max_turns,
             max_episode_tokens=args.max_model_len,
         )  # fmt: skip
         make_env = environment_factory(config)
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--setting", choices=sorted(RG_SETTINGS), default="products_2x2")
+    parser.add_argument("--env", choices=["calculator", "arithmetic"], default="calculator",
+                        help="the tool environment (arithmetic: binary add/subtract/multiply)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--prompts", type=int, default=32, help="problems")
     parser.add_argument("--n", type=int, default=8, help="samples per problem (group size)")
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         results.append(row)
     columns = [k for k in results[0] if k != "example"]
     print_table(
-        f"untrained {model_dir.name} on {args.setting}: {args.prompts} problems, {args.n} "
+        f"{model_dir.name} on {args.setting} ({args.env}): {args.prompts} problems, {args.n} "
         f"samples at T={args.temperature}, {args.max_tokens} assistant tokens, "
         f"{args.max_turns} turns (dtype {engine.dtype})",
         columns, [[r[c] for c in columns] for r in results],
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         "model_dir": str(args.model_dir)}, "results": results}, indent=1))  # fmt: skip
     bar_chart(
         out_dir() / "tool_headroom.png",
-        f"untrained {model_dir.name} on {args.setting}",
+        f"{model_dir.name} on {args.setting} ({args.env})",
         [r["variant"] for r in results],
         {k: [r[k] for r in results] for k in ("acc", f"pass@{args.n}", "tool-call rate")},
         ylabel="share",

@@ -6,7 +6,7 @@ model fine-tuned on tool-use traces (verl's ReTool recipe). Here the traces are 
 environment itself: :meth:`~dapo_lightning.envs.ToolEnvironment.demonstrate` gives the
 assistant turns of a correct episode on a prompt record, and those turns are played through the
 same :class:`~dapo_lightning.envs.runner.EpisodeRunner` that runs RL episodes (by
-:class:`ReplayEngine`), so a demonstration has exactly the token layout and the loss mask of an
+:class:`~dapo_lightning.envs.replay.ReplayEngine`), so a demonstration has exactly the token layout and the loss mask of an
 RL episode: the chat template's observation messages between the turns, observation tokens
 masked out.
 
@@ -47,13 +47,14 @@ from dapo_lightning.data.config import PromptConfig, ValidationConfig
 from dapo_lightning.data.loading import load_prompt_sets, prompt_fields, prompt_task
 from dapo_lightning.data.sources import tokenize_records
 from dapo_lightning.envs import EnvironmentConfig, environment_factory
-from dapo_lightning.envs.runner import Episode, EpisodeRunner, ObservationFormatter
+from dapo_lightning.envs.replay import ReplayEngine, complete_episode, play_demonstrations
+from dapo_lightning.envs.runner import ObservationFormatter
 from dapo_lightning.envs.session import introduce_tools
 from dapo_lightning.export import check_new_folder, export_pretrained
 from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.precision import resolve_trainer_precision
 from dapo_lightning.prompts import PromptRecord
-from dapo_lightning.rollout.base import Completion, SamplingConfig
+from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.weights import TORCH_DTYPES, load_policy
 
 log = logging.getLogger(__name__)
@@ -68,44 +69,6 @@ def masked_nll(log_probs: Tensor, mask: Tensor) -> Tensor:
     """
     mask = mask.to(log_probs.dtype)
     return -(log_probs * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-class ReplayEngine:
-    """A rollout engine that writes given assistant turns instead of sampling them.
-
-    ``turns`` maps a prompt's token ids to the texts of its episode's assistant turns; the
-    k-th call for a context that starts with that prompt returns turn k, tokenized, EOS
-    appended, log-probabilities 0. Each prompt is played once (``n = 1``).
-    """
-
-    def __init__(self, tokenizer: Any, turns: dict[tuple[int, ...], list[str]]) -> None:
-        self.tokenizer = tokenizer
-        self.turns = turns
-        self.played: dict[tuple[int, ...], int] = {}
-
-    def _prompt_of(self, context: Sequence[int]) -> tuple[int, ...]:
-        for prompt in self.turns:
-            if tuple(context[: len(prompt)]) == prompt:
-                return prompt
-        raise ValueError("ReplayEngine got a context that starts with none of its prompts.")
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
-    ) -> list[list[Completion]]:
-        """Each context's next scripted turn (``n`` must be 1)."""
-        if n != 1:
-            raise ValueError(f"ReplayEngine plays each demonstration once (n=1), got n={n}.")
-        out = []
-        for context in prompts:
-            prompt = self._prompt_of(context)
-            k = self.played.get(prompt, 0)
-            self.played[prompt] = k + 1
-            script = self.turns[prompt]
-            text = script[min(k, len(script) - 1)]
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-            ids.append(int(self.tokenizer.eos_token_id))
-            out.append([Completion(ids, [0.0] * len(ids), "stop", text)])
-        return out
 
 
 def demonstration_rollouts(
@@ -127,30 +90,19 @@ def demonstration_rollouts(
         ConfigError: the environment wrote no complete demonstration at all.
     """
     make_env = environment_factory(environment)
-    turns: dict[tuple[int, ...], list[str]] = {}
-    for r in records:
-        demonstrate = getattr(make_env(), "demonstrate", None)
-        script = demonstrate(r) if callable(demonstrate) else None
-        if script:
-            turns[tuple(r.prompt_ids or ())] = list(script)
-    runner = EpisodeRunner(
-        ReplayEngine(tokenizer, turns),
-        environment,
-        make_env=make_env,
-        formatter=ObservationFormatter(tokenizer, environment.observation_role, use_chat_template),
+    formatter = ObservationFormatter(tokenizer, environment.observation_role, use_chat_template)
+    episodes = play_demonstrations(
+        records, make_env, environment, formatter,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        records=[r for r in records if tuple(r.prompt_ids or ()) in turns],
-        max_episode_tokens=max_episode_tokens,
-    )
-    prompts = [list(p) for p in turns]
-    sampling = SamplingConfig(max_tokens=max_tokens, temperature=1.0)
-    episodes = [g[0] for g in runner.generate(prompts, 1, sampling)] if prompts else []
-    kept = [(p, e) for p, e in zip(prompts, episodes) if _complete(e)]
-    if len(kept) < len(episodes):
+        max_tokens=max_tokens, max_episode_tokens=max_episode_tokens,
+    )  # fmt: skip
+    played = [(r, e) for r, e in zip(records, episodes) if e is not None]
+    kept = [(list(r.prompt_ids or ()), e) for r, e in played if complete_episode(e)]
+    if len(kept) < len(played):
         log.warning(
             "sft: %d of %d demonstrations did not finish (cut by sampling.max_tokens or "
             "max_episode_tokens, or the environment failed): left out",
-            len(episodes) - len(kept), len(episodes),
+            len(played) - len(kept), len(played),
         )  # fmt: skip
     if not kept:
         raise ConfigError(
@@ -171,14 +123,8 @@ def demonstration_rollouts(
         acc=ones.clone(),
         reward=ones.clone(),
         loss_mask=torch.ones(n, dtype=torch.bool),
-        sampling=sampling,
+        sampling=SamplingConfig(max_tokens=max_tokens, temperature=1.0),
         token_mask=[list(e.loss_mask or [1] * len(e.token_ids)) for _, e in kept],
-    )
-
-
-def _complete(episode: Completion) -> bool:
-    return (
-        isinstance(episode, Episode) and episode.finish_reason == "stop" and episode.failure is None
     )
 
 

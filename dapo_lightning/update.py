@@ -202,13 +202,24 @@ def behaviour_log_probs(
     With a correction mode: the engine's log-probs on every row. Else with ``stale_tis_cap``:
     token truncation against the engine's on stale rows (sampled by an older policy version)
     and ``old`` on fresh ones, whose weight is then exactly 1. None when nothing is corrected.
+    A demonstration's row (NaN engine log-probs: nothing sampled it) takes ``old`` either way:
+    its weight is 1.
     """
+    engine = batch.rollout_log_probs
+    demonstrated = engine.isnan().any(dim=1)
+    if bool(demonstrated.any()):
+        if old is None:
+            raise ValueError(
+                "demonstrated rows need the old log-probs (step_tensors computes them)."
+            )
+        engine = torch.where(demonstrated[:, None], old.to(engine.dtype), engine)
     if correction.enabled:
-        return batch.rollout_log_probs, correction
+        return engine, correction
     cap = correction.stale_tis_cap
+    stale = stale & ~demonstrated
     if cap is None or not bool(stale.any()) or old is None:
         return None
-    rows = torch.where(stale[:, None], batch.rollout_log_probs.to(old.dtype), old)
+    rows = torch.where(stale[:, None], engine.to(old.dtype), old)
     return rows, token_truncation(cap)
 
 

@@ -203,15 +203,18 @@ class UpdateLoop:
         """Advantages, old log-probs (skipped when the only update's forward gives them) and
         the stale-sample correction of this rollout step."""
         stale = batch.sample_version < self.policy_version
+        demonstrated = batch.rollout_log_probs.isnan().any(dim=1)  # no engine sampled them
         exact_old = (
             len(self.mini_batches(batch.num_groups)) > 1
             or self.batching.ppo_epochs > 1
             or bool(stale.any())
+            or bool(demonstrated.any())
             or has_dropout(self.policy)
         )
         old = self.old_log_probs(batch) if exact_old else None
         if old is not None and self.loss.rollout_correction.stale_old == "engine":
-            old = torch.where(stale[:, None], batch.rollout_log_probs.to(old.dtype), old)
+            engine_old = stale & ~demonstrated
+            old = torch.where(engine_old[:, None], batch.rollout_log_probs.to(old.dtype), old)
         return StepTensors(
             advantages=self.advantages(batch),
             old_log_probs=old,

@@ -17,6 +17,7 @@ its weights) and the rollout producer (:mod:`dapo_lightning.data.producer`: dyna
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -265,6 +266,11 @@ class DAPODataModule(pl.LightningDataModule):
             layout=RankLayout(rank, world, self._tp_size),
             sync=self._sum_over_ranks,
             on_scored=lambda rollouts: call_dapo_hook(self.trainer, "on_rollouts_scored", rollouts),
+            demonstrations=(
+                functools.partial(self.session.demonstrations, max_tokens=self.sampling.max_tokens)
+                if self.environment is not None and self.environment.demonstrate_unsolved
+                else None
+            ),
         )
         self.stream = make_stream(
             self.dynamic_sampling.pipeline, self.session, self.producer, self.drawn_log

@@ -57,7 +57,7 @@ from dapo_lightning.data.rollout_groups import (
     group_has_variance,
 )
 from dapo_lightning.data.round_report import RoundReport, Shortfall, SumOverRanks
-from dapo_lightning.data.rounds import GenerationRounds
+from dapo_lightning.data.rounds import Demonstrate, GenerationRounds
 from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted, sized_round
 from dapo_lightning.data.scoring import RolloutScorer
 from dapo_lightning.data.sources import PromptRecord
@@ -89,6 +89,9 @@ class RolloutProducer:
             default: :func:`~dapo_lightning.ranks.sum_over_ranks` over the default process
             group when one is initialised).
         on_scored: Called with every round's scored rollouts before the filter (shaping).
+        demonstrations: Plays the environment's demonstrations of records (one completion or
+            None each), put into the groups with no right answer
+            (``environment.demonstrate_unsolved``; :class:`GenerationRounds`); None: off.
 
     Raises:
         ValueError: bad settings for this world size or prompt set; untokenized prompts.
@@ -108,6 +111,7 @@ class RolloutProducer:
         layout: RankLayout | None = None,
         sync: SumOverRanks | None = None,
         on_scored: Callable[[ScoredRollouts], None] | None = None,
+        demonstrations: Demonstrate | None = None,
     ) -> None:
         layout = layout if layout is not None else RankLayout()
         config.check_split(layout.world_size, len(records))
@@ -138,6 +142,7 @@ class RolloutProducer:
         self.rounds = GenerationRounds(
             self.records, config, sampling, self.scorer, self.sampler,
             tracker=self.tracker, selector=self.selector, on_scored=on_scored,
+            demonstrations=demonstrations,
         )  # fmt: skip
         #: Decayed (kept, generated) group counts over all ranks: the round-sizing estimate.
         self.kept_estimate = [0.0, 0.0]

@@ -1,5 +1,6 @@
 """Operations on groups of scored rollouts (pure; no producer state): concatenating rounds,
-the dynamic-sampling filter's variance test, the group size of a set of groups."""
+replacing rows, the dynamic-sampling filter's variance test, the group size of a set of
+groups."""
 
 from __future__ import annotations
 
@@ -43,6 +44,37 @@ def concat_rollouts(parts: Sequence[ScoredRollouts]) -> ScoredRollouts:
         if all(p.tool_calls is None for p in parts)
         else [c for p in parts for c in (p.tool_calls or [0] * len(p))],
     )
+
+
+def replace_rows(
+    rollouts: ScoredRollouts, rows: Sequence[int], other: ScoredRollouts
+) -> ScoredRollouts:
+    """``rollouts`` with row ``rows[i]`` replaced by row ``i`` of ``other`` (every per-row
+    field but ``group_index``: the row stays in its group)."""
+    if len(rows) != len(other):
+        raise ValueError(f"{len(rows)} rows to replace by {len(other)} rows.")
+    out = rollouts.select(list(range(len(rollouts))))
+    tensors = ("score", "acc", "reward", "loss_mask")
+    lists = ("prompt_ids", "response_ids", "rollout_log_probs", "finish_reason", "prompt_uid")
+    index = torch.as_tensor(list(rows), dtype=torch.long)
+    for name in tensors:
+        getattr(out, name)[index] = getattr(other, name).to(getattr(out, name).dtype)
+    for name in lists:
+        for row, value in zip(rows, getattr(other, name)):
+            getattr(out, name)[row] = value
+    for key in set(out.extra) | set(other.extra):
+        column = out.extra.setdefault(key, [None] * len(out))
+        for row, value in zip(rows, other.extra.get(key, [None] * len(other))):
+            column[row] = value
+    if out.token_mask is not None or other.token_mask is not None:
+        out.token_mask = out.token_masks()
+        for row, mask in zip(rows, other.token_masks()):
+            out.token_mask[row] = mask
+    if out.tool_calls is not None or other.tool_calls is not None:
+        out.tool_calls = list(out.tool_calls or [0] * len(out))
+        for row, calls in zip(rows, other.tool_calls or [0] * len(other)):
+            out.tool_calls[row] = calls
+    return out
 
 
 def group_has_variance(values: Tensor, group_index: Tensor) -> Tensor:

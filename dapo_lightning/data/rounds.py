@@ -4,8 +4,10 @@ variance (DAPO's dynamic-sampling filter).
 A round draws its prompts through the :class:`~dapo_lightning.data.sampler.PromptSampler`
 (retired and parked prompts skipped, predictive selection's skips), samples and scores them
 (:class:`~dapo_lightning.data.scoring.RolloutScorer`), records every visit in the
-:class:`~dapo_lightning.data.difficulty.DifficultyTracker`, calls ``on_scored`` (shaping) and
-keeps the groups whose filter metric varies. With an engine that streams groups
+:class:`~dapo_lightning.data.difficulty.DifficultyTracker`, puts a demonstration into each
+group with no right answer (``environment.demonstrate_unsolved``: the first episode is
+replaced by the environment's, scored the same way), calls ``on_scored`` (shaping) and keeps
+the groups whose filter metric varies. With an engine that streams groups
 (``stream_groups``) and ``in_flight``, groups are scored as they finish and the round stops
 starting new ones once the batch is full. :class:`~dapo_lightning.data.producer.RolloutProducer`
 runs rounds until the batch is full, in lockstep over ranks.
@@ -13,19 +15,25 @@ runs rounds until the batch is full, in lockstep over ranks.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
+
+import torch
 
 from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.data.difficulty import DifficultyTracker, PredictiveSelector
 from dapo_lightning.data.draw import draw_round
 from dapo_lightning.data.dynamic_sampling import DynamicSamplingConfig
-from dapo_lightning.data.rollout_groups import concat_rollouts, group_has_variance
+from dapo_lightning.data.rollout_groups import concat_rollouts, group_has_variance, replace_rows
 from dapo_lightning.data.sampler import PromptSampler
 from dapo_lightning.data.scoring import RolloutScorer
 from dapo_lightning.data.sources import PromptRecord
 from dapo_lightning.data.step_stats import StepStats
-from dapo_lightning.rollout.base import DRAIN, SamplingConfig
+from dapo_lightning.rollout.base import DRAIN, Completion, SamplingConfig
+
+#: Plays the environment's demonstration of each record: a completion, or None where none.
+Demonstrate = Callable[[Sequence[PromptRecord]], list[Completion | None]]
 
 
 class GenerationRounds:
@@ -40,6 +48,7 @@ class GenerationRounds:
         tracker: Per-prompt statistics (retire, park, predictive selection), or None.
         selector: Predictive selection and reviews of retired prompts, or None.
         on_scored: Called with every round's scored rollouts before the filter (shaping).
+        demonstrations: Plays demonstrations for the groups with no right answer (None: off).
     """
 
     def __init__(
@@ -53,6 +62,7 @@ class GenerationRounds:
         tracker: DifficultyTracker | None,
         selector: PredictiveSelector | None,
         on_scored: Callable[[ScoredRollouts], None] | None,
+        demonstrations: Demonstrate | None = None,
     ) -> None:
         self.records = list(records)
         self.config = config
@@ -63,6 +73,7 @@ class GenerationRounds:
         self.tracker = tracker
         self.selector = selector
         self.on_scored = on_scored
+        self.demonstrations = demonstrations
         self.drawn_uids: list[str] = []  # uids drawn since the producer's batch began
 
     def _draw(self, count: int, stats: StepStats) -> tuple[list[int], list[int]]:
@@ -92,6 +103,8 @@ class GenerationRounds:
                 per_group[g].append(a)
             for rec, accs, epoch in zip(records, per_group, epochs):
                 self.tracker.update(rec.uid, accs, epoch)
+        if self.demonstrations is not None:
+            rollouts = self._demonstrate_unsolved(records, rollouts, stats)
         if self.on_scored is not None:
             self.on_scored(rollouts)
         stats.generated_groups += float(len(records))
@@ -103,6 +116,38 @@ class GenerationRounds:
         stats.kept_groups += float(keep_group.sum())
         keep_idx = keep_group[rollouts.group_index].nonzero().flatten().tolist()
         return rollouts.select(keep_idx) if keep_idx else None
+
+    def _demonstrate_unsolved(
+        self, records: list[PromptRecord], rollouts: ScoredRollouts, stats: StepStats
+    ) -> ScoredRollouts:
+        """``rollouts`` with the first episode of each group without a right answer (``acc``
+        all 0) replaced by the environment's demonstration, where it has one that the reward
+        scores right. A demonstration's ``rollout_log_probs`` are NaN: nothing sampled it."""
+        assert self.demonstrations is not None
+        best = torch.zeros(len(records)).scatter_reduce(
+            0, rollouts.group_index, rollouts.acc.float(), "amax", include_self=False
+        )
+        unsolved = (best <= 0).nonzero().flatten().tolist()
+        if not unsolved:
+            return rollouts
+        played = self.demonstrations([records[g] for g in unsolved])
+        have = [(g, e) for g, e in zip(unsolved, played) if e is not None]
+        if not have:
+            return rollouts
+        demos = self.scorer.score_completions(
+            [records[g] for g, _ in have], [[e] for _, e in have], self.sampling,
+            rollouts.policy_version, StepStats(),
+        )  # fmt: skip
+        right = (demos.acc > 0).nonzero().flatten().tolist()
+        if not right:
+            return rollouts
+        demos = demos.select(right)
+        demos.rollout_log_probs = [[math.nan] * len(lp) for lp in demos.rollout_log_probs]
+        first = {}
+        for row, g in enumerate(rollouts.group_index.tolist()):
+            first.setdefault(g, row)
+        stats.demonstrations += float(len(right))
+        return replace_rows(rollouts, [first[have[i][0]] for i in right], demos)
 
     def run(
         self, count: int, need: int, policy_version: int, stats: StepStats

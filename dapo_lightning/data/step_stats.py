@@ -78,6 +78,9 @@ class StepStats:
     #: Tokens of a multi-turn episode's observations (tool output), not sampled.
     env_observation_tokens = Stat("env/observation_tokens", "sum")
     env_timeouts = Stat("env/timeouts", "sum")
+    #: Groups with no right episode given the environment's demonstration
+    #: (``environment.demonstrate_unsolved``).
+    demonstrations = Stat("env/demonstrations", "sum")
     samples_per_kept_group = Stat("data/samples_per_kept_group", "mean")
     kept_frac = Stat("data/kept_frac", "mean")
     zero_variance_frac = Stat("data/zero_variance_frac", "mean")

@@ -6,6 +6,7 @@
 * :mod:`dapo_lightning.envs.tools`: the tool-call tag format and :class:`ToolEnvironment`,
   an environment whose public typed methods are its tools;
 * :mod:`dapo_lightning.envs.calculator`: the built-in ``calculator`` environment;
+* :mod:`dapo_lightning.envs.arithmetic`: the built-in ``arithmetic`` environment (binary tools);
 * :mod:`dapo_lightning.envs.runner`: :class:`EpisodeRunner`, an engine that runs episodes;
 * :mod:`dapo_lightning.envs.session`: the engine session and prompt instructions the data
   module uses.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from dapo_lightning.envs.arithmetic import ArithmeticEnvironment, plan_calls
 from dapo_lightning.envs.base import (
     ENVIRONMENTS,
     Environment,
@@ -80,6 +82,7 @@ def environment_factory(config: EnvironmentConfig) -> Callable[[], Any]:
 
 __all__ = [
     "ENVIRONMENTS",
+    "ArithmeticEnvironment",
     "CalculatorEnvironment",
     "CalculatorError",
     "Environment",
@@ -98,6 +101,7 @@ __all__ = [
     "evaluate",
     "introduce_tools",
     "parse_tool_calls",
+    "plan_calls",
     "prompt_tools",
     "register_environment",
     "template_renders_tools",

@@ -167,6 +167,12 @@ class EnvironmentConfig:
         observation_role: Chat role of the observation messages.
         add_instructions: Put the environment's ``instructions()`` in front of every prompt
             as a system message (a text prefix without a chat template).
+        demonstrate_unsolved: In a training group with no right episode, replace its first
+            episode by the environment's demonstration (``demonstrate(record)``, played through
+            the same runner and scored by the same reward; ToolExpander's demonstration
+            replacement), so the group has a right answer to learn from. The demonstration was
+            not sampled: it has no engine log-probs (NaN) and is its own behaviour policy (its
+            correction weight is 1). Counted in ``env/demonstrations``. Off by default.
 
     Raises:
         ValueError: a setting out of range, named with the fix.
@@ -181,6 +187,7 @@ class EnvironmentConfig:
     max_failure_frac: float = 0.1
     observation_role: str = "tool"
     add_instructions: bool = True
+    demonstrate_unsolved: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -136,11 +136,14 @@ def format_number(value: Fraction) -> str:
 _EXPRESSION_RE = re.compile(r"[-(\d][\d\s.()]*(?:[-+*/][\s(]*[\d.][\d\s.()]*)+")
 
 
-def _last_text(prompt: Any) -> str:
-    """The text of a prompt's last message (a text prompt as it is)."""
-    if isinstance(prompt, str):
-        return prompt
-    return str(prompt[-1]["content"]) if prompt else ""
+def question_expressions(record: PromptRecord) -> list[str]:
+    """The arithmetic expressions in the text of ``record``'s last message, longest first
+    ("Calculate 7 - 3." -> ``["7 - 3"]``): what the built-in environments' demonstrations
+    compute."""
+    prompt: Any = record.prompt
+    text = prompt if isinstance(prompt, str) else str(prompt[-1]["content"]) if prompt else ""
+    found = (e.strip().rstrip(".").strip() for e in _EXPRESSION_RE.findall(text))
+    return sorted(found, key=len, reverse=True)
 
 
 #: The calculator's worked example (``example: true``): a question, the call, the result, the
@@ -192,8 +195,7 @@ class CalculatorEnvironment(ToolEnvironment):
     def demonstrate(self, record: PromptRecord) -> list[str] | None:
         """A call on the longest expression in the prompt's last message that evaluates,
         then its value as the answer ("The answer is 4959."); None when there is none."""
-        found = _EXPRESSION_RE.findall(_last_text(record.prompt))
-        for expression in sorted((e.strip().rstrip(".").strip() for e in found), key=len)[::-1]:
+        for expression in question_expressions(record):
             try:
                 value = format_number(evaluate(expression))
             except CalculatorError:

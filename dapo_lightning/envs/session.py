@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dapo_lightning.envs.base import Environment, EnvironmentConfig, declared_metrics
+from dapo_lightning.envs.replay import complete_episode, play_demonstrations
 from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter
 from dapo_lightning.envs.stats import env_stats
 from dapo_lightning.envs.tools import template_renders_tools
@@ -68,6 +69,16 @@ class EpisodeSession(EngineSession):
 
     def _build(self) -> RolloutEngine:
         return self._wrap(super()._build())
+
+    def demonstrations(self, records: Sequence[PromptRecord], max_tokens: int) -> list[Any]:
+        """The environment's demonstration of each record played as an episode
+        (:func:`~dapo_lightning.envs.replay.play_demonstrations`); None where there is none
+        or it does not finish."""
+        episodes = play_demonstrations(
+            records, self.make_env, self.environment, self.formatter, decode=self.decode,
+            max_tokens=max_tokens, max_episode_tokens=self.max_episode_tokens,
+        )  # fmt: skip
+        return [e if complete_episode(e) else None for e in episodes]
 
     def take_stats(self) -> dict[str, float]:
         """The runner's ``env/*`` metrics since the last call (zeros before it is built)."""
