@@ -441,9 +441,7 @@ def plot(results: list[dict[str, Any]], path: Path, budget_min: float, clock: st
         "word_problems": "word problems",
         "tool_use": "products with a calculator",
         "arithmetic": "3-factor products with binary tools",
-    }.get(
-        recipe, "reasoning-gym arithmetic"
-    )
+    }.get(recipe, "reasoning-gym arithmetic")
     names = " vs ".join(dict.fromkeys(r["method"].upper() for r in results))
     fig.suptitle(f"SmolLM2-135M-Instruct {task} on CPU: {names}, equal training budget")
     fig.tight_layout()

@@ -135,8 +135,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--setting", choices=sorted(RG_SETTINGS), default="products_2x2")
-    parser.add_argument("--env", choices=["calculator", "arithmetic"], default="calculator",
-                        help="the tool environment (arithmetic: binary add/subtract/multiply)")
+    parser.add_argument(
+        "--env",
+        choices=["calculator", "arithmetic"],
+        default="calculator",
+        help="the tool environment (arithmetic: binary add/subtract/multiply)",
+    )
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--prompts", type=int, default=32, help="problems")
     parser.add_argument("--n", type=int, default=8, help="samples per problem (group size)")

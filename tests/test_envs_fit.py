@@ -10,6 +10,7 @@ observation tokens are in the sequences but not in the loss mask or the token co
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -248,3 +249,29 @@ def test_an_environment_class_with_tool_methods_fits_by_name(tmp_path, tiny_chec
     assert all(v == 0 for _, v in series(rows, "env/failures"))
     # held-out episodes report their tool use too (the random model calls nothing)
     assert [v for _, v in series(rows, "val/tool_use_frac")][:1] == [0.0]
+
+
+def test_unsolved_groups_get_demonstrations_in_a_fit(tmp_path, tiny_checkpoint):
+    """The arithmetic environment with ``demonstrate_unsolved`` on the quickstart's sums: the
+    random tiny model solves nothing, so each generated group's first episode is the
+    environment's demonstration (a call, its result, "The answer is N.", which the non-strict
+    reward scores right), every group is kept, and the 2 updates are finite; demonstrations
+    are left out of the engine/trainer log-prob parity (nothing sampled them)."""
+    env = (
+        "{name: arithmetic, max_turns: 3, max_episode_tokens: 256, demonstrate_unsolved: true, "
+        "add_instructions: false}"
+    )
+    more = [
+        "--data.init_args.sampling.max_tokens", "128",
+        "--data.init_args.scoring.reward_kwargs", "{strict: false}",
+    ]  # fmt: skip
+    run_dir, _ = fit(tmp_path, tiny_checkpoint, env, *HF_STOPS, *more)
+    rows = read_csv(run_dir)
+    demos = [v for _, v in series(rows, "env/demonstrations")]
+    generated = [v for _, v in series(rows, "data/generated_groups")]
+    assert len(demos) == 2 and demos == generated and all(v > 0 for v in demos), (demos, generated)
+    assert [v for _, v in series(rows, "data/kept_frac")] == [1.0, 1.0]
+    losses = [v for _, v in series(rows, "update/loss")]
+    assert len(losses) == 2 and all(math.isfinite(v) and v != 0 for v in losses), losses
+    gaps = [v for _, v in series(rows, "parity/max_abs_diff")]
+    assert gaps and max(gaps) < 1e-4, gaps

@@ -212,19 +212,24 @@ def test_sft_then_fit_through_the_console_script(tmp_path, tiny_checkpoint):
     assert [v for _, v in series(rows, "rollout/step")] == [1.0, 2.0]
 
 
-def test_the_recipes_cold_start_config_parses_and_matches_its_fit_config():
-    """configs/sft/smollm2_tool_use.yaml: its episodes are the fit recipe's (environment,
-    assistant tokens), its model is the fit's base, its output the fit's model."""
+@pytest.mark.parametrize("recipe", ["smollm2_tool_use", "smollm2_arithmetic"])
+def test_the_recipes_cold_start_config_parses_and_matches_its_fit_config(recipe):
+    """configs/sft/RECIPE.yaml: its episodes are the fit recipe's (environment but the RL-only
+    demonstrations of unsolved groups, assistant tokens), its model is the fit's base, its
+    output the fit's model."""
+    import dataclasses
+
     import yaml
 
     from tests._harness import REPO
 
     seen = []
-    sft_main(["--config", str(REPO / "configs" / "sft" / "smollm2_tool_use.yaml")], run=seen.append)
+    sft_main(["--config", str(REPO / "configs" / "sft" / f"{recipe}.yaml")], run=seen.append)
     (config,) = seen
-    fit = yaml.safe_load((REPO / "configs" / "smollm2_tool_use.yaml").read_text())
+    fit = yaml.safe_load((REPO / "configs" / f"{recipe}.yaml").read_text())
     data = fit["data"]["init_args"]
-    assert config.environment == EnvironmentConfig(**data["environment"])
+    environment = EnvironmentConfig(**data["environment"])
+    assert config.environment == dataclasses.replace(environment, demonstrate_unsolved=False)
     assert config.max_tokens == data["sampling"]["max_tokens"]
     assert config.output_dir == fit["model"]["init_args"]["model_name_or_path"]
     assert config.prompts.task == data["prompts"]["task"] == "reasoning_gym"

@@ -63,3 +63,22 @@ def test_stale_rows_are_corrected_against_the_engine_fresh_rows_not_at_all():
     fresh = torch.zeros(4, dtype=torch.bool)
     assert behaviour_log_probs(batch, old, fresh, RolloutCorrection(stale_tis_cap=2.0)) is None
     assert behaviour_log_probs(batch, old, stale, RolloutCorrection(stale_tis_cap=None)) is None
+
+
+def test_a_demonstrated_row_is_its_own_behaviour_policy():
+    """NaN engine log-probs mark a demonstration (environment.demonstrate_unsolved): under a
+    correction mode and under the stale cap its row takes ``old``, so its weight is exactly 1,
+    while the sampled rows keep the engine's."""
+    batch = make_random_rollout_batch(num_groups=2, group_size=2)
+    engine = batch.rollout_log_probs.clone()
+    batch.rollout_log_probs[1] = float("nan")
+    old = engine + 0.3
+    tis = RolloutCorrection("token_truncate", clip_max=1.5)
+    logp, _ = behaviour_log_probs(batch, old, torch.zeros(4, dtype=torch.bool), tis)
+    assert torch.equal(logp[1], old[1])
+    assert torch.equal(logp[[0, 2, 3]], engine[[0, 2, 3]])
+    stale = torch.tensor([True, True, False, False])
+    logp, _ = behaviour_log_probs(batch, old, stale, RolloutCorrection(stale_tis_cap=2.0))
+    assert torch.equal(logp[0], engine[0]) and torch.equal(logp[1:], old[1:])
+    with pytest.raises(ValueError, match="old log-probs"):
+        behaviour_log_probs(batch, None, stale, tis)

@@ -104,7 +104,9 @@ class GenerationRounds:
             for rec, accs, epoch in zip(records, per_group, epochs):
                 self.tracker.update(rec.uid, accs, epoch)
         if self.demonstrations is not None:
-            rollouts = self._demonstrate_unsolved(records, rollouts, stats)
+            rollouts = demonstrate_unsolved(
+                records, rollouts, self.demonstrations, self.scorer, self.sampling, stats
+            )
         if self.on_scored is not None:
             self.on_scored(rollouts)
         stats.generated_groups += float(len(records))
@@ -116,38 +118,6 @@ class GenerationRounds:
         stats.kept_groups += float(keep_group.sum())
         keep_idx = keep_group[rollouts.group_index].nonzero().flatten().tolist()
         return rollouts.select(keep_idx) if keep_idx else None
-
-    def _demonstrate_unsolved(
-        self, records: list[PromptRecord], rollouts: ScoredRollouts, stats: StepStats
-    ) -> ScoredRollouts:
-        """``rollouts`` with the first episode of each group without a right answer (``acc``
-        all 0) replaced by the environment's demonstration, where it has one that the reward
-        scores right. A demonstration's ``rollout_log_probs`` are NaN: nothing sampled it."""
-        assert self.demonstrations is not None
-        best = torch.zeros(len(records)).scatter_reduce(
-            0, rollouts.group_index, rollouts.acc.float(), "amax", include_self=False
-        )
-        unsolved = (best <= 0).nonzero().flatten().tolist()
-        if not unsolved:
-            return rollouts
-        played = self.demonstrations([records[g] for g in unsolved])
-        have = [(g, e) for g, e in zip(unsolved, played) if e is not None]
-        if not have:
-            return rollouts
-        demos = self.scorer.score_completions(
-            [records[g] for g, _ in have], [[e] for _, e in have], self.sampling,
-            rollouts.policy_version, StepStats(),
-        )  # fmt: skip
-        right = (demos.acc > 0).nonzero().flatten().tolist()
-        if not right:
-            return rollouts
-        demos = demos.select(right)
-        demos.rollout_log_probs = [[math.nan] * len(lp) for lp in demos.rollout_log_probs]
-        first = {}
-        for row, g in enumerate(rollouts.group_index.tolist()):
-            first.setdefault(g, row)
-        stats.demonstrations += float(len(right))
-        return replace_rows(rollouts, [first[have[i][0]] for i in right], demos)
 
     def run(
         self, count: int, need: int, policy_version: int, stats: StepStats
@@ -215,3 +185,40 @@ class GenerationRounds:
         stats.aborted_groups += float(len(left))
         self.sampler.give_back([idx[k] for k in left], [epochs[k] for k in left])
         return concat_rollouts(parts) if parts else None
+
+
+def demonstrate_unsolved(
+    records: Sequence[PromptRecord],
+    rollouts: ScoredRollouts,
+    demonstrations: Demonstrate,
+    scorer: RolloutScorer,
+    sampling: SamplingConfig,
+    stats: StepStats,
+) -> ScoredRollouts:
+    """``rollouts`` (group ``g`` sampled for ``records[g]``) with the first episode of each
+    group without a right answer (``acc`` all 0) replaced by the environment's demonstration,
+    where it plays one (``demonstrations``) that ``scorer``'s reward scores right. The
+    demonstration's ``rollout_log_probs`` are NaN (nothing sampled it); each one counts in
+    ``stats.demonstrations``."""
+    best = torch.zeros(len(records)).scatter_reduce(
+        0, rollouts.group_index, rollouts.acc.float(), "amax", include_self=False
+    )
+    unsolved = (best <= 0).nonzero().flatten().tolist()
+    played = demonstrations([records[g] for g in unsolved]) if unsolved else []
+    have = [(g, e) for g, e in zip(unsolved, played) if e is not None]
+    if not have:
+        return rollouts
+    demos = scorer.score_completions(
+        [records[g] for g, _ in have], [[e] for _, e in have], sampling,
+        rollouts.policy_version, StepStats(),
+    )  # fmt: skip
+    right = (demos.acc > 0).nonzero().flatten().tolist()
+    if not right:
+        return rollouts
+    demos = demos.select(right)
+    demos.rollout_log_probs = [[math.nan] * len(lp) for lp in demos.rollout_log_probs]
+    first: dict[int, int] = {}
+    for row, g in enumerate(rollouts.group_index.tolist()):
+        first.setdefault(g, row)
+    stats.demonstrations += float(len(right))
+    return replace_rows(rollouts, [first[have[i][0]] for i in right], demos)
