@@ -64,10 +64,18 @@ VARIANTS = ("no_tool", "tool", "nudge", "demo", "perfect")
 NUDGE = "Check it with the calculator first."
 
 
-def problem_rows(setting: str, prompts: int) -> list[dict[str, Any]]:
-    """The setting's first ``prompts`` seed-0 training rows (the recipes' split)."""
+def problem_rows(
+    setting: str, prompts: int, held_out: int = 0, seed: int = 0
+) -> list[dict[str, Any]]:
+    """The setting's first ``prompts`` training rows of ``seed`` (the recipes' split), or with
+    ``held_out`` > 0 the held-out rows of a split of ``prompts`` training and ``held_out``
+    held-out problems (a recipe's ``size`` and ``val_size``: the val/acc set of its run with
+    ``seed_everything: seed``)."""
     dataset, config = RG_SETTINGS[setting]
-    return make_reasoning_gym_rows(seed=0, dataset=dataset, config=config, size=prompts, val_size=0)
+    rows = make_reasoning_gym_rows(
+        seed=seed, dataset=dataset, config=config, size=prompts, val_size=held_out
+    )
+    return [r for r in rows if r["split"] == "val"] if held_out else rows
 
 
 def run_variant(
@@ -143,6 +151,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     )
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--prompts", type=int, default=32, help="problems")
+    parser.add_argument(
+        "--held-out", type=int, default=0,
+        help="measure on the held-out problems of a split of --prompts training and this many "
+        "held-out ones (the recipe's size and val_size: 160 and 64 gives its val/acc set)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the problems' seed (a run's seed)")
+    parser.add_argument("--name", default="tool_headroom", help="output JSON/PNG name")
     parser.add_argument("--n", type=int, default=8, help="samples per problem (group size)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=64, help="assistant tokens per episode")
@@ -161,7 +176,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         str(model_dir), dtype=args.dtype, max_model_len=args.max_model_len,
         kv_cache_space_gb=2, seed=0,
     )  # fmt: skip
-    rows = problem_rows(args.setting, args.prompts)
+    rows = problem_rows(args.setting, args.prompts, args.held_out, args.seed)
     results = []
     for variant in args.variants:
         row = run_variant(variant, engine, tokenizer, rows, args)
@@ -169,17 +184,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         results.append(row)
     columns = [k for k in results[0] if k != "example"]
     print_table(
-        f"{model_dir.name} on {args.setting} ({args.env}): {args.prompts} problems, {args.n} "
+        f"{model_dir.name} on {args.setting} ({args.env}): {len(rows)} problems, {args.n} "
         f"samples at T={args.temperature}, {args.max_tokens} assistant tokens, "
         f"{args.max_turns} turns (dtype {engine.dtype})",
         columns, [[r[c] for c in columns] for r in results],
     )  # fmt: skip
     for r in results:
         print(f"{r['variant']} example: {r['example']!r}")
-    (out_dir() / "tool_headroom.json").write_text(json.dumps({"args": vars(args) | {
+    (out_dir() / f"{args.name}.json").write_text(json.dumps({"args": vars(args) | {
         "model_dir": str(args.model_dir)}, "results": results}, indent=1))  # fmt: skip
     bar_chart(
-        out_dir() / "tool_headroom.png",
+        out_dir() / f"{args.name}.png",
         f"{model_dir.name} on {args.setting} ({args.env})",
         [r["variant"] for r in results],
         {k: [r[k] for r in results] for k in ("acc", f"pass@{args.n}", "tool-call rate")},
