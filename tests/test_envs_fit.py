@@ -275,3 +275,7 @@ def test_unsolved_groups_get_demonstrations_in_a_fit(tmp_path, tiny_checkpoint):
     assert len(losses) == 2 and all(math.isfinite(v) and v != 0 for v in losses), losses
     gaps = [v for _, v in series(rows, "parity/max_abs_diff")]
     assert gaps and max(gaps) < 1e-4, gaps
+    # the demonstrations' observations are in the sequences, not in the loss nor in N
+    record = json.loads((run_dir / "episodes.json").read_text())
+    for step, tokens in zip(record["steps"], record["updates"]):
+        assert step["response_tokens"] > step["loss_tokens"] == step["sampled_tokens"] == tokens
