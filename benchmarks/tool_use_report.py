@@ -68,14 +68,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
         "--cold-start-only",
         nargs="*",
         default=[],
-        metavar="MODEL_DIR@VALIDATE_DIR",
+        metavar="[LABEL=]MODEL_DIR@VALIDATE_DIR",
         help="cold starts without RL: the sft folder and the run folder of `dapo-lightning "
-        "validate` on it (its val/acc and val/tool_use_frac), drawn against their CPU minutes",
+        "validate` on it (its val/acc and val/tool_use_frac), drawn against their CPU minutes, "
+        "one line per LABEL (default: more cold start, no RL)",
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/tool_use.png"))
+    parser.add_argument(
+        "--title", default="SmolLM2-135M-Instruct learns to use a calculator for 2-digit products"
+    )
     args = parser.parse_args(argv)
     alone = []
     for spec in args.cold_start_only:
+        label, _, spec = spec.rpartition("=")
         model, _, validate_dir = spec.partition("@")
         metrics = read_metrics(find_metrics_csv(Path(validate_dir) / "logs-validate"))
         alone.append(
@@ -84,13 +89,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
                 metrics["val/acc"][-1][1],
                 metrics["val/tool_use_frac"][-1][1],
                 Path(model).name,
+                label or "more cold start, no RL",
             )
         )
     if alone:
         print_table(
             "cold start only (no RL): held-out val/acc and tool use",
             ["model", "CPU min", "val/acc", "val tool use"],
-            [[name, round(m, 1), a, t] for m, a, t, name in alone],
+            [[name, round(m, 1), a, t] for m, a, t, name, _ in alone],
         )
     runs = {}
     for spec in args.runs:
@@ -138,12 +144,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
             axes[2].plot(
                 ups, [(t or 0) / 3 for t in turns], "x--", color=color, label=f"{label}: turns / 3"
             )
-    if alone:
-        alone.sort()
+    for j, label in enumerate(dict.fromkeys(a[4] for a in sorted(alone))):
+        points = sorted(a for a in alone if a[4] == label)
+        style = ("k^:", "s:", "D:")[min(j, 2)]
+        color = "k" if j == 0 else f"C{len(runs) + j}"
         for ax, k in ((axes[0], 1), (axes[1], 2)):
-            ax.plot(
-                [a[0] for a in alone], [a[k] for a in alone], "k^:", label="more cold start, no RL"
-            )
+            ax.plot([a[0] for a in points], [a[k] for a in points], style, color=color, label=label)
     axes[0].set(
         xlabel="CPU minutes, cold start included (shaded)",
         ylabel="held-out val/acc",
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("SmolLM2-135M-Instruct learns to use a calculator for 2-digit products (CPU)")
+    fig.suptitle(f"{args.title} (CPU)")
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)

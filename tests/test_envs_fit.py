@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests._harness import QUICKSTART, REPO, fit_cli, write_run_config
+from tests._harness import QUICKSTART, REPO, fit_cli, run_cli, write_run_config
 from tests.test_cli import read_csv, series
 
 
@@ -279,3 +279,16 @@ def test_unsolved_groups_get_demonstrations_in_a_fit(tmp_path, tiny_checkpoint):
     record = json.loads((run_dir / "episodes.json").read_text())
     for step, tokens in zip(record["steps"], record["updates"]):
         assert step["response_tokens"] > step["loss_tokens"] == step["sampled_tokens"] == tokens
+
+
+def test_demonstrations_of_an_environment_that_writes_none_are_a_config_error(
+    tmp_path, tiny_checkpoint
+):
+    env = "{name: _episode_envs.Shop, max_turns: 2, add_instructions: false, demonstrate_unsolved: true}"
+    run_dir = tmp_path / "run"
+    override = write_override(tmp_path / "o.yaml", run_dir, tiny_checkpoint, env)
+    proc = run_cli("fit", "--config", str(QUICKSTART), "--config", str(override), *HF_STOPS)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "environment.demonstrate_unsolved" in errors[0], errors
+    assert "demonstrate(record)" in errors[0]

@@ -15,6 +15,7 @@ from typing import Any
 
 from dapo_lightning.envs.base import Environment, EnvironmentConfig
 from dapo_lightning.envs.runner import Episode, EpisodeRunner, ObservationFormatter
+from dapo_lightning.envs.tools import ToolEnvironment
 from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rollout.base import Completion, SamplingConfig
 
@@ -93,6 +94,13 @@ def play_demonstrations(
     return [played.get(tuple(r.prompt_ids or ())) for r in records]
 
 
+def writes_demonstrations(env: Any) -> bool:
+    """True when ``env``'s class has a ``demonstrate`` of its own (not
+    :class:`~dapo_lightning.envs.tools.ToolEnvironment`'s default, which writes none)."""
+    demonstrate = getattr(type(env), "demonstrate", None)
+    return callable(demonstrate) and demonstrate is not ToolEnvironment.demonstrate
+
+
 def complete_episode(episode: Completion | None) -> bool:
     """True for an episode that ended on its own (``"stop"``) without an environment failure."""
     return (
@@ -100,4 +108,4 @@ def complete_episode(episode: Completion | None) -> bool:
     )
 
 
-__all__ = ["ReplayEngine", "complete_episode", "play_demonstrations"]
+__all__ = ["ReplayEngine", "complete_episode", "play_demonstrations", "writes_demonstrations"]

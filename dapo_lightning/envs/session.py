@@ -6,8 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dapo_lightning.checks import ConfigError
 from dapo_lightning.envs.base import Environment, EnvironmentConfig, declared_metrics
-from dapo_lightning.envs.replay import complete_episode, play_demonstrations
+from dapo_lightning.envs.replay import (
+    complete_episode,
+    play_demonstrations,
+    writes_demonstrations,
+)
 from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter
 from dapo_lightning.envs.stats import env_stats
 from dapo_lightning.envs.tools import template_renders_tools
@@ -44,6 +49,12 @@ class EpisodeSession(EngineSession):
         decode: Callable[[list[int]], str],
         **session_kwargs: Any,
     ) -> None:
+        if environment.demonstrate_unsolved and not writes_demonstrations(make_env()):
+            raise ConfigError(
+                f"data.init_args.environment.demonstrate_unsolved: environment "
+                f"{environment.name!r} writes no demonstrations: give its class a "
+                "demonstrate(record) method (ToolEnvironment.demonstrate), or set it to false."
+            )
         super().__init__(engine, **session_kwargs)
         self.environment = environment
         self.make_env = make_env
