@@ -16,6 +16,9 @@ from torch import Tensor
 
 from dapo_lightning.rollout.base import SamplingConfig
 
+#: ``finish_reason`` -> the code of ``RolloutBatch.finish``.
+FINISH_CODES = {"stop": 0, "length": 1, "demonstration": 2}
+
 
 @dataclass
 class ScoredRollouts:
@@ -28,7 +31,9 @@ class ScoredRollouts:
         prompt_ids: Prompt token ids of each response (shared within a group).
         response_ids: Sampled response token ids.
         rollout_log_probs: The engine's log-probabilities of the sampled tokens.
-        finish_reason: ``"stop"`` or ``"length"`` per response.
+        finish_reason: ``"stop"`` or ``"length"`` per response, or ``"demonstration"``: an
+            environment's demonstration put in place of a sample
+            (``environment.demonstrate_unsolved``), which no engine sampled.
         group_index: ``[N]`` long, the group each response belongs to (0..num_groups-1).
         prompt_uid: Stable id of the prompt of each response (for per-prompt statistics).
         score: ``[N]`` float, the reward function's raw score.
@@ -108,6 +113,11 @@ class ScoredRollouts:
         """``[N]`` bool, True where the response hit ``max_response_length``."""
         return torch.tensor([f == "length" for f in self.finish_reason], dtype=torch.bool)
 
+    @property
+    def finish_codes(self) -> Tensor:
+        """``[N]`` long, each ``finish_reason`` as its :data:`FINISH_CODES` code."""
+        return torch.tensor([FINISH_CODES[f] for f in self.finish_reason], dtype=torch.long)
+
     def state_dict(self) -> dict[str, Any]:
         """Plain Python containers (``torch.load(weights_only=True)`` reads them back)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -169,7 +179,9 @@ class RolloutBatch:
         score: ``[B]`` float, raw reward.
         acc: ``[B]`` float, correctness.
         group_index: ``[B]`` long, 0..num_groups-1, groups contiguous.
-        truncated: ``[B]`` bool.
+        finish: ``[B]`` long, how each response ended (:data:`FINISH_CODES`: stop, length,
+            or an environment's demonstration, which no engine sampled: its own behaviour
+            policy); :attr:`truncated` and :attr:`demonstrated` read it.
         response_length: ``[B]`` long, sampled tokens per response (observations not counted).
         sample_version: ``[B]`` long, policy version each response was sampled with.
         policy_version: Policy version of the freshest responses in the batch.
@@ -192,7 +204,7 @@ class RolloutBatch:
     score: Tensor
     acc: Tensor
     group_index: Tensor
-    truncated: Tensor
+    finish: Tensor
     response_length: Tensor
     sample_version: Tensor
     policy_version: int
@@ -215,6 +227,16 @@ class RolloutBatch:
     @property
     def prompt_width(self) -> int:
         return self.input_ids.shape[1] - self.response_width
+
+    @property
+    def truncated(self) -> Tensor:
+        """``[B]`` bool, True where the response hit the maximum length."""
+        return self.finish == FINISH_CODES["length"]
+
+    @property
+    def demonstrated(self) -> Tensor:
+        """``[B]`` bool, True on an environment's demonstration (no engine sampled it)."""
+        return self.finish == FINISH_CODES["demonstration"]
 
     def select(self, index: Tensor | list[int] | slice) -> RolloutBatch:
         """Rows ``index`` (group_size kept; the caller selects whole groups when it matters)."""
@@ -247,7 +269,7 @@ class RolloutBatch:
             score=one,
             acc=one,
             group_index=torch.zeros(1, dtype=torch.long),
-            truncated=torch.zeros(1, dtype=torch.bool),
+            finish=torch.zeros(1, dtype=torch.long),
             response_length=torch.ones(1, dtype=torch.long),
             sample_version=torch.zeros(1, dtype=torch.long),
             policy_version=self.policy_version,
@@ -322,7 +344,7 @@ class RolloutBatch:
             score=rollouts.score.float(),
             acc=rollouts.acc.float(),
             group_index=rollouts.group_index.long(),
-            truncated=rollouts.truncated,
+            finish=rollouts.finish_codes,
             response_length=rollouts.response_length,
             sample_version=sample_version.long(),
             policy_version=int(sample_version.max()) if n else rollouts.policy_version,

@@ -202,11 +202,11 @@ def behaviour_log_probs(
     With a correction mode: the engine's log-probs on every row. Else with ``stale_tis_cap``:
     token truncation against the engine's on stale rows (sampled by an older policy version)
     and ``old`` on fresh ones, whose weight is then exactly 1. None when nothing is corrected.
-    A demonstration's row (NaN engine log-probs: nothing sampled it) takes ``old`` either way:
-    its weight is 1.
+    A demonstration's row (``batch.demonstrated``: nothing sampled it) takes ``old`` either
+    way: its weight is 1.
     """
     engine = batch.rollout_log_probs
-    demonstrated = engine.isnan().any(dim=1)
+    demonstrated = batch.demonstrated
     if bool(demonstrated.any()):
         if old is None:
             raise ValueError(

@@ -203,7 +203,7 @@ class UpdateLoop:
         """Advantages, old log-probs (skipped when the only update's forward gives them) and
         the stale-sample correction of this rollout step."""
         stale = batch.sample_version < self.policy_version
-        demonstrated = batch.rollout_log_probs.isnan().any(dim=1)  # no engine sampled them
+        demonstrated = batch.demonstrated  # no engine sampled them
         exact_old = (
             len(self.mini_batches(batch.num_groups)) > 1
             or self.batching.ppo_epochs > 1

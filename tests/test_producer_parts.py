@@ -36,10 +36,10 @@ OLD_STAT_OPS = {
 
 
 def test_step_stats_declare_the_same_names_and_ops_as_before():
-    assert STAT_OPS == OLD_STAT_OPS
+    assert STAT_OPS == OLD_STAT_OPS | {"env/demonstrations": "sum"}  # issue 39's, added
     assert rank_op("data/kept_frac") == "mean" and rank_op("reward/anything") == "mean"
     stats = StepStats()
-    assert set(stats.as_metrics()) == set(OLD_STAT_OPS) | {
+    assert set(stats.as_metrics()) == set(OLD_STAT_OPS) | {"env/demonstrations"} | {
         "data/samples_per_kept_group", "data/kept_frac", "data/zero_variance_frac", "data/epoch",
         "data/regressed_frac", "data/review_frac",  # issue 40's selection statistics
     }  # fmt: skip

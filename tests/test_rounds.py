@@ -1,12 +1,11 @@
 """dapo_lightning.data.rounds.demonstrate_unsolved and rollout_groups.replace_rows: a group
 with no right episode gets the environment's demonstration as its first episode, scored by the
-same reward, with NaN engine log-probs; solved groups and groups without a demonstration stay
+same reward, its finish reason ``demonstration``; solved groups and groups without a demonstration stay
 as they were."""
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from transformers import AutoTokenizer
@@ -98,7 +97,8 @@ def test_unsolved_groups_get_the_demonstration_as_their_first_episode(tiny_check
     )  # the same episode, played on its own
     assert out.response_ids[0] == played.response_ids[0]
     assert out.token_mask[0] == played.token_mask[0] and out.tool_calls[0] == 2
-    assert all(math.isnan(x) for x in out.rollout_log_probs[0])
+    assert out.finish_reason == ["demonstration", "stop", "stop", "stop", "stop", "stop"]
+    assert out.rollout_log_probs[0] == played.rollout_log_probs[0]  # the replay's, unused
     assert out.response_ids[1:] == scored.response_ids[1:]
     assert torch.equal(out.reward[1:], scored.reward[1:])
     # nothing unsolved that the environment can demonstrate: the same rollouts back

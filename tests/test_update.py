@@ -66,12 +66,12 @@ def test_stale_rows_are_corrected_against_the_engine_fresh_rows_not_at_all():
 
 
 def test_a_demonstrated_row_is_its_own_behaviour_policy():
-    """NaN engine log-probs mark a demonstration (environment.demonstrate_unsolved): under a
-    correction mode and under the stale cap its row takes ``old``, so its weight is exactly 1,
-    while the sampled rows keep the engine's."""
+    """A demonstration (``batch.demonstrated``, environment.demonstrate_unsolved) takes ``old``
+    under a correction mode and under the stale cap, so its weight is exactly 1, while the
+    sampled rows keep the engine's; a NaN engine log-prob stays bad input (not a marker)."""
     batch = make_random_rollout_batch(num_groups=2, group_size=2)
     engine = batch.rollout_log_probs.clone()
-    batch.rollout_log_probs[1] = float("nan")
+    batch.finish = torch.tensor([0, 2, 1, 0])  # stop, demonstration, length, stop
     old = engine + 0.3
     tis = RolloutCorrection("token_truncate", clip_max=1.5)
     logp, _ = behaviour_log_probs(batch, old, torch.zeros(4, dtype=torch.bool), tis)
@@ -82,3 +82,5 @@ def test_a_demonstrated_row_is_its_own_behaviour_policy():
     assert torch.equal(logp[0], engine[0]) and torch.equal(logp[1:], old[1:])
     with pytest.raises(ValueError, match="old log-probs"):
         behaviour_log_probs(batch, None, stale, tis)
+    assert batch.select([1, 2]).demonstrated.tolist() == [True, False]
+    assert batch.truncated.tolist() == [False, False, True, False]

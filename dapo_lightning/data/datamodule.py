@@ -17,7 +17,6 @@ its weights) and the rollout producer (:mod:`dapo_lightning.data.producer`: dyna
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 from collections.abc import Iterator
@@ -52,6 +51,7 @@ from dapo_lightning.envs import (
     EpisodeSession,
     environment_factory,
     introduce_tools,
+    unsolved_demonstrations,
 )
 from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
 from dapo_lightning.ranks import gather_objects, sum_over_group, sum_over_ranks
@@ -266,11 +266,7 @@ class DAPODataModule(pl.LightningDataModule):
             layout=RankLayout(rank, world, self._tp_size),
             sync=self._sum_over_ranks,
             on_scored=lambda rollouts: call_dapo_hook(self.trainer, "on_rollouts_scored", rollouts),
-            demonstrations=(
-                functools.partial(self.session.demonstrations, max_tokens=self.sampling.max_tokens)
-                if self.environment is not None and self.environment.demonstrate_unsolved
-                else None
-            ),
+            demonstrations=unsolved_demonstrations(self.session, self.sampling.max_tokens),
         )
         self.stream = make_stream(
             self.dynamic_sampling.pipeline, self.session, self.producer, self.drawn_log

@@ -142,7 +142,7 @@ def rollout_step_metrics(
     for key in sorted(batch.stats):
         acc.add(key, float(batch.stats[key]), op=rank_op(key))
     if trainer_logp is not None:
-        sampled = ~batch.rollout_log_probs.isnan().any(dim=1)  # demonstrations apart
+        sampled = ~batch.demonstrated  # demonstrations apart
         fresh = batch.response_mask * (~stale & sampled)[:, None].float()
         parity = logprob_parity(trainer_logp, batch.rollout_log_probs, fresh)
         weight = parity.pop("parity/tokens")

@@ -204,7 +204,9 @@ class OneStepOffStream(RolloutStream):
         """Restore the producer and engine; the checkpoint's finished batch is handed over
         first."""
         super().load_state_dict(state)
-        ready = state.get("ready")
+        ready = dict(state.get("ready") or {})
+        if "truncated" in ready:  # saved before RolloutBatch.finish (2026-12-06)
+            ready["finish"] = ready.pop("truncated").long()
         self.ready = (RolloutBatch(**ready), list(state.get("ready_uids") or [])) if ready else None
         self._handed = None
 

@@ -15,7 +15,6 @@ runs rounds until the batch is full, in lockstep over ranks.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -197,9 +196,9 @@ def demonstrate_unsolved(
 ) -> ScoredRollouts:
     """``rollouts`` (group ``g`` sampled for ``records[g]``) with the first episode of each
     group without a right answer (``acc`` all 0) replaced by the environment's demonstration,
-    where it plays one (``demonstrations``) that ``scorer``'s reward scores right. The
-    demonstration's ``rollout_log_probs`` are NaN (nothing sampled it); each one counts in
-    ``stats.demonstrations``."""
+    where it plays one (``demonstrations``) that ``scorer``'s reward scores right, its
+    ``finish_reason`` ``"demonstration"`` (nothing sampled it: it is its own behaviour policy);
+    each one counts in ``stats.demonstrations``."""
     best = torch.zeros(len(records)).scatter_reduce(
         0, rollouts.group_index, rollouts.acc.float(), "amax", include_self=False
     )
@@ -216,7 +215,7 @@ def demonstrate_unsolved(
     if not right:
         return rollouts
     demos = demos.select(right)
-    demos.rollout_log_probs = [[math.nan] * len(lp) for lp in demos.rollout_log_probs]
+    demos.finish_reason = ["demonstration"] * len(demos)
     first: dict[int, int] = {}
     for row, g in enumerate(rollouts.group_index.tolist()):
         first.setdefault(g, row)

@@ -41,6 +41,7 @@ from dapo_lightning.envs.session import (
     EpisodeSession,
     introduce_tools,
     prompt_tools,
+    unsolved_demonstrations,
     with_instructions,
 )
 from dapo_lightning.envs.tools import (
@@ -105,5 +106,6 @@ __all__ = [
     "prompt_tools",
     "register_environment",
     "template_renders_tools",
+    "unsolved_demonstrations",
     "with_instructions",
 ]

@@ -171,7 +171,7 @@ class EnvironmentConfig:
             episode by the environment's demonstration (``demonstrate(record)``, played through
             the same runner and scored by the same reward; ToolExpander's demonstration
             replacement), so the group has a right answer to learn from. The demonstration was
-            not sampled: it has no engine log-probs (NaN) and is its own behaviour policy (its
+            not sampled (its ``finish_reason`` is ``"demonstration"``) and is its own behaviour policy (its
             correction weight is 1). Counted in ``env/demonstrations``. Off by default.
 
     Raises:

@@ -3,6 +3,7 @@ environment's instructions in front of the prompts."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -176,3 +177,14 @@ def with_instructions(
         else:
             messages.insert(0, {"role": "system", "content": instructions})
         r.prompt = messages
+
+
+def unsolved_demonstrations(
+    session: EngineSession, max_tokens: int
+) -> Callable[[Sequence[PromptRecord]], list[Any]] | None:
+    """``session``'s demonstrations for the groups with no right episode
+    (``environment.demonstrate_unsolved``, :meth:`EpisodeSession.demonstrations` with
+    ``max_tokens``); None when the session runs no episodes or the setting is off."""
+    if isinstance(session, EpisodeSession) and session.environment.demonstrate_unsolved:
+        return functools.partial(session.demonstrations, max_tokens=max_tokens)
+    return None
