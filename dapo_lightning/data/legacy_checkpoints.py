@@ -3,7 +3,8 @@
 A checkpoint keeps the data module's hyper-parameters as pickled objects (``torch.load`` with
 ``weights_only`` and the allow-listed classes). Configs saved before prompt selection was its
 own group hold the flat keys of :data:`LEGACY_SELECTION_KEYS`; :func:`group_legacy_selection`
-moves them under ``selection``.
+moves them under ``selection``. A one-step-off checkpoint's batch in flight saved before
+``RolloutBatch.finish`` holds a ``truncated`` mask instead: :func:`legacy_ready_batch` maps it.
 """
 
 from __future__ import annotations
@@ -35,3 +36,13 @@ def group_legacy_selection(state: dict[str, Any]) -> dict[str, Any]:
             **{new: state.pop(old) for old, new in legacy if old in state}
         )
     return state
+
+
+def legacy_ready_batch(fields: dict[str, Any]) -> dict[str, Any]:
+    """A saved ``RolloutBatch``'s fields with a legacy ``truncated`` ``[B]`` bool mask turned
+    into ``finish`` codes (1 where truncated, else 0: "stop"; no demonstrations then); today's
+    fields are returned as they are (a copy)."""
+    fields = dict(fields)
+    if "truncated" in fields:
+        fields["finish"] = fields.pop("truncated").long()
+    return fields

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.dynamic_sampling import DYNAMIC_SAMPLING_PATH
+from dapo_lightning.data.legacy_checkpoints import legacy_ready_batch
 from dapo_lightning.data.producer import RolloutProducer
 from dapo_lightning.data.sources import PromptRecord
 from dapo_lightning.data.step_stats import PIPELINE_STAT_OPS
@@ -204,9 +205,7 @@ class OneStepOffStream(RolloutStream):
         """Restore the producer and engine; the checkpoint's finished batch is handed over
         first."""
         super().load_state_dict(state)
-        ready = dict(state.get("ready") or {})
-        if "truncated" in ready:  # saved before RolloutBatch.finish (2026-12-06)
-            ready["finish"] = ready.pop("truncated").long()
+        ready = legacy_ready_batch(state.get("ready") or {})
         self.ready = (RolloutBatch(**ready), list(state.get("ready_uids") or [])) if ready else None
         self._handed = None
 
