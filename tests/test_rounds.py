@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from dapo_lightning.batch import ScoredRollouts
-from dapo_lightning.data.rollout_groups import replace_rows
+from dapo_lightning.data.rollout_groups import group_max, replace_rows
 from dapo_lightning.data.rounds import demonstrate_unsolved
 from dapo_lightning.data.scoring import RolloutScorer
 from dapo_lightning.data.step_stats import StepStats
@@ -105,3 +105,9 @@ def test_unsolved_groups_get_the_demonstration_as_their_first_episode(tiny_check
     solved = demonstrate_unsolved(records[1:], scored.select([2, 3, 4, 5]), demos, scorer,
                                   sampling, StepStats())  # fmt: skip
     assert solved.response_ids == scored.response_ids[2:]
+
+
+def test_group_max_is_each_groups_best_value():
+    values = torch.tensor([0.0, 1.0, -1.0, -3.0, 2.0])
+    groups = torch.tensor([0, 0, 1, 1, 3])
+    assert group_max(values, groups, 4).tolist() == [1.0, -1.0, 0.0, 2.0]  # group 2: no rows

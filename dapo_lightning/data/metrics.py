@@ -18,6 +18,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from dapo_lightning.batch import RolloutBatch, ScoredRollouts
+from dapo_lightning.data.rollout_groups import group_max
 from dapo_lightning.data.step_stats import rank_op
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.rollout.parity import logprob_parity
@@ -41,7 +42,7 @@ def validation_metrics(rollouts: ScoredRollouts) -> dict[str, float]:
     num_groups = int(g.max()) + 1
     k = int((g == g[0]).sum())
     acc = rollouts.acc.float()
-    best = torch.zeros(num_groups).scatter_reduce(0, g, acc, "amax", include_self=False)
+    best = group_max(acc, g, num_groups)
     out = {
         "val/acc": float(acc.mean()),
         f"val/pass@{k}": float(best.mean()),

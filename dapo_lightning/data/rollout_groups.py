@@ -1,6 +1,6 @@
 """Operations on groups of scored rollouts (pure; no producer state): concatenating rounds,
-replacing rows, the dynamic-sampling filter's variance test, the group size of a set of
-groups."""
+replacing rows, a group's best value, the dynamic-sampling filter's variance test, the group
+size of a set of groups."""
 
 from __future__ import annotations
 
@@ -75,6 +75,14 @@ def replace_rows(
         for row, calls in zip(rows, other.tool_calls or [0] * len(other)):
             out.tool_calls[row] = calls
     return out
+
+
+def group_max(values: Tensor, group_index: Tensor, num_groups: int) -> Tensor:
+    """``[num_groups]`` float: ``max_{i in g} values[i]`` for each group ``g`` (0 for a group
+    without rows)."""
+    return torch.zeros(num_groups).scatter_reduce(
+        0, group_index.long(), values.float(), "amax", include_self=False
+    )
 
 
 def group_has_variance(values: Tensor, group_index: Tensor) -> Tensor:

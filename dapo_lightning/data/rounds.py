@@ -18,13 +18,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-import torch
-
 from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.data.difficulty import DifficultyTracker, PredictiveSelector
 from dapo_lightning.data.draw import draw_round
 from dapo_lightning.data.dynamic_sampling import DynamicSamplingConfig
-from dapo_lightning.data.rollout_groups import concat_rollouts, group_has_variance, replace_rows
+from dapo_lightning.data.rollout_groups import (
+    concat_rollouts,
+    group_has_variance,
+    group_max,
+    replace_rows,
+)
 from dapo_lightning.data.sampler import PromptSampler
 from dapo_lightning.data.scoring import RolloutScorer
 from dapo_lightning.data.sources import PromptRecord
@@ -199,9 +202,7 @@ def demonstrate_unsolved(
     where it plays one (``demonstrations``) that ``scorer``'s reward scores right, its
     ``finish_reason`` ``"demonstration"`` (nothing sampled it: it is its own behaviour policy);
     each one counts in ``stats.demonstrations``."""
-    best = torch.zeros(len(records)).scatter_reduce(
-        0, rollouts.group_index, rollouts.acc.float(), "amax", include_self=False
-    )
+    best = group_max(rollouts.acc, rollouts.group_index, len(records))
     unsolved = (best <= 0).nonzero().flatten().tolist()
     played = demonstrations([records[g] for g in unsolved]) if unsolved else []
     have = [(g, e) for g, e in zip(unsolved, played) if e is not None]

@@ -140,8 +140,9 @@ def question_expressions(record: PromptRecord) -> list[str]:
     """The arithmetic expressions in the text of ``record``'s last message, longest first
     ("Calculate 7 - 3." -> ``["7 - 3"]``): what the built-in environments' demonstrations
     compute."""
-    prompt: Any = record.prompt
-    text = prompt if isinstance(prompt, str) else str(prompt[-1]["content"]) if prompt else ""
+    text: Any = record.prompt
+    if not isinstance(text, str):  # chat messages: the last one's content
+        text = str(text[-1]["content"]) if text else ""
     found = (e.strip().rstrip(".").strip() for e in _EXPRESSION_RE.findall(text))
     return sorted(found, key=len, reverse=True)
 

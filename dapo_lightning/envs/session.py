@@ -14,7 +14,7 @@ from dapo_lightning.envs.replay import (
     play_demonstrations,
     writes_demonstrations,
 )
-from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter
+from dapo_lightning.envs.runner import Episode, EpisodeRunner, ObservationFormatter
 from dapo_lightning.envs.stats import env_stats
 from dapo_lightning.envs.tools import template_renders_tools
 from dapo_lightning.prompts import PromptRecord
@@ -82,7 +82,9 @@ class EpisodeSession(EngineSession):
     def _build(self) -> RolloutEngine:
         return self._wrap(super()._build())
 
-    def demonstrations(self, records: Sequence[PromptRecord], max_tokens: int) -> list[Any]:
+    def demonstrations(
+        self, records: Sequence[PromptRecord], max_tokens: int
+    ) -> list[Episode | None]:
         """The environment's demonstration of each record played as an episode
         (:func:`~dapo_lightning.envs.replay.play_demonstrations`); None where there is none
         or it does not finish."""
@@ -181,7 +183,7 @@ def with_instructions(
 
 def unsolved_demonstrations(
     session: EngineSession, max_tokens: int
-) -> Callable[[Sequence[PromptRecord]], list[Any]] | None:
+) -> Callable[[Sequence[PromptRecord]], list[Episode | None]] | None:
     """``session``'s demonstrations for the groups with no right episode
     (``environment.demonstrate_unsolved``, :meth:`EpisodeSession.demonstrations` with
     ``max_tokens``); None when the session runs no episodes or the setting is off."""
