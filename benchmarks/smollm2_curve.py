@@ -92,6 +92,11 @@ METHOD_OVERRIDES: dict[str, list[str]] = {
     "calculator": [],  # DAPO on multi-turn episodes with the calculator tool (METHOD_RECIPES)
     "dapo_paper": ["configs/paper_dynamic_sampling.yaml"],  # DAPO, the paper's dynamic sampling
     "dapo_one_step_off": ["configs/one_step_off.yaml"],  # DAPO, next batch generated meanwhile
+    # the same with a fixed split of the cores (no sharing of the idle rollout thread's cores)
+    "dapo_one_step_off_fixed": [
+        "configs/one_step_off.yaml",
+        "benchmarks/one_step_off_fixed_split.yaml",
+    ],
 }
 #: Methods that replace the word-problem recipe by a recipe of their own (the same settings
 #: plus what the method needs; tests/test_envs_fit.py pins the difference).
@@ -116,6 +121,7 @@ STYLES = {
     "calculator": "-.",
     "dapo_paper": (0, (1, 1)),
     "dapo_one_step_off": (0, (5, 1, 1, 1)),
+    "dapo_one_step_off_fixed": (0, (3, 2)),
 }
 #: The held-out accuracy the word-problem recipe is tuned to reach.
 TARGET = TARGETS["word_problems"][1]

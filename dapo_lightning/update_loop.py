@@ -49,6 +49,7 @@ from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.loss import LossInputs, PolicyLossConfig
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.policy_loss import policy_loss
+from dapo_lightning.shared_cores import fit_update_threads
 from dapo_lightning.step_guard import NonFiniteGuard, StepStart, all_finite, nonfinite_step_input
 from dapo_lightning.strategy import StrategyAdapter
 from dapo_lightning.trace import phase
@@ -246,6 +247,7 @@ class UpdateLoop:
         out = torch.zeros_like(batch.rollout_log_probs, dtype=self.logp_dtype())
         with eval_mode(self.policy):
             for rows in self.micro_batches(batch, list(range(batch.batch_size))):
+                fit_update_threads()
                 micro = micro_batch(batch, rows)
                 logp, _ = batch_log_probs(self.policy, micro)
                 if rows:
@@ -278,6 +280,7 @@ class UpdateLoop:
         acc.add("micro_batches", float(len(micro_batches)), op="max")
         acc.add("empty_micro_batches", float(sum(not m for m in micro_batches)), op="sum")
         for i, idx in enumerate(micro_batches):
+            fit_update_threads()  # the rollout thread's cores, once it is idle (one-step-off)
             loss, m = self.micro_loss(batch, idx, step, tokens, seqs)
             last = i == len(micro_batches) - 1
             self.ranks.backward(loss * self.ranks.grad_average_factor, last=last)

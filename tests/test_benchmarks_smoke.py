@@ -114,3 +114,24 @@ def test_mean_over_budget_is_the_area_under_the_curve() -> None:
     # over what it covered
     assert mean_over_budget(curve, 10, "cpu") == pytest.approx((0.3 * 2 + 0.5 * 2) / 4)
     assert mean_over_budget(curve[:1], 3, "wall") is None
+
+
+def test_pipeline_bounds_from_the_phase_times() -> None:
+    """pipeline_phases.bounds: sync's step over the step each layout allows (written out)."""
+    from benchmarks.pipeline_phases import bounds
+
+    sync = {"gen_s": 12.0, "update_s": 22.0, "step_s": 44.0}  # 10 s of the step elsewhere
+    fixed = {"gen_s": 15.0, "update_s": 34.0}  # each phase on one of the two cores
+    shared_update = 15.0 + (1 - 15.0 / 34.0) * 22.0  # on one core beside generation, then two
+    assert bounds(sync, fixed) == pytest.approx(
+        {
+            "separate hardware": 44.0 / (22.0 + 10.0),
+            "fixed split": 44.0 / (34.0 + 10.0),
+            "shared cores": 44.0 / (shared_update + 10.0),
+        }
+    )
+    assert bounds(sync, None) == pytest.approx({"separate hardware": 44.0 / 32.0})
+    # generation longer than the update on its share: the step is generation's
+    assert bounds(sync, {"gen_s": 40.0, "update_s": 34.0})["shared cores"] == pytest.approx(
+        44.0 / 50.0
+    )

@@ -14,7 +14,7 @@ from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.data import DAPODataModule, DynamicSamplingConfig
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
-from dapo_lightning.data.pipeline import OneStepOffStream, check_pipeline, split_threads
+from dapo_lightning.data.pipeline import OneStepOffStream, check_pipeline
 from dapo_lightning.rollout import SamplingConfig
 
 PIPELINED = dict(pipeline="one_step_off")
@@ -136,21 +136,6 @@ def test_validation_waits_for_the_batch_in_flight(tiny_checkpoint, tmp_path):
         module, datamodule=dm
     )
     assert len(module.val_seen) == 3 and [s[0] for s in module.seen] == [0, 0, 1]
-
-
-@pytest.mark.parametrize(
-    ("update", "cores", "expected"),
-    [
-        (1, 2, (1, 1)),
-        (2, 2, (1, 1)),
-        (1, 16, (1, 15)),
-        (16, 16, (8, 8)),
-        (3, 3, (2, 1)),
-        (1, 1, (1, 1)),
-    ],
-)
-def test_split_threads(update, cores, expected):
-    assert split_threads(update, cores) == expected
 
 
 def test_refusals_name_the_field():

@@ -17,8 +17,9 @@ from lightning.pytorch import Trainer
 from dapo_lightning import plot
 from dapo_lightning.checkpoint import find_resume_checkpoint
 from dapo_lightning.checks import ConfigError
-from dapo_lightning.data.pipeline import check_pipeline, split_threads
+from dapo_lightning.data.pipeline import check_pipeline
 from dapo_lightning.log_step import set_logging_step
+from dapo_lightning.shared_cores import SharedCores
 from dapo_lightning.testing import tiny_num_parameters
 from dapo_lightning.threads import configure_threads, usable_cores
 
@@ -125,20 +126,22 @@ def choose_run_threads(config: Namespace, to_create: tuple[str, Path] | None) ->
     except ValueError as error:
         raise ConfigError(str(error)) from None
     line = choice.line()
-    if _pipeline(config) == "one_step_off":  # the data module splits the cores the same way
-        update, rollout = split_threads(choice.threads, usable_cores())
-        line += f"; pipeline one_step_off: the update on {update}, rollouts on {rollout}"
+    if _sampling_setting(config, "pipeline") == "one_step_off":  # as the data module will
+        lend = _sampling_setting(config, "share_cores") is not False
+        line += (
+            f"; pipeline one_step_off: {SharedCores(choice.threads, usable_cores(), lend).line()}"
+        )
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
 
 
-def _pipeline(config: Namespace) -> str | None:
-    """``data.init_args.dynamic_sampling.pipeline`` of ``config`` (None when not set)."""
+def _sampling_setting(config: Namespace, key: str) -> Any:
+    """``data.init_args.dynamic_sampling.<key>`` of ``config`` (None when not set)."""
     data = (config.get("data") or Namespace()).get("init_args", Namespace())
     sampling = data.get("dynamic_sampling") if isinstance(data, Namespace) else None
     if isinstance(sampling, Namespace):
-        return sampling.get("pipeline")
-    return getattr(sampling, "pipeline", None)
+        return sampling.get(key)
+    return getattr(sampling, key, None)
 
 
 def check_world_split(trainer: Trainer, datamodule: Any) -> None:

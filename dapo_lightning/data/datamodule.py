@@ -269,7 +269,7 @@ class DAPODataModule(pl.LightningDataModule):
             demonstrations=unsolved_demonstrations(self.session, self.sampling.max_tokens),
         )
         self.stream = make_stream(
-            self.dynamic_sampling.pipeline, self.session, self.producer, self.drawn_log
+            self.dynamic_sampling, self.session, self.producer, self.drawn_log
         )
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)

@@ -82,6 +82,11 @@ class DynamicSamplingConfig:
             generated on a rollout thread while this step updates, with the weights from
             before this step's updates (one rollout step stale, corrected like carried-over
             groups; :mod:`~dapo_lightning.data.pipeline`).
+        share_cores: With ``one_step_off``, the update uses the rollout thread's cores while
+            that thread is idle (default True: :mod:`~dapo_lightning.shared_cores`). The
+            update's thread count then follows the timing, and some reductions (bf16
+            autocast's) round differently on another thread count: a run repeats to rounding,
+            not bit for bit. False: a fixed split, bit-exact runs and resumes.
 
     Raises:
         ValueError: a setting out of range, named with the fix.
@@ -101,6 +106,7 @@ class DynamicSamplingConfig:
     in_flight: bool = True
     min_gen_batch_size: int = 1
     pipeline: Pipeline = "sync"
+    share_cores: bool = True
 
     def __post_init__(self) -> None:
         path = DYNAMIC_SAMPLING_PATH

@@ -18,16 +18,20 @@ policy, token TIS capped at ``loss.rollout_correction.stale_tis_cap``, or the ch
 are regenerated, never trained on.
 
 Determinism: the weights of a batch are fixed when it starts (the engine never switches weights
-inside a batch), so a run is the same whatever the timing. Checkpoints and validation first let
-the batch in flight finish: the checkpoint holds it (and the producer's state after it), so a
+inside a batch), so with ``share_cores: false`` a run is the same whatever the timing; with
+``share_cores`` (default) the update's thread count follows the timing
+(:mod:`~dapo_lightning.shared_cores`) and a run repeats to rounding. Checkpoints and validation
+first let the batch in flight finish: the checkpoint holds it (and the producer's state after it), so a
 resumed run trains on the same batch and samples the next one with the same weights; a stop
 that undoes step ``k`` gives batch ``k`` back to the checkpoint the same way.
 
 Threads, not a process: torch, the engines and the reward workers release the GIL while they
 compute, and a thread shares the process's memory, so the weights move by one copy into the
 engine's own model (vLLM: its ``load_weights``). The rollout thread gets its own intra-op
-thread count (:func:`split_threads`), and under ``torch.distributed`` its own gloo process group
-for the producer's lockstep sums, so its collectives never interleave with the update's.
+thread count, and the update uses the rollout thread's cores while it is idle
+(:mod:`~dapo_lightning.shared_cores`); under ``torch.distributed`` the rollout thread has its
+own gloo process group for the producer's lockstep sums, so its collectives never interleave
+with the update's.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import torch.distributed as dist
 
 from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.checks import ConfigError
-from dapo_lightning.data.dynamic_sampling import DYNAMIC_SAMPLING_PATH
+from dapo_lightning.data.dynamic_sampling import DYNAMIC_SAMPLING_PATH, DynamicSamplingConfig
 from dapo_lightning.data.legacy_checkpoints import legacy_ready_batch
 from dapo_lightning.data.producer import RolloutProducer
 from dapo_lightning.data.sources import PromptRecord
@@ -50,22 +54,12 @@ from dapo_lightning.data.step_stats import PIPELINE_STAT_OPS
 from dapo_lightning.data.stream import RolloutStream
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
+from dapo_lightning.shared_cores import SharedCores, fit_rollout_threads, share_cores
 from dapo_lightning.strategy import strategy_kind
 from dapo_lightning.threads import usable_cores
 from dapo_lightning.trace import phase
 
 log = logging.getLogger(__name__)
-
-
-def split_threads(update_threads: int, cores: int) -> tuple[int, int]:
-    """(update threads, rollout threads) for ``cores`` usable cores, the update having chosen
-    ``update_threads``: the rollout thread takes the cores the update leaves free; when the
-    update takes them all, each side gets half (the update the larger half), at least 1."""
-    update_threads, cores = max(1, update_threads), max(1, cores)
-    if update_threads < cores:
-        return update_threads, cores - update_threads
-    rollout = max(1, cores // 2)
-    return max(1, cores - rollout), rollout
 
 
 class OneStepOffStream(RolloutStream):
@@ -79,7 +73,8 @@ class OneStepOffStream(RolloutStream):
         producer: The dynamic-sampling producer on ``session`` (under ``torch.distributed``
             its ``sync`` must use a process group of its own).
         drawn_log: Where the uids drawn at each step are appended (logging, tests).
-        rollout_threads: Intra-op threads of the rollout thread (:func:`split_threads`).
+        cores: How the update and the rollout thread share the cores (None: the rollout
+            thread runs on one thread and the update keeps its own).
     """
 
     def __init__(
@@ -87,10 +82,10 @@ class OneStepOffStream(RolloutStream):
         session: EngineSession,
         producer: RolloutProducer,
         drawn_log: list[list[str]],
-        rollout_threads: int = 1,
+        cores: SharedCores | None = None,
     ) -> None:
         super().__init__(session, producer, drawn_log)
-        self.rollout_threads = max(1, int(rollout_threads))
+        self.cores = cores
         self._executor: ThreadPoolExecutor | None = None
         #: The batch in flight (None when none is).
         self._future: Future | None = None
@@ -102,7 +97,10 @@ class OneStepOffStream(RolloutStream):
         self._finished_at: float | None = None
 
     def _init_thread(self) -> None:
-        torch.set_num_threads(self.rollout_threads)
+        if self.cores is not None:
+            self.cores.rollout_thread_starts()
+        else:
+            torch.set_num_threads(1)
 
     # ------------------------------------------------------------------ the batches
     def next_batch(self, dropped_prompts: int) -> RolloutBatch | EndOfTraining:
@@ -132,6 +130,8 @@ class OneStepOffStream(RolloutStream):
         self.session.engine  # noqa: B018 - built here, on the main thread (vLLM's start-up)
         self.session.sync(version)
         self._finished_at = None
+        if self.cores is not None:
+            self.cores.rollout_started()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="dapo-rollout", initializer=self._init_thread
@@ -141,10 +141,13 @@ class OneStepOffStream(RolloutStream):
     def _generate(
         self, dropped_prompts: int, version: int
     ) -> tuple[RolloutBatch | EndOfTraining, list[str] | None]:
+        fit_rollout_threads()  # back to its share if the last batch ended on all the cores
         try:
             return self.produce(dropped_prompts, version)
         finally:
             self._finished_at = time.perf_counter()
+            if self.cores is not None:
+                self.cores.rollout_finished()
 
     def _take(self) -> tuple[RolloutBatch | EndOfTraining, list[str] | None]:
         """The ready batch, else the one in flight (its exception raised here)."""
@@ -155,6 +158,13 @@ class OneStepOffStream(RolloutStream):
         if future is None:
             raise RuntimeError("OneStepOffStream: no batch is ready or in flight.")
         with phase("wait for batch"):
+            return self._wait(future)
+
+    def _wait(self, future: Future) -> tuple[RolloutBatch | EndOfTraining, list[str] | None]:
+        """The batch in flight, waited for (the rollout thread takes the cores meanwhile)."""
+        if self.cores is None:
+            return future.result()
+        with self.cores.update_waits():
             return future.result()
 
     def quiesce(self) -> None:
@@ -162,7 +172,7 @@ class OneStepOffStream(RolloutStream):
         checkpoints: the engine is free, the producer's state is the one after it)."""
         future, self._future = self._future, None
         if future is not None:
-            self.ready = future.result()  # raises: the producer is back at the batch's start
+            self.ready = self._wait(future)  # raises: the producer is back at its start
 
     def rewind(self) -> None:
         """A stop undid the update of the batch handed over last: abandon the batch in flight
@@ -186,8 +196,11 @@ class OneStepOffStream(RolloutStream):
     def validate(
         self, chunk: list[PromptRecord], n: int, sampling: SamplingConfig
     ) -> ScoredRollouts:
-        """Validation's own engine calls, once the batch in flight has finished."""
+        """Validation's own engine calls, once the batch in flight has finished (on all of
+        the main thread's cores)."""
         self.quiesce()
+        if self.cores is not None:
+            self.cores.fit_update()
         return super().validate(chunk, n, sampling)
 
     # ------------------------------------------------------------------ state
@@ -219,6 +232,9 @@ class OneStepOffStream(RolloutStream):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self.cores is not None:
+            share_cores(None)
+            torch.set_num_threads(self.cores.chosen)
 
 
 #: Strategies the one-step-off pipeline runs under (the weights pushed are the policy's own).
@@ -255,21 +271,18 @@ def rollout_process_group(world_size: int) -> Any:
 
 
 def make_stream(
-    pipeline: str,
+    sampling: DynamicSamplingConfig,
     session: EngineSession,
     producer: RolloutProducer,
     drawn_log: list[list[str]],
 ) -> RolloutStream:
-    """The rollout stream of ``dynamic_sampling.pipeline``; one-step-off splits the cores
-    between the update and the rollout thread (:func:`split_threads`) and says so."""
-    if pipeline != "one_step_off":
+    """The rollout stream of ``sampling.pipeline``; one-step-off splits the cores between the
+    update and the rollout thread (:class:`~dapo_lightning.shared_cores.SharedCores`; the
+    update takes the idle rollout thread's cores with ``sampling.share_cores``) and says so."""
+    if sampling.pipeline != "one_step_off":
+        share_cores(None)
         return RolloutStream(session, producer, drawn_log)
-    cores, threads = usable_cores(), torch.get_num_threads()
-    update, rollout = split_threads(threads, cores)
-    if update != threads:
-        torch.set_num_threads(update)
-    log.info(
-        "pipeline one_step_off: the update runs on %d thread(s), rollouts on %d (%d usable cores)",
-        update, rollout, cores,
-    )  # fmt: skip
-    return OneStepOffStream(session, producer, drawn_log, rollout_threads=rollout)
+    cores = SharedCores(torch.get_num_threads(), usable_cores(), lend=sampling.share_cores)
+    share_cores(cores)
+    log.info("pipeline one_step_off: %s (%d usable cores)", cores.line(), usable_cores())
+    return OneStepOffStream(session, producer, drawn_log, cores=cores)

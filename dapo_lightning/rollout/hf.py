@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from dapo_lightning import interrupt
 from dapo_lightning.logprobs import position_ids_from_mask
 from dapo_lightning.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingConfig
+from dapo_lightning.shared_cores import fit_rollout_threads
 
 
 def process_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
@@ -210,6 +211,13 @@ class HFRolloutEngine(RolloutEngine):
         self.generator.set_state(state["generator"])
 
     # ------------------------------------------------------------------ sampling
+    def _before_decode_step(self) -> None:
+        """A stop within one decode step, not after the round; the rollout thread's cores
+        (one-step-off: :func:`~dapo_lightning.shared_cores.fit_rollout_threads`)."""
+        if self.should_stop():
+            interrupt.raise_stop()
+        fit_rollout_threads()
+
     def _sample_batch(self, seqs: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         device = self._device
         B = len(seqs)
@@ -229,8 +237,7 @@ class HFRolloutEngine(RolloutEngine):
         past = None
         step_ids = input_ids
         for t in range(sampling.max_tokens):
-            if self.should_stop():  # a stop within one decode step, not after the round
-                interrupt.raise_stop()
+            self._before_decode_step()
             out = self.model(
                 input_ids=step_ids,
                 attention_mask=attention_mask,

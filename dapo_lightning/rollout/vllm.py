@@ -68,6 +68,7 @@ from dapo_lightning.rollout.vllm_setup import (
     llm_kwargs,
 )
 from dapo_lightning.rollout.weight_buckets import bucket_named_tensors
+from dapo_lightning.shared_cores import fit_rollout_threads
 
 __all__ = [
     "VLLMRolloutEngine",
@@ -242,6 +243,7 @@ class VLLMRolloutEngine(RolloutEngine):
             while where:
                 if self.should_stop is not None and self.should_stop():
                     raise StopRequested(stop_requested() or "should_stop")
+                fit_rollout_threads()  # one-step-off: the cores of an idle update
                 done = [o for o in engine.step() if o.finished and o.request_id in where]
                 if not done:
                     continue
