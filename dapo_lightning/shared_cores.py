@@ -54,8 +54,9 @@ class SharedCores:
     Args:
         update_threads: The run's choice for the update (:mod:`~dapo_lightning.threads`).
         cores: Usable cores (:func:`~dapo_lightning.threads.usable_cores`).
-        lend: Whether the update uses the rollout thread's cores while it is idle (False: the
-            update always runs on ``beside`` threads, a fixed split).
+        lend: Whether each side uses the other's cores while the other is idle (False: the
+            update always runs on ``beside`` threads and the rollout thread on ``rollout``, a
+            fixed split).
     """
 
     def __init__(self, update_threads: int, cores: int, lend: bool = True) -> None:

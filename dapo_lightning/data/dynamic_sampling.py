@@ -83,10 +83,11 @@ class DynamicSamplingConfig:
             before this step's updates (one rollout step stale, corrected like carried-over
             groups; :mod:`~dapo_lightning.data.pipeline`).
         share_cores: With ``one_step_off``, the update uses the rollout thread's cores while
-            that thread is idle (default True: :mod:`~dapo_lightning.shared_cores`). The
-            update's thread count then follows the timing, and some reductions (bf16
-            autocast's) round differently on another thread count: a run repeats to rounding,
-            not bit for bit. False: a fixed split, bit-exact runs and resumes.
+            that thread is idle, and the rollout thread the update's while the update waits
+            for its batch (default True: :mod:`~dapo_lightning.shared_cores`). The thread
+            counts then follow the timing, and some reductions (bf16 autocast's) round
+            differently on another count: a run repeats to rounding, not bit for bit. False:
+            a fixed split, bit-exact runs and resumes.
 
     Raises:
         ValueError: a setting out of range, named with the fix.
