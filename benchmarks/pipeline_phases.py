@@ -12,8 +12,9 @@ and G1, U1 on the one-step-off split (``dapo_one_step_off_fixed``: the update on
 cores, generation on the other):
 
 * fixed split: sync's ``G + U + o`` over ``max(G1, U1) + o``;
-* shared cores (``share_cores: true``): the update runs on its share while generation runs,
-  then on all the cores, so its step is ``max(G1, G1 + (1 - G1 / U1) * U) + o`` (G1 < U1);
+* shared cores (``share_cores: true``): both phases run on their share until the shorter one
+  ends, then the longer one on all the cores: ``G1 + (1 - G1 / U1) * U + o`` when G1 <= U1,
+  ``U1 + (1 - U1 / G1) * G + o`` otherwise;
 * separate hardware: ``G + U + o`` over ``max(G, U) + o``;
 
 where ``o`` is the rest of sync's step (validation, the weight push, logging): its seconds per
@@ -47,10 +48,10 @@ PHASES = {
 }
 
 
-def run_row(result: dict[str, Any], budget_min: float) -> dict[str, Any]:
-    """One run's table row."""
+def run_row(name: str, result: dict[str, Any], budget_min: float) -> dict[str, Any]:
+    """One run's table row (``name``: its ``smollm2_curve.py --name``)."""
     series = read_metrics(find_metrics_csv(Path(result["run_dir"]) / "logs"))
-    row: dict[str, Any] = {"method": result["method"], "seed": result["seed"]}
+    row: dict[str, Any] = {"run": name, "method": result["method"], "seed": result["seed"]}
     for key, (metric, summary) in PHASES.items():
         values = [v for _, v in series.get(metric, [])]
         row[key] = summary(values) if values else float("nan")
@@ -70,8 +71,8 @@ def bounds(sync: dict[str, Any], fixed: dict[str, Any] | None) -> dict[str, floa
     if fixed is not None:
         g1, u1 = fixed["gen_s"], fixed["update_s"]
         out["fixed split"] = step / (max(g1, u1) + rest)
-        shared = g1 if g1 >= u1 else g1 + (1 - g1 / u1) * u
-        out["shared cores"] = step / (max(g1, shared) + rest)
+        shared = g1 + (1 - g1 / u1) * u if g1 <= u1 else u1 + (1 - u1 / g1) * g
+        out["shared cores"] = step / (shared + rest)
     return out
 
 
@@ -81,12 +82,12 @@ def main(argv: list[str] | None = None) -> None:  # noqa: D103
     parser.add_argument("--budget-min", type=float, required=True, help="the runs' budget")
     args = parser.parse_args(argv)
     rows = [
-        run_row(result, args.budget_min)
+        run_row(name, result, args.budget_min)
         for name in args.names
         for result in json.loads((OUT / f"{name}.json").read_text())
     ]
     columns = [
-        "method", "seed", "updates", "updates_per_min", "step_s", "gen_s", "update_s", "engine_idle_s",
+        "run", "method", "seed", "updates", "updates_per_min", "step_s", "gen_s", "update_s", "engine_idle_s",
         "staleness", "mean_acc", "final", "best",
     ]  # fmt: skip
     print("| " + " | ".join(columns) + " |")
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:  # noqa: D103
         for row in rows:
             if row["method"] != "dapo" and row["seed"] == sync["seed"]:
                 ratio = row["updates_per_min"] / sync["updates_per_min"]
-                print(f"seed {sync['seed']}: {row['method']} {ratio:.2f}x sync's updates/min")
+                name = f"{row['run']}/{row['method']}"
+                print(f"seed {sync['seed']}: {name} {ratio:.2f}x sync's updates/min")
         predicted = ", ".join(f"{k} {v:.2f}x" for k, v in bounds(sync, fixed).items())
         print(f"seed {sync['seed']}: predicted from the phase times: {predicted}")
 
