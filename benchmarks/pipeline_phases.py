@@ -95,8 +95,15 @@ def main(argv: list[str] | None = None) -> None:  # noqa: D103
     for row in rows:
         cells = [f"{row[c]:.3g}" if isinstance(row[c], float) else str(row[c]) for c in columns]
         print("| " + " | ".join(cells) + " |")
-    fixed = next((r for r in rows if r["method"] == "dapo_one_step_off_fixed"), None)
     for sync in (r for r in rows if r["method"] == "dapo"):
+        fixed = next(
+            (
+                r
+                for r in rows
+                if r["method"] == "dapo_one_step_off_fixed" and r["seed"] == sync["seed"]
+            ),
+            None,
+        )
         for row in rows:
             if row["method"] != "dapo" and row["seed"] == sync["seed"]:
                 ratio = row["updates_per_min"] / sync["updates_per_min"]

@@ -76,6 +76,11 @@ class SharedCores:
         """Whether the rollout thread is generating now."""
         return self._generating.is_set()
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the main thread waits for the rollout thread's batch now."""
+        return self._waiting.is_set()
+
     def line(self) -> str:
         """How the cores are shared, for the start-up line."""
         when = f" ({self.beside} while rollouts run)" if self.beside != self.alone else ""
@@ -118,7 +123,7 @@ class SharedCores:
         the main thread waits for its batch, ``rollout`` otherwise; returns the count."""
         if threading.get_ident() != self._rollout_thread:
             return None
-        return _use(self.rollout_alone if self._waiting.is_set() else self.rollout)
+        return _use(self.rollout_alone if self.waiting else self.rollout)
 
 
 def _use(threads: int) -> int:

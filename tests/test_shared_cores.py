@@ -162,7 +162,7 @@ def test_one_step_off_fit_runs_each_micro_batch_on_the_rule_s_threads(
     )
 
     def fit_rollout(self):
-        waits = self._waiting.is_set()
+        waits = self.waiting
         threads = real_fit_rollout(self)
         if threads is not None:
             decode_steps.append((waits, threads))

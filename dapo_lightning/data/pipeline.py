@@ -282,7 +282,8 @@ def make_stream(
     if sampling.pipeline != "one_step_off":
         share_cores(None)
         return RolloutStream(session, producer, drawn_log)
-    cores = SharedCores(torch.get_num_threads(), usable_cores(), lend=sampling.share_cores)
+    usable = usable_cores()
+    cores = SharedCores(torch.get_num_threads(), usable, lend=sampling.share_cores)
     share_cores(cores)
-    log.info("pipeline one_step_off: %s (%d usable cores)", cores.line(), usable_cores())
+    log.info("pipeline one_step_off: %s (%d usable cores)", cores.line(), usable)
     return OneStepOffStream(session, producer, drawn_log, cores=cores)
