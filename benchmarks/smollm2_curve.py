@@ -97,6 +97,11 @@ METHOD_OVERRIDES: dict[str, list[str]] = {
         "configs/one_step_off.yaml",
         "benchmarks/one_step_off_fixed_split.yaml",
     ],
+    # the same with the trainer's log-probs as the ratio's old policy and token TIS (cap 2)
+    "dapo_one_step_off_trainer_old": [
+        "configs/one_step_off.yaml",
+        "benchmarks/one_step_off_trainer_old.yaml",
+    ],
 }
 #: Methods that replace the word-problem recipe by a recipe of their own (the same settings
 #: plus what the method needs; tests/test_envs_fit.py pins the difference).
@@ -122,6 +127,7 @@ STYLES = {
     "dapo_paper": (0, (1, 1)),
     "dapo_one_step_off": (0, (5, 1, 1, 1)),
     "dapo_one_step_off_fixed": (0, (3, 2)),
+    "dapo_one_step_off_trainer_old": (0, (1, 2)),
 }
 #: The held-out accuracy the word-problem recipe is tuned to reach.
 TARGET = TARGETS["word_problems"][1]
