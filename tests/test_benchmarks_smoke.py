@@ -136,3 +136,24 @@ def test_pipeline_bounds_from_the_phase_times() -> None:
     assert bounds(sync, {"gen_s": 40.0, "update_s": 34.0})["shared cores"] == pytest.approx(
         44.0 / (shared_generation + 10.0)
     )
+
+
+@pytest.mark.parametrize("method", ["dapo_one_step_off_fixed", "dapo_one_step_off_trainer_old"])
+def test_smollm2_curve_method_configs_resolve(method: str, capsys) -> None:
+    """Each benchmark method's file stack (recipe, then its overrides) parses through the CLI,
+    and the override's keys arrive in the resolved config on top of configs/one_step_off.yaml."""
+    from benchmarks.smollm2_curve import METHOD_OVERRIDES, RECIPES, STYLES
+    from tests.test_configs import print_config
+
+    assert method in STYLES
+    files = [RECIPES["reasoning_gym"], *METHOD_OVERRIDES[method]]
+    cfg = print_config(capsys, *(str(ROOT / f) for f in files))
+    sampling = cfg["data"]["init_args"]["dynamic_sampling"]
+    correction = cfg["model"]["init_args"]["loss"]["rollout_correction"]
+    assert sampling["pipeline"] == "one_step_off"
+    if method == "dapo_one_step_off_fixed":
+        assert sampling["share_cores"] is False
+        assert correction["stale_old"] == "engine"
+    else:
+        assert sampling["share_cores"] is True
+        assert (correction["stale_old"], correction["stale_tis_cap"]) == ("trainer", 2.0)
