@@ -138,8 +138,16 @@ def test_pipeline_bounds_from_the_phase_times() -> None:
     )
 
 
-@pytest.mark.parametrize("method", ["dapo_one_step_off_fixed", "dapo_one_step_off_trainer_old"])
-def test_smollm2_curve_method_configs_resolve(method: str, capsys) -> None:
+@pytest.mark.parametrize(
+    ("method", "share_cores", "stale_old", "stale_tis_cap"),
+    [
+        ("dapo_one_step_off_fixed", False, "engine", 1.0),
+        ("dapo_one_step_off_trainer_old", True, "trainer", 2.0),
+    ],
+)
+def test_smollm2_curve_method_configs_resolve(
+    method: str, share_cores: bool, stale_old: str, stale_tis_cap: float, capsys
+) -> None:
     """Each benchmark method's file stack (recipe, then its overrides) parses through the CLI,
     and the override's keys arrive in the resolved config on top of configs/one_step_off.yaml."""
     from benchmarks.smollm2_curve import METHOD_OVERRIDES, RECIPES, STYLES
@@ -150,10 +158,5 @@ def test_smollm2_curve_method_configs_resolve(method: str, capsys) -> None:
     cfg = print_config(capsys, *(str(ROOT / f) for f in files))
     sampling = cfg["data"]["init_args"]["dynamic_sampling"]
     correction = cfg["model"]["init_args"]["loss"]["rollout_correction"]
-    assert sampling["pipeline"] == "one_step_off"
-    if method == "dapo_one_step_off_fixed":
-        assert sampling["share_cores"] is False
-        assert correction["stale_old"] == "engine"
-    else:
-        assert sampling["share_cores"] is True
-        assert (correction["stale_old"], correction["stale_tis_cap"]) == ("trainer", 2.0)
+    assert (sampling["pipeline"], sampling["share_cores"]) == ("one_step_off", share_cores)
+    assert (correction["stale_old"], correction["stale_tis_cap"]) == (stale_old, stale_tis_cap)
