@@ -102,6 +102,12 @@ METHOD_OVERRIDES: dict[str, list[str]] = {
         "configs/one_step_off.yaml",
         "benchmarks/one_step_off_trainer_old.yaml",
     ],
+    # that, with each batch started after 2 of the step's updates (fresher samples)
+    "dapo_one_step_off_late_start": [
+        "configs/one_step_off.yaml",
+        "benchmarks/one_step_off_trainer_old.yaml",
+        "benchmarks/one_step_off_late_start.yaml",
+    ],
 }
 #: Methods that replace the word-problem recipe by a recipe of their own (the same settings
 #: plus what the method needs; tests/test_envs_fit.py pins the difference).
@@ -128,6 +134,7 @@ STYLES = {
     "dapo_one_step_off": (0, (5, 1, 1, 1)),
     "dapo_one_step_off_fixed": (0, (3, 2)),
     "dapo_one_step_off_trainer_old": (0, (1, 2)),
+    "dapo_one_step_off_late_start": (0, (4, 1, 1, 1, 1, 1)),
 }
 #: The held-out accuracy the word-problem recipe is tuned to reach.
 TARGET = TARGETS["word_problems"][1]

@@ -5,13 +5,14 @@ The module and the data module never read each other's attributes. What passes b
 
 * module -> data: a :class:`PolicyHandle`, the weights to sample with and their version, given
   by one call, :meth:`RolloutChannel.publish_policy`. ``DAPOModule`` makes it at the start of
-  training and of each validation, and once after each rollout step's updates (its
-  ``on_train_batch_end``, after every callback's, so a rollback there is included). The data
-  side samples its next rollouts with the last handle it received; the weights reach the
-  engine at the next generation (``EngineSession.generating``: woken first when it sleeps).
-  With ``dynamic_sampling.pipeline: one_step_off`` the next batch is generated on a rollout
-  thread while this one updates, with the handle published before the update
-  (:mod:`dapo_lightning.data.pipeline`); the contract is the same.
+  training and of each validation, after each optimizer update, and once after each rollout
+  step's updates (its ``on_train_batch_end``, after every callback's, so a rollback there is
+  included). The data side samples its next rollouts with the last handle it received; the
+  weights reach the engine at the next generation (``EngineSession.generating``: woken first
+  when it sleeps). With ``dynamic_sampling.pipeline: one_step_off`` the next batch is
+  generated on a rollout thread while this one updates, with the handle published before the
+  update, or after ``start_after_updates`` of its updates (:mod:`dapo_lightning.data.pipeline`);
+  the contract is the same.
 * data -> module: a :class:`RolloutSpec` (group size, batch size, prompt and response lengths:
   what every batch will be), read once before any rollout is generated, and
   :meth:`RolloutChannel.rewind_rollout_batch`, called when a stop undoes the step under way.

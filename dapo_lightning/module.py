@@ -309,8 +309,9 @@ class DAPOModule(LightningModule):
 
     def publish_policy(self) -> None:
         """The one call that hands the data side the weights to sample with and their version.
-        Made at the start of training and of each validation, and after each rollout step's
-        updates (``on_train_batch_end``, after every callback's, so a rollback is included)."""
+        Made at the start of training and of each validation, after each optimizer update,
+        and after each rollout step's updates (``on_train_batch_end``, after every callback's,
+        so a rollback is included)."""
         if self.channel is not None:
             self.channel.publish_policy(PolicyHandle(self.policy, self.policy_version))
 
@@ -373,7 +374,8 @@ class DAPOModule(LightningModule):
         self.updater.before_optimizer_step(optimizer)
 
     def _on_update(self, metrics: dict[str, float]) -> None:
-        """After each update: ``update/*`` at ``global_step`` (rank 0), then ``on_dapo_update``."""
+        """After each update: ``update/*`` at ``global_step`` (rank 0), ``on_dapo_update``,
+        then the new weights published (a one-step-off batch may start with them)."""
         if self.trainer.is_global_zero:
             for logger in self.loggers:
                 logger.log_metrics(
@@ -381,6 +383,7 @@ class DAPOModule(LightningModule):
                     step=self.global_step,
                 )
         call_dapo_hook(self.trainer, "on_dapo_update", metrics)
+        self.publish_policy()
 
     def validation_step(self, batch: ScoredRollouts, batch_idx: int) -> None:
 

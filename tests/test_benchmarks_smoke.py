@@ -139,14 +139,20 @@ def test_pipeline_bounds_from_the_phase_times() -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "share_cores", "stale_old", "stale_tis_cap"),
+    ("method", "share_cores", "stale_old", "stale_tis_cap", "start_after_updates"),
     [
-        ("dapo_one_step_off_fixed", False, "engine", 1.0),
-        ("dapo_one_step_off_trainer_old", True, "trainer", 2.0),
+        ("dapo_one_step_off_fixed", False, "engine", 1.0, 0),
+        ("dapo_one_step_off_trainer_old", True, "trainer", 2.0, 0),
+        ("dapo_one_step_off_late_start", True, "trainer", 2.0, 2),
     ],
 )
 def test_smollm2_curve_method_configs_resolve(
-    method: str, share_cores: bool, stale_old: str, stale_tis_cap: float, capsys
+    method: str,
+    share_cores: bool,
+    stale_old: str,
+    stale_tis_cap: float,
+    start_after_updates: int,
+    capsys,
 ) -> None:
     """Each benchmark method's file stack (recipe, then its overrides) parses through the CLI,
     and the override's keys arrive in the resolved config on top of configs/one_step_off.yaml."""
@@ -159,4 +165,5 @@ def test_smollm2_curve_method_configs_resolve(
     sampling = cfg["data"]["init_args"]["dynamic_sampling"]
     correction = cfg["model"]["init_args"]["loss"]["rollout_correction"]
     assert (sampling["pipeline"], sampling["share_cores"]) == ("one_step_off", share_cores)
+    assert sampling["start_after_updates"] == start_after_updates
     assert (correction["stale_old"], correction["stale_tis_cap"]) == (stale_old, stale_tis_cap)

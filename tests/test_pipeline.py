@@ -8,6 +8,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from _length_reward import EvenLengthReward
 from test_datamodule import ToyModule, scripted_dm, straight_and_resumed, trainer
 
 from dapo_lightning.batch import RolloutBatch
@@ -52,13 +53,15 @@ def token_log_probs(policy, weights, batch: RolloutBatch) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
 
 
-def hf_dm(path, engine_kwargs=None, **dynamic_sampling):
+def hf_dm(path, engine_kwargs=None, reward="arithmetic", **dynamic_sampling):
     settings = dict(n=2, train_batch_size=2, filter_metric=None, carry_over=False)
     settings.update(dynamic_sampling)
     return DAPODataModule(
         str(path),
-        reward="arithmetic",
-        scoring=ScoringConfig(reward_kwargs={"strict": False}, in_process=True),
+        reward=reward,
+        scoring=ScoringConfig(
+            reward_kwargs={"strict": False} if reward == "arithmetic" else None, in_process=True
+        ),
         engine="hf",
         engine_kwargs=engine_kwargs,
         sampling=SamplingConfig(max_tokens=4),
@@ -233,6 +236,77 @@ def test_every_update_trains_on_one_step_old_groups_with_the_independent_tis_wei
         got, _ = correction_weights(old, behaviour, mask, correction)
         assert torch.allclose(got[mask], expected[mask], atol=1e-5)
         assert (expected[mask] != 1.0).any()  # the weights move off 1: the step corrects
+
+
+def test_a_late_start_samples_with_the_weights_after_that_many_updates(tiny_checkpoint, tmp_path):
+    """``start_after_updates: 1`` with 2 updates per rollout step: each batch after the first is
+    sampled with the weights right after the first update of the step before (version 2k - 1,
+    pinned by the HF engine's log-probs against those weights), one version fresher than at
+    the hand-over; the step itself still corrects them as stale."""
+    from dapo_lightning.callbacks import DAPOCallback
+
+    from dapo_lightning import BatchingConfig, DAPOModule
+
+    module = DAPOModule(
+        str(tiny_checkpoint),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
+        batching=BatchingConfig(mini_batch_size=2, ppo_epochs=2, micro_batch_size=8),
+        parity_check_every=0,
+    )  # 2 updates per rollout step, each on both groups
+    after_update: dict[int, dict[str, torch.Tensor]] = {}
+    batches: list[tuple[int, RolloutBatch]] = []
+
+    class Recorder(DAPOCallback):
+        def on_train_start(self, trainer, pl_module):
+            after_update[0] = {k: v.clone() for k, v in pl_module.policy.state_dict().items()}
+
+        def on_dapo_update(self, trainer, pl_module, metrics):
+            weights = {k: v.detach().clone() for k, v in pl_module.policy.state_dict().items()}
+            after_update[pl_module.policy_version] = weights
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            batches.append((pl_module.policy_version, batch))
+
+    dm = hf_dm(tiny_checkpoint, reward=EvenLengthReward(), start_after_updates=1, **PIPELINED)
+    assert dm.dynamic_sampling.start_after_updates == 1
+    trainer(tmp_path, 8, callbacks=[Recorder()]).fit(module, datamodule=dm)  # 4 rollout steps
+    probe = ChangingModule(tiny_checkpoint).policy
+    assert [version for version, _ in batches] == [0, 2, 4, 6]
+    handover_gaps = []
+    for step, (version, batch) in enumerate(batches):
+        sampled_with = max(version - 1, 0)  # after the first update of the step before
+        assert batch.sample_version.tolist() == [sampled_with] * batch.batch_size
+        mask = batch.response_mask.bool()
+        expected = token_log_probs(probe, after_update[sampled_with], batch)
+        assert (expected - batch.rollout_log_probs)[mask].abs().max().item() < 1e-4, step
+        if step:  # the weights of the hand-over, one update earlier
+            handover = token_log_probs(probe, after_update[version - 2], batch)
+            handover_gaps.append((handover - batch.rollout_log_probs)[mask].abs().max().item())
+    # (an update whose groups each have equal rewards leaves the weights as they were)
+    assert sum(gap > 1e-3 for gap in handover_gaps) >= 2, handover_gaps
+
+
+def test_a_late_start_falls_back_to_the_step_end_and_resumes_exactly(tiny_checkpoint, tmp_path):
+    """A step with fewer updates than ``start_after_updates`` starts the next batch at its
+    end (the ToyModule publishes once a step: every batch sampled with the newest weights, as
+    sync), and the run resumes on the same batches."""
+    dm = scripted_dm(tiny_checkpoint, carry_over=False, start_after_updates=2, **PIPELINED)
+    module = ToyModule(tiny_checkpoint)
+    trainer(tmp_path, 4).fit(module, datamodule=dm)
+    assert [s[0] for s in module.seen] == [s[1] for s in module.seen] == [0, 1, 2, 3]
+    kw = dict(carry_over=True, gen_batch_size=6, start_after_updates=2, **PIPELINED)
+    full_module, full_dm, first_dm, resumed_module, resumed_dm, _ = straight_and_resumed(
+        tiny_checkpoint, tmp_path / "resume", **kw
+    )
+    assert resumed_module.seen == full_module.seen[2:]
+    assert first_dm.drawn_log + resumed_dm.drawn_log == full_dm.drawn_log
+
+
+def test_a_late_start_needs_the_one_step_off_pipeline():
+    with pytest.raises(ConfigError, match=r"start_after_updates=2 .* set pipeline: one_step_off"):
+        DynamicSamplingConfig(start_after_updates=2)
+    with pytest.raises(ConfigError, match=r"start_after_updates must be an integer >= 0"):
+        DynamicSamplingConfig(pipeline="one_step_off", start_after_updates=-1)
 
 
 def test_an_engine_device_needs_an_own_copy(tiny_checkpoint, tmp_path):

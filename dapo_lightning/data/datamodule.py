@@ -342,7 +342,7 @@ class DAPODataModule(pl.LightningDataModule):
     def publish_policy(self, handle: PolicyHandle) -> None:
         """Sample from now on with ``handle``'s weights, stamped with its version: the engine
         session pushes them at the next generation (waking a sleep-mode engine first)."""
-        self._ready("publishing a policy").policy_handle = handle
+        self._ready("publishing a policy").publish(handle)
 
     def rewind_rollout_batch(self) -> None:
         """Put the producer and the engine's RNG back to before the last

@@ -88,6 +88,13 @@ class DynamicSamplingConfig:
             counts then follow the timing, and some reductions (bf16 autocast's) round
             differently on another count: a run repeats to rounding, not bit for bit. False:
             a fixed split, bit-exact runs and resumes.
+        start_after_updates: With ``one_step_off``, the next batch starts generating after
+            this many of the current step's optimizer updates instead of at the hand-over (0,
+            default), with the weights after them: its samples are that many policy versions
+            fresher, and the update runs alone (on all the cores) until then. Worth it where
+            generation beside the rest of the update still ends before it (the trainer then
+            never waits: ``time/trainer_wait_s``); a step with fewer updates starts the batch
+            when it ends, as sync does.
 
     Raises:
         ValueError: a setting out of range, named with the fix.
@@ -108,10 +115,18 @@ class DynamicSamplingConfig:
     min_gen_batch_size: int = 1
     pipeline: Pipeline = "sync"
     share_cores: bool = True
+    start_after_updates: int = 0
 
     def __post_init__(self) -> None:
         path = DYNAMIC_SAMPLING_PATH
         check_choice(f"{path}.pipeline", self.pipeline, ("sync", "one_step_off"))
+        check_count(f"{path}.start_after_updates", self.start_after_updates, 0, "updates")
+        if self.start_after_updates and self.pipeline != "one_step_off":
+            raise ConfigError(
+                f"{path}.start_after_updates={self.start_after_updates} delays the one-step-off "
+                f"rollout thread; with pipeline={self.pipeline!r} every batch starts after its "
+                "step: set pipeline: one_step_off or start_after_updates: 0."
+            )
         check_choice(f"{path}.filter_metric", self.filter_metric, ("acc", "score", "reward", None))
         check_choice(f"{path}.on_exhausted", self.on_exhausted, ("train_on_kept", "stop", "error"))
         check_choice(f"{path}.round_sizing", self.round_sizing, ("fixed", "kept_frac"))

@@ -17,8 +17,13 @@ policy, token TIS capped at ``loss.rollout_correction.stale_tis_cap``, or the ch
 ``rollout_correction`` mode. Carried-over groups older than ``max_staleness`` policy versions
 are regenerated, never trained on.
 
+Where generation is the shorter phase, the rollout thread can start later with fresher weights:
+with ``start_after_updates: j`` the batch starts at the publish after the ``j``-th update of
+step ``k`` (the module publishes after every update), so its samples are ``j`` versions fresher
+and the update runs alone until then; a step with fewer updates starts it at its end.
+
 Determinism: the weights of a batch are fixed when it starts (the engine never switches weights
-inside a batch), so with ``share_cores: false`` a run is the same whatever the timing; with
+inside a batch, and it starts after a fixed number of updates), so with ``share_cores: false`` a run is the same whatever the timing; with
 ``share_cores`` (default) the update's thread count follows the timing
 (:mod:`~dapo_lightning.shared_cores`) and a run repeats to rounding. Checkpoints and validation
 first let the batch in flight finish: the checkpoint holds it (and the producer's state after it), so a
@@ -46,6 +51,7 @@ import torch.distributed as dist
 
 from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.checks import ConfigError
+from dapo_lightning.contract import PolicyHandle
 from dapo_lightning.data.dynamic_sampling import DYNAMIC_SAMPLING_PATH, DynamicSamplingConfig
 from dapo_lightning.data.legacy_checkpoints import legacy_ready_batch
 from dapo_lightning.data.producer import RolloutProducer
@@ -75,6 +81,8 @@ class OneStepOffStream(RolloutStream):
         drawn_log: Where the uids drawn at each step are appended (logging, tests).
         cores: How the update and the rollout thread share the cores (None: the rollout
             thread runs on one thread and the update keeps its own).
+        start_after: Policy versions (the step's updates) published after the hand-over
+            before the next batch starts (0: at the hand-over; ``start_after_updates``).
     """
 
     def __init__(
@@ -83,9 +91,12 @@ class OneStepOffStream(RolloutStream):
         producer: RolloutProducer,
         drawn_log: list[list[str]],
         cores: SharedCores | None = None,
+        start_after: int = 0,
     ) -> None:
         super().__init__(session, producer, drawn_log)
-        self.cores = cores
+        self.cores, self.start_after = cores, start_after
+        #: The next batch, not started yet: (dropped prompts, the version at the hand-over).
+        self._pending: tuple[int, int] | None = None
         self._executor: ThreadPoolExecutor | None = None
         #: The batch in flight (None when none is).
         self._future: Future | None = None
@@ -107,6 +118,8 @@ class OneStepOffStream(RolloutStream):
         """The next batch (waiting for the one in flight; its uids appended to ``drawn_log``
         now, in step order), then the start of the one after with the weights published now."""
         started = time.perf_counter()
+        if self._pending is not None:  # the step made fewer than start_after updates
+            self._submit(self._pending[0])
         if self.ready is None and self._future is None:
             self._submit(dropped_prompts)  # the first batch (or the first after a stop)
         finished_before = self._finished_at
@@ -120,12 +133,23 @@ class OneStepOffStream(RolloutStream):
         )
         self.drawn_log.append(uids)
         self._handed = (batch, uids, super().state_dict())
-        self._submit(dropped_prompts)
+        if self.start_after:
+            self._pending = (dropped_prompts, self.version)  # started by publish()
+        else:
+            self._submit(dropped_prompts)
         return batch
+
+    def publish(self, handle: PolicyHandle) -> None:
+        """Take ``handle``; start the pending batch once ``start_after`` versions were
+        published since the hand-over (on the main thread, between two updates)."""
+        super().publish(handle)
+        if self._pending is not None and handle.version - self._pending[1] >= self.start_after:
+            self._submit(self._pending[0])
 
     def _submit(self, dropped_prompts: int) -> None:
         """Start the next batch with the weights published now, pushed from this thread (a
         collective when the policy is sharded; the rollout thread is idle)."""
+        self._pending = None
         version = self.version
         self.session.engine  # noqa: B018 - built here, on the main thread (vLLM's start-up)
         self.session.sync(version)
@@ -169,7 +193,10 @@ class OneStepOffStream(RolloutStream):
 
     def quiesce(self) -> None:
         """Let the batch in flight finish and keep it as :attr:`ready` (before validation and
-        checkpoints: the engine is free, the producer's state is the one after it)."""
+        checkpoints: the engine is free, the producer's state is the one after it); a batch
+        not started yet starts now, with the weights published last."""
+        if self._pending is not None:
+            self._submit(self._pending[0])
         future, self._future = self._future, None
         if future is not None:
             self.ready = self._wait(future)  # raises: the producer is back at its start
@@ -177,6 +204,7 @@ class OneStepOffStream(RolloutStream):
     def rewind(self) -> None:
         """A stop undid the update of the batch handed over last: abandon the batch in flight
         and hand the last batch over again, the producer back to the state after it."""
+        self._pending = None
         future, self._future = self._future, None
         if future is not None:
             try:
@@ -285,5 +313,7 @@ def make_stream(
     usable = usable_cores()
     cores = SharedCores(torch.get_num_threads(), usable, lend=sampling.share_cores)
     share_cores(cores)
-    log.info("pipeline one_step_off: %s (%d usable cores)", cores.line(), usable)
-    return OneStepOffStream(session, producer, drawn_log, cores=cores)
+    start = sampling.start_after_updates
+    later = f"; each batch starts after {start} updates of the step before" if start else ""
+    log.info("pipeline one_step_off: %s (%d usable cores)%s", cores.line(), usable, later)
+    return OneStepOffStream(session, producer, drawn_log, cores=cores, start_after=start)

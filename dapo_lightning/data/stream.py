@@ -49,6 +49,10 @@ class RolloutStream:
             )
         return self.policy_handle.policy
 
+    def publish(self, handle: PolicyHandle) -> None:
+        """Sample from now on with ``handle``'s weights, stamped with its version."""
+        self.policy_handle = handle
+
     @property
     def version(self) -> int:
         """The version of the published weights (0 before any)."""
