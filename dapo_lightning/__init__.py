@@ -27,6 +27,7 @@ from dapo_lightning.contract import PolicyHandle, RolloutChannel, RolloutSpec
 from dapo_lightning.data import (
     DAPODataModule,
     DynamicSamplingConfig,
+    OneStepOffConfig,
     PromptConfig,
     PromptSelectionConfig,
     RolloutBatch,
@@ -73,6 +74,7 @@ __all__ = [
     "DAPODataModule",
     "DAPOModule",
     "DynamicSamplingConfig",
+    "OneStepOffConfig",
     "EngineCapabilities",
     "EngineSession",
     "GroupStats",

@@ -308,10 +308,8 @@ class DAPOModule(LightningModule):
         return batch_log_probs(model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def publish_policy(self) -> None:
-        """The one call that hands the data side the weights to sample with and their version.
-        Made at the start of training and of each validation, after each optimizer update,
-        and after each rollout step's updates (``on_train_batch_end``, after every callback's,
-        so a rollback is included)."""
+        """The one call that hands the data side the weights to sample with and their version
+        (:mod:`~dapo_lightning.contract` says when it is made)."""
         if self.channel is not None:
             self.channel.publish_policy(PolicyHandle(self.policy, self.policy_version))
 
@@ -374,8 +372,7 @@ class DAPOModule(LightningModule):
         self.updater.before_optimizer_step(optimizer)
 
     def _on_update(self, metrics: dict[str, float]) -> None:
-        """After each update: ``update/*`` at ``global_step`` (rank 0), ``on_dapo_update``,
-        then the new weights published (a one-step-off batch may start with them)."""
+        """After each update: ``update/*`` at ``global_step`` (rank 0), ``on_dapo_update``, publish."""
         if self.trainer.is_global_zero:
             for logger in self.loggers:
                 logger.log_metrics(

@@ -164,6 +164,7 @@ def test_smollm2_curve_method_configs_resolve(
     cfg = print_config(capsys, *(str(ROOT / f) for f in files))
     sampling = cfg["data"]["init_args"]["dynamic_sampling"]
     correction = cfg["model"]["init_args"]["loss"]["rollout_correction"]
-    assert (sampling["pipeline"], sampling["share_cores"]) == ("one_step_off", share_cores)
-    assert sampling["start_after_updates"] == start_after_updates
+    settings = sampling["one_step_off"]
+    assert (sampling["pipeline"], settings["share_cores"]) == ("one_step_off", share_cores)
+    assert settings["start_after_updates"] == start_after_updates
     assert (correction["stale_old"], correction["stale_tis_cap"]) == (stale_old, stale_tis_cap)

@@ -13,7 +13,7 @@ from test_datamodule import ToyModule, scripted_dm, straight_and_resumed, traine
 
 from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.checks import ConfigError
-from dapo_lightning.data import DAPODataModule, DynamicSamplingConfig
+from dapo_lightning.data import DAPODataModule, DynamicSamplingConfig, OneStepOffConfig
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.data.pipeline import OneStepOffStream, check_pipeline
 from dapo_lightning.rollout import SamplingConfig
@@ -267,8 +267,8 @@ def test_a_late_start_samples_with_the_weights_after_that_many_updates(tiny_chec
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             batches.append((pl_module.policy_version, batch))
 
-    dm = hf_dm(tiny_checkpoint, reward=EvenLengthReward(), start_after_updates=1, **PIPELINED)
-    assert dm.dynamic_sampling.start_after_updates == 1
+    late = OneStepOffConfig(start_after_updates=1)
+    dm = hf_dm(tiny_checkpoint, reward=EvenLengthReward(), one_step_off=late, **PIPELINED)
     trainer(tmp_path, 8, callbacks=[Recorder()]).fit(module, datamodule=dm)  # 4 rollout steps
     probe = ChangingModule(tiny_checkpoint).policy
     assert [version for version, _ in batches] == [0, 2, 4, 6]
@@ -290,11 +290,12 @@ def test_a_late_start_falls_back_to_the_step_end_and_resumes_exactly(tiny_checkp
     """A step with fewer updates than ``start_after_updates`` starts the next batch at its
     end (the ToyModule publishes once a step: every batch sampled with the newest weights, as
     sync), and the run resumes on the same batches."""
-    dm = scripted_dm(tiny_checkpoint, carry_over=False, start_after_updates=2, **PIPELINED)
+    late = OneStepOffConfig(start_after_updates=2)
+    dm = scripted_dm(tiny_checkpoint, carry_over=False, one_step_off=late, **PIPELINED)
     module = ToyModule(tiny_checkpoint)
     trainer(tmp_path, 4).fit(module, datamodule=dm)
     assert [s[0] for s in module.seen] == [s[1] for s in module.seen] == [0, 1, 2, 3]
-    kw = dict(carry_over=True, gen_batch_size=6, start_after_updates=2, **PIPELINED)
+    kw = dict(carry_over=True, gen_batch_size=6, one_step_off=late, **PIPELINED)
     full_module, full_dm, first_dm, resumed_module, resumed_dm, _ = straight_and_resumed(
         tiny_checkpoint, tmp_path / "resume", **kw
     )
@@ -303,10 +304,27 @@ def test_a_late_start_falls_back_to_the_step_end_and_resumes_exactly(tiny_checkp
 
 
 def test_a_late_start_needs_the_one_step_off_pipeline():
-    with pytest.raises(ConfigError, match=r"start_after_updates=2 .* set pipeline: one_step_off"):
-        DynamicSamplingConfig(start_after_updates=2)
-    with pytest.raises(ConfigError, match=r"start_after_updates must be an integer >= 0"):
-        DynamicSamplingConfig(pipeline="one_step_off", start_after_updates=-1)
+    with pytest.raises(ConfigError, match=r"one_step_off.start_after_updates=2 .* set pipeline"):
+        DynamicSamplingConfig(one_step_off={"start_after_updates": 2})
+    with pytest.raises(ConfigError, match=r"one_step_off.start_after_updates must be an integer"):
+        DynamicSamplingConfig(pipeline="one_step_off", one_step_off={"start_after_updates": -1})
+    with pytest.raises(ConfigError, match=r"one_step_off is a group of settings"):
+        DynamicSamplingConfig(one_step_off=True)
+
+
+def test_a_flat_share_cores_of_an_older_checkpoint_loads_into_its_group():
+    """A ``DynamicSamplingConfig`` pickled before the one-step-off settings were grouped (a
+    flat ``share_cores``) unpickles with them in ``one_step_off``."""
+    import pickle
+
+    config = DynamicSamplingConfig(pipeline="one_step_off")
+    legacy = {k: v for k, v in vars(config).items() if k != "one_step_off"}
+    legacy["share_cores"] = False
+    old = DynamicSamplingConfig.__new__(DynamicSamplingConfig)
+    old.__dict__.update(legacy)  # the instance as an older release pickled it
+    loaded = pickle.loads(pickle.dumps(old))
+    assert loaded.one_step_off == OneStepOffConfig(share_cores=False, start_after_updates=0)
+    assert "share_cores" not in vars(loaded)
 
 
 def test_an_engine_device_needs_an_own_copy(tiny_checkpoint, tmp_path):

@@ -227,7 +227,7 @@ def test_the_start_up_line_says_how_the_cores_are_shared(monkeypatch, capsys, sh
     monkeypatch.setattr(run_setup, "usable_cores", lambda: 2)
     sampling = Namespace(pipeline="one_step_off")
     if share is not None:
-        sampling.share_cores = share
+        sampling.one_step_off = Namespace(share_cores=share)
     config = Namespace(threads=2, data=Namespace(init_args=Namespace(dynamic_sampling=sampling)))
     run_setup.choose_run_threads(config, None)
     line = capsys.readouterr().err.strip()

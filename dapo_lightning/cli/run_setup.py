@@ -127,7 +127,8 @@ def choose_run_threads(config: Namespace, to_create: tuple[str, Path] | None) ->
         raise ConfigError(str(error)) from None
     line = choice.line()
     if _sampling_setting(config, "pipeline") == "one_step_off":  # as the data module will
-        lend = _sampling_setting(config, "share_cores") is not False
+        settings = _sampling_setting(config, "one_step_off")
+        lend = _setting(settings, "share_cores") is not False
         line += (
             f"; pipeline one_step_off: {SharedCores(choice.threads, usable_cores(), lend).line()}"
         )
@@ -138,10 +139,15 @@ def choose_run_threads(config: Namespace, to_create: tuple[str, Path] | None) ->
 def _sampling_setting(config: Namespace, key: str) -> Any:
     """``data.init_args.dynamic_sampling.<key>`` of ``config`` (None when not set)."""
     data = (config.get("data") or Namespace()).get("init_args", Namespace())
-    sampling = data.get("dynamic_sampling") if isinstance(data, Namespace) else None
-    if isinstance(sampling, Namespace):
-        return sampling.get(key)
-    return getattr(sampling, key, None)
+    return _setting(data.get("dynamic_sampling") if isinstance(data, Namespace) else None, key)
+
+
+def _setting(group: Any, key: str) -> Any:
+    """``group``'s ``key``, whether ``group`` is a parsed Namespace, a dict or a dataclass
+    (None when not set)."""
+    if isinstance(group, (Namespace, dict)):
+        return group.get(key)
+    return getattr(group, key, None)
 
 
 def check_world_split(trainer: Trainer, datamodule: Any) -> None:

@@ -13,6 +13,7 @@ from dapo_lightning.data.difficulty import (
 from dapo_lightning.data.dynamic_sampling import DynamicSamplingConfig
 from dapo_lightning.data.end_game import DynamicSamplingError, TrainingComplete
 from dapo_lightning.data.metrics import validation_metrics
+from dapo_lightning.data.one_step_off import OneStepOffConfig
 from dapo_lightning.data.producer import RolloutProducer
 from dapo_lightning.data.rank_layout import RankLayout
 from dapo_lightning.data.rollout_groups import concat_rollouts, group_has_variance
@@ -38,6 +39,7 @@ __all__ = [
     "DynamicSamplingError",
     "EndOfTraining",
     "FieldMap",
+    "OneStepOffConfig",
     "PromptConfig",
     "PromptDataError",
     "PredictiveSelector",

@@ -41,6 +41,7 @@ from dapo_lightning.data.loading import (
     prompt_task,
     tokenize_prompt_sets,
 )
+from dapo_lightning.data.one_step_off import OneStepOffConfig
 from dapo_lightning.data.pipeline import check_pipeline, make_stream, rollout_process_group
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer
 from dapo_lightning.data.rank_layout import RankLayout
@@ -98,6 +99,7 @@ torch.serialization.add_safe_globals(
     [
         SamplingConfig,
         DynamicSamplingConfig,
+        OneStepOffConfig,
         PromptSelectionConfig,
         EnvironmentConfig,
         PromptConfig,

@@ -21,7 +21,8 @@ from dapo_lightning.data.difficulty import (
     DifficultyTracker,
     PromptSelectionConfig,
 )
-from dapo_lightning.data.legacy_checkpoints import group_legacy_selection
+from dapo_lightning.data.legacy_checkpoints import group_legacy_settings
+from dapo_lightning.data.one_step_off import ONE_STEP_OFF_PATH, OneStepOffConfig, as_one_step_off
 
 FilterMetric = Literal["acc", "score", "reward"] | None
 OnExhausted = Literal["train_on_kept", "stop", "error"]
@@ -82,19 +83,9 @@ class DynamicSamplingConfig:
             generated on a rollout thread while this step updates, with the weights from
             before this step's updates (one rollout step stale, corrected like carried-over
             groups; :mod:`~dapo_lightning.data.pipeline`).
-        share_cores: With ``one_step_off``, the update uses the rollout thread's cores while
-            that thread is idle, and the rollout thread the update's while the update waits
-            for its batch (default True: :mod:`~dapo_lightning.shared_cores`). The thread
-            counts then follow the timing, and some reductions (bf16 autocast's) round
-            differently on another count: a run repeats to rounding, not bit for bit. False:
-            a fixed split, bit-exact runs and resumes.
-        start_after_updates: With ``one_step_off``, the next batch starts generating after
-            this many of the current step's optimizer updates instead of at the hand-over (0,
-            default), with the weights after them: its samples are that many policy versions
-            fresher, and the update runs alone (on all the cores) until then. Worth it where
-            generation beside the rest of the update still ends before it (the trainer then
-            never waits: ``time/trainer_wait_s``); a step with fewer updates starts the batch
-            when it ends, as sync does.
+        one_step_off: With ``one_step_off``, the rollout thread's share of the cores and when
+            each batch starts: :class:`~dapo_lightning.data.one_step_off.OneStepOffConfig`; YAML
+            ``one_step_off: {share_cores: true, start_after_updates: 0}``.
 
     Raises:
         ValueError: a setting out of range, named with the fix.
@@ -114,18 +105,18 @@ class DynamicSamplingConfig:
     in_flight: bool = True
     min_gen_batch_size: int = 1
     pipeline: Pipeline = "sync"
-    share_cores: bool = True
-    start_after_updates: int = 0
+    one_step_off: OneStepOffConfig = field(default_factory=OneStepOffConfig)
 
     def __post_init__(self) -> None:
         path = DYNAMIC_SAMPLING_PATH
         check_choice(f"{path}.pipeline", self.pipeline, ("sync", "one_step_off"))
-        check_count(f"{path}.start_after_updates", self.start_after_updates, 0, "updates")
-        if self.start_after_updates and self.pipeline != "one_step_off":
+        object.__setattr__(self, "one_step_off", as_one_step_off(self.one_step_off))
+        start = self.one_step_off.start_after_updates
+        if start and self.pipeline != "one_step_off":
             raise ConfigError(
-                f"{path}.start_after_updates={self.start_after_updates} delays the one-step-off "
-                f"rollout thread; with pipeline={self.pipeline!r} every batch starts after its "
-                "step: set pipeline: one_step_off or start_after_updates: 0."
+                f"{ONE_STEP_OFF_PATH}.start_after_updates={start} delays the one-step-off "
+                f"rollout thread; with {path}.pipeline={self.pipeline!r} every batch starts "
+                "after its step: set pipeline: one_step_off or start_after_updates: 0."
             )
         check_choice(f"{path}.filter_metric", self.filter_metric, ("acc", "score", "reward", None))
         check_choice(f"{path}.on_exhausted", self.on_exhausted, ("train_on_kept", "stop", "error"))
@@ -207,9 +198,10 @@ class DynamicSamplingConfig:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle (``torch.load`` of a checkpoint's hyper-parameters); a config saved before
-        the prompt-selection settings were grouped is mapped onto ``selection``
-        (:func:`~dapo_lightning.data.legacy_checkpoints.group_legacy_selection`)."""
-        self.__dict__.update(group_legacy_selection(state))
+        the prompt-selection or one-step-off settings were grouped is mapped onto
+        ``selection`` and ``one_step_off``
+        (:func:`~dapo_lightning.data.legacy_checkpoints.group_legacy_settings`)."""
+        self.__dict__.update(group_legacy_settings(state))
 
 
 def as_selection(value: Any) -> PromptSelectionConfig:

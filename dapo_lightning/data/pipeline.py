@@ -18,16 +18,17 @@ policy, token TIS capped at ``loss.rollout_correction.stale_tis_cap``, or the ch
 are regenerated, never trained on.
 
 Where generation is the shorter phase, the rollout thread can start later with fresher weights:
-with ``start_after_updates: j`` the batch starts at the publish after the ``j``-th update of
-step ``k`` (the module publishes after every update), so its samples are ``j`` versions fresher
-and the update runs alone until then; a step with fewer updates starts it at its end.
+with ``one_step_off.start_after_updates: j`` the batch starts at the publish after the ``j``-th
+update of step ``k`` (the module publishes after every update), so its samples are ``j``
+versions fresher and the update runs alone until then; a step with fewer updates starts it at
+its end.
 
 Determinism: the weights of a batch are fixed when it starts (the engine never switches weights
-inside a batch, and it starts after a fixed number of updates), so with ``share_cores: false`` a run is the same whatever the timing; with
-``share_cores`` (default) the update's thread count follows the timing
-(:mod:`~dapo_lightning.shared_cores`) and a run repeats to rounding. Checkpoints and validation
-first let the batch in flight finish: the checkpoint holds it (and the producer's state after it), so a
-resumed run trains on the same batch and samples the next one with the same weights; a stop
+inside a batch, and it starts after a fixed number of updates), so with
+``one_step_off.share_cores: false`` a run is the same whatever the timing; with ``share_cores``
+(default) the update's thread count follows the timing (:mod:`~dapo_lightning.shared_cores`)
+and a run repeats to rounding. Checkpoints and validation first let the batch in flight finish:
+the checkpoint holds it (and the producer's state after it), so a resumed run trains on the same batch and samples the next one with the same weights; a stop
 that undoes step ``k`` gives batch ``k`` back to the checkpoint the same way.
 
 Threads, not a process: torch, the engines and the reward workers release the GIL while they
@@ -306,14 +307,15 @@ def make_stream(
 ) -> RolloutStream:
     """The rollout stream of ``sampling.pipeline``; one-step-off splits the cores between the
     update and the rollout thread (:class:`~dapo_lightning.shared_cores.SharedCores`; the
-    update takes the idle rollout thread's cores with ``sampling.share_cores``) and says so."""
+    update takes the idle rollout thread's cores with ``sampling.one_step_off.share_cores``) and says so."""
     if sampling.pipeline != "one_step_off":
         share_cores(None)
         return RolloutStream(session, producer, drawn_log)
     usable = usable_cores()
-    cores = SharedCores(torch.get_num_threads(), usable, lend=sampling.share_cores)
+    settings = sampling.one_step_off
+    cores = SharedCores(torch.get_num_threads(), usable, lend=settings.share_cores)
     share_cores(cores)
-    start = sampling.start_after_updates
+    start = settings.start_after_updates
     later = f"; each batch starts after {start} updates of the step before" if start else ""
     log.info("pipeline one_step_off: %s (%d usable cores)%s", cores.line(), usable, later)
     return OneStepOffStream(session, producer, drawn_log, cores=cores, start_after=start)
