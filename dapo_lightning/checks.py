@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "ConfigError",
+    "as_group",
     "check_count",
     "check_finite",
     "check_optimizer_settings",
@@ -55,6 +56,23 @@ def check_finite(name: str, value: Any, fix: str = "", *, none_ok: bool = False)
         raise ConfigError(
             f"{name}={value} is not finite." + (f" {fix}" if fix else " Give a finite number.")
         )
+
+
+Group = TypeVar("Group")
+
+
+def as_group(value: Any, group: type[Group], path: str, fix: str) -> Group:
+    """``value`` as the settings group ``group`` (a dataclass; a mapping of its fields is built
+    into one), e.g. ``dynamic_sampling.selection`` given in YAML.
+
+    Raises:
+        ConfigError: anything else, naming ``path`` and showing ``fix`` (how to write it).
+    """
+    if isinstance(value, group):
+        return value
+    if isinstance(value, dict):
+        return group(**value)
+    raise ConfigError(f"{path} is a group of settings, got {value!r}: write {fix}.")
 
 
 def check_count(name: str, value: Any, low: int, what: str, *, none_ok: bool = False) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from dapo_lightning.checks import ConfigError, check_choice, check_count
+from dapo_lightning.checks import ConfigError, as_group, check_choice, check_count
 from dapo_lightning.data.config import check_batch_split
 from dapo_lightning.data.difficulty import (
     SELECTION_PATH,
@@ -22,7 +22,7 @@ from dapo_lightning.data.difficulty import (
     PromptSelectionConfig,
 )
 from dapo_lightning.data.legacy_checkpoints import group_legacy_settings
-from dapo_lightning.data.one_step_off import ONE_STEP_OFF_PATH, OneStepOffConfig, as_one_step_off
+from dapo_lightning.data.one_step_off import ONE_STEP_OFF_PATH, OneStepOffConfig
 
 FilterMetric = Literal["acc", "score", "reward"] | None
 OnExhausted = Literal["train_on_kept", "stop", "error"]
@@ -110,7 +110,9 @@ class DynamicSamplingConfig:
     def __post_init__(self) -> None:
         path = DYNAMIC_SAMPLING_PATH
         check_choice(f"{path}.pipeline", self.pipeline, ("sync", "one_step_off"))
-        object.__setattr__(self, "one_step_off", as_one_step_off(self.one_step_off))
+        fix = "one_step_off: {share_cores: true, start_after_updates: 0}"
+        group = as_group(self.one_step_off, OneStepOffConfig, ONE_STEP_OFF_PATH, fix)
+        object.__setattr__(self, "one_step_off", group)
         start = self.one_step_off.start_after_updates
         if start and self.pipeline != "one_step_off":
             raise ConfigError(
@@ -205,21 +207,17 @@ class DynamicSamplingConfig:
 
 
 def as_selection(value: Any) -> PromptSelectionConfig:
-    """``value`` as a :class:`PromptSelectionConfig` (a mapping of its fields is built into one).
+    """``value`` as a :class:`PromptSelectionConfig` (:func:`~dapo_lightning.checks.as_group`).
 
     Raises:
         ConfigError: anything else, e.g. the former ``selection: uniform`` (now
             ``selection: {strategy: uniform}``).
     """
-    if isinstance(value, PromptSelectionConfig):
-        return value
-    if isinstance(value, dict):
-        return PromptSelectionConfig(**value)
-    raise ConfigError(
-        f"{SELECTION_PATH} is a group of settings, got {value!r}: write "
+    fix = (
         f"selection: {{strategy: {value}}} (max_skip, revisit_within, retire_after, park_after "
-        "and revisit_every moved into it too)."
+        "and revisit_every moved into it too)"
     )
+    return as_group(value, PromptSelectionConfig, SELECTION_PATH, fix)
 
 
 #: Where checkpoints written before this module was split from ``producer.py`` name the class

@@ -8,9 +8,8 @@ start_after_updates: 0}``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from dapo_lightning.checks import ConfigError, check_count
+from dapo_lightning.checks import check_count
 
 #: Where :class:`OneStepOffConfig` sits in a run's YAML (its errors name this path).
 ONE_STEP_OFF_PATH = "data.dynamic_sampling.one_step_off"
@@ -45,19 +44,3 @@ class OneStepOffConfig:
         check_count(
             f"{ONE_STEP_OFF_PATH}.start_after_updates", self.start_after_updates, 0, "updates"
         )
-
-
-def as_one_step_off(value: Any) -> OneStepOffConfig:
-    """``value`` as a :class:`OneStepOffConfig` (a mapping of its fields is built into one).
-
-    Raises:
-        ConfigError: anything else.
-    """
-    if isinstance(value, OneStepOffConfig):
-        return value
-    if isinstance(value, dict):
-        return OneStepOffConfig(**value)
-    raise ConfigError(
-        f"{ONE_STEP_OFF_PATH} is a group of settings, got {value!r}: write "
-        "one_step_off: {share_cores: true, start_after_updates: 0}."
-    )
