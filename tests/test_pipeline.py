@@ -242,7 +242,7 @@ def test_a_late_start_samples_with_the_weights_after_that_many_updates(tiny_chec
     """``start_after_updates: 1`` with 2 updates per rollout step: each batch after the first is
     sampled with the weights right after the first update of the step before (version 2k - 1,
     pinned by the HF engine's log-probs against those weights), one version fresher than at
-    the hand-over; the step itself still corrects them as stale."""
+    the hand-over."""
     from dapo_lightning.callbacks import DAPOCallback
 
     from dapo_lightning import BatchingConfig, DAPOModule

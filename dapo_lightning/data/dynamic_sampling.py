@@ -113,7 +113,7 @@ class DynamicSamplingConfig:
         fix = "one_step_off: {share_cores: true, start_after_updates: 0}"
         group = as_group(self.one_step_off, OneStepOffConfig, ONE_STEP_OFF_PATH, fix)
         object.__setattr__(self, "one_step_off", group)
-        start = self.one_step_off.start_after_updates
+        start = group.start_after_updates
         if start and self.pipeline != "one_step_off":
             raise ConfigError(
                 f"{ONE_STEP_OFF_PATH}.start_after_updates={start} delays the one-step-off "

@@ -4,8 +4,9 @@ A checkpoint keeps the data module's hyper-parameters as pickled objects (``torc
 ``weights_only`` and the allow-listed classes). Configs saved before prompt selection was its
 own group hold the flat keys of :data:`LEGACY_SELECTION_KEYS`, and those saved before the
 one-step-off settings were grouped a flat ``share_cores``; :func:`group_legacy_settings` moves
-them under ``selection`` and ``one_step_off``. A one-step-off checkpoint's batch in flight saved before
-``RolloutBatch.finish`` holds a ``truncated`` mask instead: :func:`legacy_ready_batch` maps it.
+them under ``selection`` and ``one_step_off``. A one-step-off checkpoint's batch in flight
+saved before ``RolloutBatch.finish`` holds a ``truncated`` mask instead:
+:func:`legacy_ready_batch` maps it.
 """
 
 from __future__ import annotations

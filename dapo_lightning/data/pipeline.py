@@ -28,8 +28,9 @@ inside a batch, and it starts after a fixed number of updates), so with
 ``one_step_off.share_cores: false`` a run is the same whatever the timing; with ``share_cores``
 (default) the update's thread count follows the timing (:mod:`~dapo_lightning.shared_cores`)
 and a run repeats to rounding. Checkpoints and validation first let the batch in flight finish:
-the checkpoint holds it (and the producer's state after it), so a resumed run trains on the same batch and samples the next one with the same weights; a stop
-that undoes step ``k`` gives batch ``k`` back to the checkpoint the same way.
+the checkpoint holds it (and the producer's state after it), so a resumed run trains on the
+same batch and samples the next one with the same weights; a stop that undoes step ``k`` gives
+batch ``k`` back to the checkpoint the same way.
 
 Threads, not a process: torch, the engines and the reward workers release the GIL while they
 compute, and a thread shares the process's memory, so the weights move by one copy into the
@@ -119,8 +120,7 @@ class OneStepOffStream(RolloutStream):
         """The next batch (waiting for the one in flight; its uids appended to ``drawn_log``
         now, in step order), then the start of the one after with the weights published now."""
         started = time.perf_counter()
-        if self._pending is not None:  # the step made fewer than start_after updates
-            self._submit(self._pending[0])
+        self._start_pending()  # the step made fewer than start_after updates
         if self.ready is None and self._future is None:
             self._submit(dropped_prompts)  # the first batch (or the first after a stop)
         finished_before = self._finished_at
@@ -145,6 +145,11 @@ class OneStepOffStream(RolloutStream):
         published since the hand-over (on the main thread, between two updates)."""
         super().publish(handle)
         if self._pending is not None and handle.version - self._pending[1] >= self.start_after:
+            self._start_pending()
+
+    def _start_pending(self) -> None:
+        """Start the batch that waits for ``start_after`` updates now (none waits: nothing)."""
+        if self._pending is not None:
             self._submit(self._pending[0])
 
     def _submit(self, dropped_prompts: int) -> None:
@@ -196,8 +201,7 @@ class OneStepOffStream(RolloutStream):
         """Let the batch in flight finish and keep it as :attr:`ready` (before validation and
         checkpoints: the engine is free, the producer's state is the one after it); a batch
         not started yet starts now, with the weights published last."""
-        if self._pending is not None:
-            self._submit(self._pending[0])
+        self._start_pending()
         future, self._future = self._future, None
         if future is not None:
             self.ready = self._wait(future)  # raises: the producer is back at its start
@@ -307,7 +311,8 @@ def make_stream(
 ) -> RolloutStream:
     """The rollout stream of ``sampling.pipeline``; one-step-off splits the cores between the
     update and the rollout thread (:class:`~dapo_lightning.shared_cores.SharedCores`; the
-    update takes the idle rollout thread's cores with ``sampling.one_step_off.share_cores``) and says so."""
+    update takes the idle rollout thread's cores with ``sampling.one_step_off.share_cores``)
+    and says so."""
     if sampling.pipeline != "one_step_off":
         share_cores(None)
         return RolloutStream(session, producer, drawn_log)
