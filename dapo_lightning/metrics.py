@@ -8,9 +8,12 @@ Each metric has one reduce operation, named where it is added:
 * ``sum``: ``sum_i x_i``;
 * ``max`` / ``min``: over all micro-batches and ranks.
 
-Reducing over ranks is three collectives (sum, max, min) whatever the number of metrics. Every
-rank must add the same names in the same order (add a metric with weight 0 on a rank that has
-nothing to say).
+Reducing over ranks is three collectives whatever the number of metrics: a check that every
+rank added the same names with the same ops in the same order (a fixed-size digest of them,
+:func:`names_digest`), the sums, and the maxima with the negated minima. A rank that has nothing
+to say adds the metric with weight 0; a metric added on some ranks only fails the reduce with
+:class:`MetricNamesMismatch` naming it and the ranks that lack it, on every rank, instead of a
+collective of mismatched sizes (a gloo abort, or a hang).
 
 Where it is used, and why not ``torchmetrics``: the metrics of every update and of every rollout
 step (about 45 a step, logged each step) are reduced here, because that measures cheaper: the
@@ -23,15 +26,54 @@ validation, uses ``torchmetrics`` the Lightning way
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from dapo_lightning.ranks import gather_objects
+
 ReduceOp = Literal["mean", "sum", "max", "min"]
 #: ``reduce(tensor, op)`` across ranks, op one of ``"sum"``, ``"max"``, ``"min"``.
 RankReduce = Callable[[Tensor, str], Tensor]
+
+
+class MetricNamesMismatch(RuntimeError):
+    """The ranks added different metric names (or ops, or orders) before one reduce."""
+
+
+def names_digest(entries: Sequence[str]) -> float:
+    """A 48-bit digest of ``entries`` (``name:op`` in order) as an exactly representable
+    float64: equal on two ranks iff (but for a 2^-48 chance) their lists are equal."""
+    digest = hashlib.blake2b("\n".join(entries).encode(), digest_size=6).digest()
+    return float(int.from_bytes(digest, "big"))
+
+
+def describe_mismatch(per_rank: Sequence[Sequence[str]]) -> str:
+    """The message of :class:`MetricNamesMismatch` for each rank's ``name:op`` list: the first
+    entry some ranks lack (and which), or the first position where the orders differ."""
+    union: list[str] = []
+    for entries in per_rank:
+        union += [e for e in entries if e not in union]
+    for entry in union:
+        lacking = [r for r, entries in enumerate(per_rank) if entry not in entries]
+        if lacking:
+            having = [r for r in range(len(per_rank)) if r not in lacking]
+            more = sum(any(e not in x for x in per_rank) for e in union) - 1
+            name, _, op = entry.rpartition(":")
+            return (
+                f"metric {name!r} (op {op}) was added on rank(s) {having} but not on rank(s) "
+                f"{lacking}" + (f" ({more} more differ)" if more > 0 else "") + ": every rank "
+                "must add the same metrics before a reduce; add it with weight 0 on a rank that "
+                "has nothing to say (a metric added under a rank-local condition is the usual "
+                "cause)."
+            )
+    return (
+        "the ranks added the same metrics in different orders (rank 0: "
+        f"{list(per_rank[0])[:5]}...): add them in one fixed order on every rank."
+    )
 
 
 class MetricAccumulator:
@@ -93,14 +135,14 @@ class MetricAccumulator:
             + [self._value[n] for n in by_op["sum"]],
             dtype=torch.float64,
         )
-        highs = torch.tensor([self._value[n] for n in by_op["max"]], dtype=torch.float64)
-        lows = torch.tensor([self._value[n] for n in by_op["min"]], dtype=torch.float64)
+        extremes = torch.tensor(
+            [self._value[n] for n in by_op["max"]] + [-self._value[n] for n in by_op["min"]],
+            dtype=torch.float64,
+        )
         if rank_reduce is not None:
-            sums, highs, lows = (
-                rank_reduce(sums, "sum"),
-                rank_reduce(highs, "max"),
-                rank_reduce(lows, "min"),
-            )
+            self.check_names(rank_reduce)
+            sums, extremes = rank_reduce(sums, "sum"), rank_reduce(extremes, "max")
+        highs, lows = extremes[: len(by_op["max"])], -extremes[len(by_op["max"]) :]
         k = len(by_op["mean"])
         out: dict[str, float] = {}
         for i, n in enumerate(by_op["mean"]):
@@ -111,3 +153,15 @@ class MetricAccumulator:
         out.update(zip(by_op["max"], highs.tolist()))
         out.update(zip(by_op["min"], lows.tolist()))
         return {n: out[n] for n in names}
+
+    def check_names(self, rank_reduce: RankReduce) -> None:
+        """Raise :class:`MetricNamesMismatch` on every rank unless every rank added the same
+        ``name:op`` entries in the same order (one fixed-size collective; on a mismatch the
+        lists are gathered to name what differs)."""
+        entries = [f"{n}:{op}" for n, op in self._ops.items()]
+        count, digest = float(len(entries)), names_digest(entries)
+        header = torch.tensor([count, digest, -count, -digest], dtype=torch.float64)
+        high = rank_reduce(header, "max").tolist()
+        if high[0] == count == -high[2] and high[1] == digest == -high[3]:
+            return
+        raise MetricNamesMismatch(describe_mismatch(gather_objects(entries)))

@@ -226,6 +226,11 @@ class StrategyAdapter:
             return bool(decision)
         return bool(self.strategy.reduce_boolean_decision(bool(decision), all=False))
 
+    def any_ranks(self, decisions: list[bool]) -> list[bool]:
+        """Each of ``decisions`` True when it is True on any rank (one collective for all)."""
+        flags = torch.tensor([float(d) for d in decisions], dtype=torch.float64)
+        return [bool(x) for x in self.reduce(flags, "max").tolist()]
+
     def backward(self, loss: Tensor, last: bool) -> None:
         """Backward of one micro-batch; gradients sync on the ``last`` one where allowed."""
         if self._trainer is None:

@@ -194,7 +194,12 @@ def micro_batch(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
 
 
 def behaviour_log_probs(
-    batch: RolloutBatch, old: Tensor | None, stale: Tensor, correction: RolloutCorrection
+    batch: RolloutBatch,
+    old: Tensor | None,
+    stale: Tensor,
+    correction: RolloutCorrection,
+    *,
+    stale_on_any_rank: bool | None = None,
 ) -> tuple[Tensor, RolloutCorrection] | None:
     """``(log-probs the correction weight divides by, the correction)``
     (:mod:`~dapo_lightning.rollout_correction`).
@@ -204,6 +209,11 @@ def behaviour_log_probs(
     and ``old`` on fresh ones, whose weight is then exactly 1. None when nothing is corrected.
     A demonstration's row (``batch.demonstrated``: nothing sampled it) takes ``old`` either
     way: its weight is 1.
+
+    ``stale_on_any_rank`` is whether any rank holds a stale sampled row (None: this rank's
+    ``stale``): a rank without one then corrects too, every weight exactly 1, so that every
+    rank computes and reduces the same correction metrics (a rank-local decision made the
+    ranks reduce metric vectors of different lengths: issue 53).
     """
     engine = batch.rollout_log_probs
     demonstrated = batch.demonstrated
@@ -217,7 +227,9 @@ def behaviour_log_probs(
         return engine, correction
     cap = correction.stale_tis_cap
     stale = stale & ~demonstrated
-    if cap is None or not bool(stale.any()) or old is None:
+    if stale_on_any_rank is None:
+        stale_on_any_rank = bool(stale.any())
+    if cap is None or not stale_on_any_rank or old is None:
         return None
     rows = torch.where(stale[:, None], engine.to(old.dtype), old)
     return rows, token_truncation(cap)

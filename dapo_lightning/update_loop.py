@@ -205,11 +205,16 @@ class UpdateLoop:
         the stale-sample correction of this rollout step."""
         stale = batch.sample_version < self.policy_version
         demonstrated = batch.demonstrated  # no engine sampled them
+        # decided over all ranks: a rank-local decision runs other collectives (the old
+        # log-probs' forward) and adds other metrics (the correction's) on each rank
+        any_stale, any_demonstrated = self.ranks.any_ranks(
+            [bool((stale & ~demonstrated).any()), bool(demonstrated.any())]
+        )
         exact_old = (
             len(self.mini_batches(batch.num_groups)) > 1
             or self.batching.ppo_epochs > 1
-            or bool(stale.any())
-            or bool(demonstrated.any())
+            or any_stale
+            or any_demonstrated
             or has_dropout(self.policy)
         )
         old = self.old_log_probs(batch) if exact_old else None
@@ -219,7 +224,9 @@ class UpdateLoop:
         return StepTensors(
             advantages=self.advantages(batch),
             old_log_probs=old,
-            behaviour=behaviour_log_probs(batch, old, stale, self.loss.rollout_correction),
+            behaviour=behaviour_log_probs(
+                batch, old, stale, self.loss.rollout_correction, stale_on_any_rank=any_stale
+            ),
             parity_logp=torch.zeros_like(batch.rollout_log_probs, dtype=self.logp_dtype()),
         )
 

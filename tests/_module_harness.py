@@ -31,13 +31,18 @@ RESPONSE_LENGTHS = [1, 40, 3, 2, 35, 1, 5, 30, 2, 1, 28, 4, 6, 1, 33, 2]
 NUM_GROUPS, GROUP_SIZE = 4, 4
 
 
-def fixed_batch(seed: int = 0) -> RolloutBatch:
-    return make_random_rollout_batch(
+def fixed_batch(seed: int = 0, stale_groups: tuple[int, ...] = ()) -> RolloutBatch:
+    """The fixed batch; ``stale_groups`` were sampled by policy version -1 (stale from the
+    first update on: the stale-sample correction applies to them)."""
+    batch = make_random_rollout_batch(
         num_groups=NUM_GROUPS,
         group_size=GROUP_SIZE,
         response_lengths=RESPONSE_LENGTHS,
         seed=seed,
     )
+    for group in stale_groups:
+        batch.sample_version[batch.group_index == group] = -1
+    return batch
 
 
 class FixedBatches(LightningDataModule):
@@ -84,10 +89,12 @@ def fit_update(
     strategy: str | None = None,
     batch_seed: int = 0,
     batching: dict[str, Any] | None = None,
+    stale_groups: tuple[int, ...] = (),
     **module_kwargs: Any,
 ) -> tuple[dict[str, torch.Tensor], DAPOModule]:
     """Fit ``steps`` rollout steps on the fixed batch; returns (parameter delta, module).
-    ``batching`` holds BatchingConfig fields besides ``micro_batch_size``."""
+    ``batching`` holds BatchingConfig fields besides ``micro_batch_size``; ``stale_groups``:
+    :func:`fixed_batch`'s."""
     torch.manual_seed(0)
     kwargs = dict(
         optimizer=sgd,
@@ -111,7 +118,9 @@ def fit_update(
     )
     recorder = UpdateRecorder()
     trainer.callbacks.append(recorder)
-    trainer.fit(module, datamodule=FixedBatches(fixed_batch(batch_seed), steps=steps))
+    trainer.fit(
+        module, datamodule=FixedBatches(fixed_batch(batch_seed, tuple(stale_groups)), steps=steps)
+    )
     module.recorded_updates = recorder.updates
     from dapo_lightning.weights import full_named_tensors
 

@@ -8,7 +8,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dapo_lightning.metrics import MetricAccumulator
+from dapo_lightning.metrics import (
+    MetricAccumulator,
+    MetricNamesMismatch,
+    describe_mismatch,
+    names_digest,
+)
 from dapo_lightning.testing import free_port
 
 
@@ -59,6 +64,20 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         acc.add("tis_min", 1.0 - 0.5 * rank, op="min")
         acc.add("tokens", 1000.0 if rank == 0 else 10.0, op="sum")
         torch.save(acc.reduce(rank_reduce), os.path.join(out_dir, f"rank{rank}.pt"))
+        errors = []
+        # rank 0 alone adds two correction metrics (issue 53's crash); then the same names in
+        # two orders. Each reduce must fail on both ranks, then the next one works again.
+        for extra in (["tis_weight_mean", "tis_masked_frac"], "swap"):
+            bad = MetricAccumulator()
+            names = ["entropy", "loss"] if extra == "swap" and rank == 0 else ["loss", "entropy"]
+            for name in names + (extra if rank == 0 and extra != "swap" else []):
+                bad.add(name, 1.0)
+            try:
+                bad.reduce(rank_reduce)
+                errors.append(None)
+            except MetricNamesMismatch as error:
+                errors.append(str(error))
+        torch.save(errors, os.path.join(out_dir, f"errors{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -73,6 +92,24 @@ def test_rank_mean_is_token_weighted(tmp_path):
         assert out == pytest.approx(
             {"entropy": 10 / 1010, "ratio_max": 2.0, "tis_min": 0.5, "tokens": 1010.0}
         )
+        missing, order = torch.load(tmp_path / f"errors{rank}.pt")
+        assert missing.startswith(
+            "metric 'tis_weight_mean' (op mean) was added on rank(s) [0] but not on rank(s) [1] "
+            "(1 more differ)"
+        )
+        assert "in different orders" in order and "'entropy:mean'" in order
+
+
+def test_names_digest_and_the_mismatch_message_in_one_process():
+    """The digest tells lists apart by content and order; the message names the first entry
+    some ranks lack, and a reduce over one process always passes the check."""
+    assert names_digest(["a:mean", "b:max"]) != names_digest(["b:max", "a:mean"])
+    assert names_digest(["a:mean"]) == names_digest(["a:mean"]) < 2**48
+    message = describe_mismatch([["a:mean"], ["a:mean", "x/y:max"], ["a:mean", "x/y:max"]])
+    assert message.startswith("metric 'x/y' (op max) was added on rank(s) [1, 2] but not on ")
+    acc = MetricAccumulator()
+    acc.add("a", 2.0, op="max")
+    assert acc.reduce(lambda t, op: t.clone()) == {"a": 2.0}
 
 
 # ------------------------------------------------------------------ validation (torchmetrics)

@@ -152,6 +152,25 @@ def test_reinforce_baseline_std_is_global_over_ranks(tiny_checkpoint, tmp_path):
     assert max_rel_diff(one, two) <= 1e-5
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_stale_groups_on_one_rank_only_give_the_single_process_update(tiny_checkpoint, tmp_path):
+    """Issue 53: rank 0 alone holds stale groups (group 0, version -1). Every rank must still
+    compute the old log-probs and the stale correction (weights exactly 1 on rank 1's fresh
+    rows) and reduce the same metrics: the update equals the single-process one, whose stale
+    correction does change it (the negative control), and the correction's metrics are logged."""
+    one, module = fit_update(str(tiny_checkpoint), micro_batch_size=3, stale_groups=(0,))
+    fresh, _ = fit_update(str(tiny_checkpoint), micro_batch_size=3)
+    assert max_rel_diff(one, fresh) > 1e-3  # the correction changes this update
+    two = two_rank_update(tiny_checkpoint, tmp_path, 3, stale_groups=[0])
+    assert max_rel_diff(one, two) <= 1e-5
+    (update,) = torch.load(str(tmp_path / "delta.pt") + ".updates")
+    (single,) = module.recorded_updates
+    for name in ("tis_weight_mean", "tis_weight_min", "sampling/importance_sampling_ratio/max"):
+        assert update[name] == pytest.approx(single[name], rel=1e-5), name
+    assert update["tis_weight_min"] < 1.0  # the stale rows were truncated somewhere
+
+
 def test_module_has_no_temperature_of_its_own(tiny_checkpoint):
     """The sampling temperature is the data's, carried by each batch: a module temperature
     that could disagree with it does not exist."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from dapo_lightning.checkpoint import CheckpointDiskFullError, NonFiniteCheckpointError
 from dapo_lightning.checks import ConfigError
+from dapo_lightning.metrics import MetricNamesMismatch
 from dapo_lightning.run_lock import RunDirLockedError
 from dapo_lightning.step_guard import NonFiniteUpdatesError
 
@@ -24,6 +25,7 @@ ONE_LINE_ERRORS: tuple[tuple[tuple[type[BaseException], ...], int], ...] = (
             CheckpointDiskFullError,
             NonFiniteCheckpointError,
             NonFiniteUpdatesError,
+            MetricNamesMismatch,
         ),
         1,
     ),
