@@ -280,16 +280,68 @@ def test_round_stops_as_soon_as_the_failed_share_passes_max_failure_frac():
     runner = RewardRunner(
         HangingReward(), timeout_s=1.0, num_workers=2, chunk_size=1, mp_context="fork"
     )
+    # every other response hangs: results in between, so the failures count against the share
+    # (not STRIKES_IN_A_ROW)
+    responses = ["HANG" if i % 2 == 0 else "1" for i in range(40)]
     try:
         assert [r.acc for r in runner.score(["1", "2"], ["1", "2"])] == [True, True]
         t0 = time.monotonic()
-        with pytest.raises(RewardFailureError, match=r"40 of 40 responses") as info:
-            runner.score(["HANG"] * 40, ["1"] * 40)
+        with pytest.raises(RewardFailureError, match=r"of 40 responses") as info:
+            runner.score(responses, ["1"] * 40)
         elapsed = time.monotonic() - t0
     finally:
         runner.close()
     assert re.search(r"scoring stopped after [56] of 40 failed", str(info.value))  # > 4
     assert elapsed < 3 * 1.0 + 8.0, elapsed
+
+
+@pytest.mark.timeout(240)
+def test_worker_reward_that_starts_hanging_mid_run_fails_the_round_within_three_timeouts(capfd):
+    """Issue 53 item 1: a reward that scored, then hangs on everything (2 workers, 256 samples,
+    chunks of 16): each chunk waited 16 x timeout_s, then every sample one by one, until the
+    round's budget ran out (8.7 minutes at timeout_s 3). Now a chunk's limit follows the pace
+    seen (:func:`chunk_limit_s`) and 2 fresh jobs per worker timing out in a row fail the
+    round: within 3 x timeout_s (fork: the restarts take milliseconds), with one line said."""
+    runner = RewardRunner(HangingReward(), timeout_s=1.0, num_workers=2, mp_context="fork")
+    try:
+        assert [r.acc for r in runner.score(["1", "2"], ["1", "2"])] == [True, True]
+        t0 = time.monotonic()
+        with pytest.raises(RewardFailureError, match=r"256 of 256 responses") as info:
+            runner.score(["HANG"] * 256, ["1"] * 256)
+        elapsed = time.monotonic() - t0
+    finally:
+        runner.close()
+    assert "4 fresh jobs in a row since its last result" in str(info.value), info.value
+    assert elapsed < 3 * 1.0 + 2.0, elapsed
+    said = capfd.readouterr().err
+    assert said.count("scoring: reward HangingReward timed out on 16 response(s)") == 1, said
+
+
+@pytest.mark.timeout(240)
+def test_one_hanging_group_mid_run_fails_only_its_own_responses():
+    """Issue 53 item 1, the other side: 8 adjacent responses (one prompt's group) that hang
+    after the reward scored do not stop the round (their chunk's samples are retried one by
+    one after the fresh chunks, and those retries count against max_failure_frac only)."""
+    runner = RewardRunner(
+        HangingReward(), timeout_s=0.5, num_workers=2, max_failure_frac=0.2, mp_context="fork"
+    )
+    responses = ["HANG" if 16 <= i < 24 else "1" for i in range(64)]
+    try:
+        assert [r.acc for r in runner.score(["1"], ["1"])] == [True]
+        res = runner.score(responses, ["1"] * 64)
+    finally:
+        runner.close()
+    assert [i for i, r in enumerate(res) if not r.acc] == list(range(16, 24))
+    assert runner.last_failures == 8
+
+
+def test_chunk_limit_follows_the_pace_and_never_exceeds_one_timeout_per_sample():
+    """A chunk's limit: timeout_s before a score, then timeout_s plus 3x the pace, capped."""
+    from dapo_lightning.rewards.base import chunk_limit_s
+
+    assert chunk_limit_s(3.0, 16, None) == 3.0
+    assert chunk_limit_s(3.0, 16, 0.01) == pytest.approx(3.0 + 3 * 16 * 0.01)
+    assert chunk_limit_s(3.0, 16, 2.0) == 48.0
 
 
 @pytest.mark.timeout(240)

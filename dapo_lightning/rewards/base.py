@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ __all__ = [
     "ROUND_SLACK_S",
     "STOP_POLL_S",
     "STRIKES_BEFORE_FIRST_SCORE",
+    "STRIKES_IN_A_ROW",
     "WORKER_START_S",
     "RewardFailureError",
     "RewardFunction",
@@ -52,6 +54,7 @@ __all__ = [
     "check_picklable",
     "check_reward_output",
     "check_reward_settings",
+    "chunk_limit_s",
     "failure_result",
     "round_budget_s",
 ]
@@ -63,8 +66,18 @@ ROUND_SLACK_S = 5.0
 STOP_POLL_S = 0.25
 #: Timeouts or worker deaths per worker after which a reward that has not scored one sample
 #: yet is taken to fail on every input: the round stops (about 2 x timeout_s, not one timeout
-#: per sample). Once the reward has scored, failures count one by one against the share.
+#: per sample).
 STRIKES_BEFORE_FIRST_SCORE = 2
+#: The same count, per worker, once the reward has scored: timeouts or worker deaths *in a row*
+#: (no result in between) of fresh jobs (samples not yet in a failed job; a failed chunk's
+#: samples are retried one by one after every fresh job) stop the round: a reward that starts
+#: hanging mid-run fails in about 2 x timeout_s plus one restart of the workers, not after the
+#: round's budget. Failures of retried samples count one by one against ``max_failure_frac``
+#: (one group of adversarial responses never stops a round).
+STRIKES_IN_A_ROW = STRIKES_BEFORE_FIRST_SCORE
+#: A chunk's limit once the reward has scored (:func:`chunk_limit_s`): ``timeout_s`` plus this
+#: many times the chunk's expected time at the slowest pace seen.
+PACE_MARGIN = 3.0
 
 Worker = ProcessWorker | ThreadWorker
 
@@ -93,6 +106,20 @@ def round_budget_s(
     return timeout_s * share + ROUND_SLACK_S + 2.0 * start_s
 
 
+def chunk_limit_s(timeout_s: float, size: int, pace_s: float | None) -> float:
+    """Seconds a job of ``size`` samples may take: ``timeout_s`` before the reward has scored
+    (``pace_s`` None), then ``timeout_s + PACE_MARGIN * size * pace_s`` (``pace_s``: the
+    slowest seconds per sample of a job that scored), at most ``size * timeout_s``.
+
+    A chunk past its limit is retried one sample at a time (each with ``timeout_s``), so a
+    tight chunk limit never fails a sample that is within its own; it bounds how long a hang
+    goes unnoticed (a fast reward's chunk of 16 waited ``16 x timeout_s`` for a hang).
+    """
+    if pace_s is None:
+        return timeout_s
+    return min(size * timeout_s, timeout_s + PACE_MARGIN * size * pace_s)
+
+
 class _Round:
     """One round's state: results so far, the jobs left, failures, the wall deadline."""
 
@@ -105,12 +132,20 @@ class _Round:
         self.failures = 0
         self.jobs = 0
         self.deadline: float | None = None
+        self.retried: set[int] = set()  # samples of a failed job (retried one by one)
+        self.warned = False  # the line about a timeout was printed
+
+    def fresh(self, idx: list[int]) -> bool:
+        """True when no sample of ``idx`` was in a failed job before."""
+        return self.retried.isdisjoint(idx)
 
     def fail(self, idx: list[int], reason: str, reward: Any) -> None:
-        """A job failed: a single sample fails, a chunk is retried one sample at a time (one
-        bad sample never fails its neighbours)."""
+        """A job failed: a single sample fails, a chunk is retried one sample at a time after
+        the fresh jobs (one bad sample never fails its neighbours; fresh jobs first tell a
+        reward that hangs on everything from one bad group)."""
         if len(idx) > 1:
-            self.pending.extendleft([i] for i in reversed(idx))  # next: isolate the bad one
+            self.retried.update(idx)
+            self.pending.extend([i] for i in idx)
         else:
             self.results[idx[0]] = failure_result(reward, reason)
             self.failures += 1
@@ -135,12 +170,14 @@ class RewardRunner:
         max_failure_frac: Largest share of a round that may fail: the round stops as soon as
             more has failed (the rest counts as failed) and :class:`RewardFailureError` is
             raised; failures below it score ``reward.failure_score``.
-        chunk_size: Most samples sent to a worker per call (its time limit is ``timeout_s`` per
-            sample, or ``timeout_s`` for the call until the reward has scored once); a chunk
-            that fails or times out is retried one sample at a time. A reward that has not
-            scored one sample and hangs or kills its worker
-            :data:`STRIKES_BEFORE_FIRST_SCORE` times per worker fails the round at once (about
-            ``2 * timeout_s``). A round also has a wall budget (:func:`round_budget_s`).
+        chunk_size: Most samples sent to a worker per call (its time limit:
+            :func:`chunk_limit_s`); a chunk that fails or times out is retried one sample at a
+            time, after the fresh chunks. A reward that hangs or kills its worker
+            :data:`STRIKES_BEFORE_FIRST_SCORE` times per worker before its first score, or on
+            :data:`STRIKES_IN_A_ROW` fresh jobs per worker in a row after it, fails the round
+            at once (about ``2 * timeout_s`` plus a restart of the workers; the first such
+            failure of a round prints one line). A round also has a wall budget
+            (:func:`round_budget_s`).
             A stop request (SIGTERM) kills the workers and raises
             :class:`~dapo_lightning.interrupt.StopRequested` within ``STOP_POLL_S``.
         in_process: Call the reward on one thread of this process (no pickling; for trusted,
@@ -183,7 +220,9 @@ class RewardRunner:
         self.total_failures = 0
         #: True once the reward returned a result (until then a call's limit is timeout_s).
         self.scored_once = False
-        self._strikes = 0  # timeouts and worker deaths before the first score
+        #: Slowest seconds per sample of a job that scored (:func:`chunk_limit_s`).
+        self.pace_s: float | None = None
+        self._strikes = 0  # timeouts and worker deaths since the last result (of fresh jobs)
         self._last_strike = ""
 
     # ------------------------------------------------------------------ public
@@ -304,7 +343,7 @@ class RewardRunner:
         idx = rnd.pending.popleft()
         msg = (rnd.jobs, [responses[i] for i in idx], [gts[i] for i in idx])
         w.conn.send((*msg, self._kw(extra_kwargs, idx)))
-        limit = self.timeout_s * (len(idx) if self.scored_once else 1)
+        limit = chunk_limit_s(self.timeout_s, len(idx), self.pace_s)
         w.job = (rnd.jobs, idx, time.monotonic(), limit)
         rnd.jobs += 1
 
@@ -324,6 +363,12 @@ class RewardRunner:
                 rnd,
                 f"not scored: the reward has not scored one response and timed out or ended its "
                 f"worker {self._strikes} times (the last: {self._last_strike})",
+            )
+        elif self._strikes >= STRIKES_IN_A_ROW * self.num_workers:
+            self._give_up(
+                rnd,
+                f"not scored: the reward timed out or ended its worker on {self._strikes} fresh "
+                f"jobs in a row since its last result (the last: {self._last_strike})",
             )
 
     def _give_up(self, rnd: _Round, reason: str) -> None:
@@ -371,11 +416,15 @@ class RewardRunner:
             self.worker_start_s = now - w.started
             return
         _, status, payload = msg
-        idx, w.job = w.job[1] if w.job is not None else [], None
+        job, w.job = w.job, None
+        idx = job[1] if job is not None else []
         if status == "ok":
             for i, r in zip(idx, check_reward_output(payload, len(idx), self.reward)):
                 rnd.results[i] = r
             self.scored_once = True
+            self._strikes = 0
+            if job is not None and idx:
+                self.pace_s = max(self.pace_s or 0.0, (now - job[2]) / len(idx))
         elif idx:
             last = (str(payload).strip().splitlines() or [""])[-1]  # the exception's line
             rnd.fail(idx, f"error: {last[-300:]}", self.reward)
@@ -387,9 +436,28 @@ class RewardRunner:
         w.kill()
         self._workers.remove(w)
         if job is not None:
-            self._strikes += 0 if self.scored_once else 1
-            self._last_strike = reason
+            if not self.scored_once or rnd.fresh(job[1]):
+                self._strikes += 1
+                self._last_strike = reason
+            self._say_restart(rnd, job, reason)
             rnd.fail(job[1], reason, self.reward)
+
+    def _say_restart(self, rnd: _Round, job: tuple[int, list[int], float, float], why: str) -> None:
+        """Print one line per round, at its first lost job: what happened and what comes next
+        (the wait for a restarted worker process can be long)."""
+        if rnd.warned:
+            return
+        rnd.warned = True
+        what = "timed out" if why == "timeout" else "failed"
+        restart = "restarting its worker" if not self.in_process else "abandoning its thread"
+        print(
+            f"scoring: reward {type(self.reward).__name__} {what} on {len(job[1])} response(s) "
+            f"({why}; limit {job[3]:.0f} s, data.scoring.timeout_s={self.timeout_s:g}); "
+            f"{restart} and retrying; the round fails after "
+            f"{STRIKES_IN_A_ROW * self.num_workers} such failures in a row.",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _budget(self, n: int) -> float:
         return round_budget_s(self.timeout_s, n, self.num_workers, self.worker_start_s)
