@@ -1,7 +1,9 @@
 """The CLI's error contract: a bad configuration is one ``dapo-lightning: error:`` line and exit
 status 2, wherever it is found (a class's constructor, Lightning's Trainer, a check before the
-fit); a stop the library reports in one line (a held run directory, a full disk, non-finite
-weights) exits 1 the same way; anything else is a traceback and exit status 1.
+fit), and so is a reward or environment of the config that fails a round (too many responses or
+episodes failed: it raised, hung past its timeout or returned garbage; the message names the
+settings to fix); a stop the library reports in one line (a held run directory, a full disk,
+non-finite weights) exits 1 the same way; anything else is a traceback and exit status 1.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from collections.abc import Callable
 
 from dapo_lightning.checkpoint import CheckpointDiskFullError, NonFiniteCheckpointError
 from dapo_lightning.checks import ConfigError
+from dapo_lightning.envs.runner import EnvironmentFailureError
 from dapo_lightning.metrics import MetricNamesMismatch
+from dapo_lightning.rewards.results import RewardFailureError
 from dapo_lightning.run_lock import RunDirLockedError
 from dapo_lightning.step_guard import NonFiniteUpdatesError
 
 #: Errors printed as one line: (exception types, exit status).
 ONE_LINE_ERRORS: tuple[tuple[tuple[type[BaseException], ...], int], ...] = (
-    ((ConfigError,), 2),
+    ((ConfigError, RewardFailureError, EnvironmentFailureError), 2),
     (
         (
             RunDirLockedError,

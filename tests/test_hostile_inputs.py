@@ -1,0 +1,75 @@
+"""Issue 53 part 3, the hostile-input catalogue: inputs that still ended a run with a traceback,
+exit 1, a silent wait or the wrong words. Each test drives the real CLI (in this process through
+its entry point where it can, in a subprocess where the exit status of the process is the
+point) on the tiny model, with real rewards, environments, signals and checkpoints."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.test_bad_inputs import assert_one_error_line, fit_config, fit_main
+
+
+# ------------------------------------------- item 1: a reward that starts hanging mid-run
+@pytest.mark.timeout(300)
+def test_reward_hanging_mid_run_is_one_error_line_exit_2_with_a_line_while_it_waits(
+    tiny_checkpoint, tmp_path, capfd
+):
+    """A reward that scored update 1, then hangs: the run said nothing for minutes, then exit
+    1 with a traceback. Now one line says the timeout and the retry, and the round fails within
+    3 x timeout_s + 30 s as one ``error:`` line naming the fix, exit 2."""
+    config = fit_config(tmp_path, tiny_checkpoint)
+    reward = {
+        "class_path": "_hanging_reward.HangsAfterCalls",
+        "init_args": {"marker": str(tmp_path / "marker.txt"), "ok_calls": 1},
+    }
+    t0 = time.monotonic()
+    code, err = fit_main(
+        [
+            f"--config={config}",
+            f"--data.reward={reward}",
+            "--data.scoring.timeout_s=1",
+            "--trainer.max_steps=3",
+        ],
+        capfd,
+    )
+    elapsed = time.monotonic() - t0
+    assert_one_error_line(code, err, "failed to score with HangsAfterCalls", "timeout_s")
+    assert "scoring: reward HangsAfterCalls timed out" in err, err[-3000:]
+    assert elapsed < 3 * 1 + 30, elapsed
+
+
+# ----------------------------------------- item 3: an environment that fails every episode
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ("_hostile.ResetRaises", "tool server down"),
+        ("_hostile.StepReturnsStr", "str"),
+        ("_hostile.StepSleeps", "timeout"),
+    ],
+    ids=["reset-raises", "step-returns-str", "step-sleeps"],
+)
+def test_environment_failing_every_episode_is_one_error_line_exit_2(
+    tiny_checkpoint, tmp_path, capfd, env, fragment
+):
+    """Exit 1 with a traceback (the message itself was clear); now one line, exit 2."""
+    config = fit_config(tmp_path, tiny_checkpoint)
+    environment = (
+        f'{{"name": "{env}", "kwargs": {{}}, "max_turns": 2, "call_timeout_s": 0.5, '
+        '"add_instructions": false}'
+    )
+    # the random model ends its turns on a third of the byte tokens: the environment is called
+    stops = f"{{eos_token_id: {[1, *range(100, 190)]}}}"
+    code, err = fit_main(
+        [
+            f"--config={config}",
+            f"--data.environment={environment}",
+            f"--data.engine_kwargs={stops}",
+            "--data.sampling.max_tokens=8",
+        ],
+        capfd,
+    )
+    assert_one_error_line(code, err, "episodes failed in the environment", fragment)
