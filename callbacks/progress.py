@@ -27,7 +27,7 @@ from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
 from dapo_lightning.checks import check_count
-from dapo_lightning.interrupt import StopRequested, stop_requested
+from dapo_lightning.interrupt import AbortRequested, StopRequested, stop_requested
 
 #: What the bar and the plain lines show: (label, metric name, format).
 STEP_FIELDS: tuple[tuple[str, str, str], ...] = (
@@ -76,8 +76,8 @@ def validation_line(trainer: pl.Trainer, metrics: dict[str, Any]) -> str | None:
 
 def stop_reason(trainer: pl.Trainer, exception: BaseException | None = None) -> str:
     """Why ``fit`` ended: the exception, a stop request, a callback's reason, or the limit hit."""
-    if isinstance(exception, KeyboardInterrupt):
-        return "interrupted (KeyboardInterrupt)"
+    if isinstance(exception, (KeyboardInterrupt, AbortRequested)):
+        return "interrupted (Ctrl-C twice: aborted at once)"
     if isinstance(exception, StopRequested):
         return str(exception)
     if exception is not None:

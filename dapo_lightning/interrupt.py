@@ -15,7 +15,7 @@ The run guard then saves and the command exits with ``128 + signal number`` (143
 "Stopping and resuming").
 
 :func:`install_stop_handlers` installs the handlers: the first SIGTERM or SIGINT requests the
-stop; a second SIGINT (Ctrl-C pressed again) raises ``KeyboardInterrupt`` at once, abandoning
+stop; a second SIGINT (Ctrl-C pressed again) raises :class:`AbortRequested` at once, abandoning
 the update under way; a second SIGTERM is ignored (the first one is being honoured).
 """
 
@@ -30,6 +30,18 @@ from types import FrameType
 from typing import Any
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+
+class AbortRequested(BaseException):
+    """Raised by a second SIGINT (Ctrl-C pressed again): the update under way is abandoned.
+
+    Not a ``KeyboardInterrupt``: Lightning's ``fit`` turns one into exit status 1 (the race of
+    issue 53: 130 or 1, by whether the second Ctrl-C came inside ``fit``); :func:`exit_on_stop`
+    turns this one into 130 wherever it is raised.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("Ctrl-C pressed again: aborted at once")
 
 
 class StopRequested(Exception):
@@ -110,7 +122,7 @@ def _handle(signum: int, frame: FrameType | None) -> None:
     name = signal.Signals(signum).name
     if _reason is not None:
         if signum == signal.SIGINT:
-            raise KeyboardInterrupt  # pressed again: abandon the update under way
+            raise AbortRequested  # pressed again: abandon the update under way
         return
     request_stop(name)
     again = "; press Ctrl-C again to abort at once" if signum == signal.SIGINT else ""
@@ -184,7 +196,8 @@ def reassert_stop_handlers() -> None:
 @contextlib.contextmanager
 def exit_on_stop() -> Iterator[None]:
     """Exit with :func:`exit_code` when the block was stopped by a stop request: a
-    :class:`StopRequested` or Lightning's ``SIGTERMException`` raised out of it, or a stop
+    :class:`StopRequested` or Lightning's ``SIGTERMException`` raised out of it (130 for an
+    :class:`AbortRequested` or a ``KeyboardInterrupt``: Ctrl-C twice), or a stop
     recorded while it ran and honoured at a clean point (``trainer.should_stop``). The request
     is cleared on the way out.
 
@@ -201,6 +214,9 @@ def exit_on_stop() -> Iterator[None]:
     except SIGTERMException:
         clear_stop_request()
         raise SystemExit(exit_code("SIGTERM")) from None
+    except (AbortRequested, KeyboardInterrupt):  # Ctrl-C twice, or once with no handler
+        clear_stop_request()
+        raise SystemExit(exit_code("SIGINT")) from None
     reason = stop_requested()
     if reason is not None:
         clear_stop_request()

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests._harness import ARITHMETIC_RUN, run_cli, write_run_config
 from tests.test_bad_inputs import assert_one_error_line, fit_config, fit_main
 
 
@@ -73,3 +74,21 @@ def test_environment_failing_every_episode_is_one_error_line_exit_2(
         capfd,
     )
     assert_one_error_line(code, err, "episodes failed in the environment", fragment)
+
+
+# ------------------------------------------------------------ item 4: Ctrl-C twice exits 130
+@pytest.mark.timeout(300)
+def test_ctrl_c_twice_inside_fit_exits_130(tiny_checkpoint, tmp_path):
+    """Ctrl-C twice exited 1 once in 7 tries: when the second SIGINT arrived while ``fit`` ran,
+    its ``KeyboardInterrupt`` met Lightning's handler, which exits 1. Here both arrive inside
+    ``fit`` (a callback sends them): exit 130, the stop said, no traceback."""
+    config = write_run_config(
+        tmp_path / "fit.yaml",
+        tmp_path / "run",
+        tiny_checkpoint,
+        base=ARITHMETIC_RUN,
+        trainer={"max_steps": 3, "callbacks": [{"class_path": "_hostile.CtrlCTwice"}]},
+    )
+    proc = run_cli("fit", f"--config={config}", timeout=240)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "SIGINT received" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -282,7 +282,9 @@ def test_stop_reasons():
         )
     finally:
         interrupt.clear_stop_request()
-    assert stop_reason(trainer, KeyboardInterrupt()) == "interrupted (KeyboardInterrupt)"
+    assert (
+        stop_reason(trainer, KeyboardInterrupt()) == "interrupted (Ctrl-C twice: aborted at once)"
+    )
     assert stop_reason(trainer, ValueError("bad value\ndetails")) == "error: ValueError: bad value"
     assert stop_reason(trainer, MemoryError()) == "error: MemoryError"
 
