@@ -66,9 +66,14 @@ def find_metrics_csvs(run_dir: str | Path) -> list[Path]:
     newest ``metrics.csv`` is taken, a fit's before any ``validate`` log (module docstring).
 
     Raises:
-        FileNotFoundError: No ``metrics.csv`` under ``run_dir``.
+        FileNotFoundError: ``run_dir`` does not exist, or holds no ``metrics.csv``.
     """
     run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise FileNotFoundError(
+            f"{run_dir} does not exist: give the run directory of a fit (its "
+            "trainer.default_root_dir, e.g. runs/quickstart) or one of its metrics.csv files."
+        )
     if run_dir.is_file():
         return [run_dir]
     found = list(run_dir.rglob("metrics.csv"))
@@ -206,12 +211,16 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def plot_main(argv: list[str]) -> None:
-    """``dapo-lightning plot RUN_DIR [--out PNG]``: prints the PNG path; empty panels on stderr."""
+    """``dapo-lightning plot RUN_DIR [--out PNG]``: prints the PNG path; empty panels on stderr.
+    A missing or empty run directory is one ``error:`` line, exit status 2."""
     parser = argparse.ArgumentParser(prog="dapo-lightning plot", description=__doc__)
     parser.add_argument("run_dir", help="run directory (or a metrics.csv) of a fit")
     parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)
-    path = plot_run(args.run_dir, args.out)
+    try:
+        path = plot_run(args.run_dir, args.out)
+    except FileNotFoundError as err:
+        parser.exit(2, f"dapo-lightning plot: error: {err}\n")
     for title, names in missing_panels(read_run_metrics(args.run_dir)).items():
         print(f"panel {title!r}: none of {list(names)} was logged", file=sys.stderr)
     print(path)

@@ -92,3 +92,27 @@ def test_ctrl_c_twice_inside_fit_exits_130(tiny_checkpoint, tmp_path):
     proc = run_cli("fit", f"--config={config}", timeout=240)
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert "SIGINT received" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+# ------------------------------------------- item 5: plot of a missing or empty folder
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [
+        (lambda tmp: tmp / "no-such-run", "no-such-run does not exist: give the run directory"),
+        (lambda tmp: tmp, "No metrics.csv under"),
+    ],
+    ids=["missing", "empty"],
+)
+def test_plot_of_a_missing_or_empty_folder_is_one_error_line_exit_2(
+    tmp_path, capfd, make, fragment
+):
+    """A FileNotFoundError traceback; now one ``error:`` line naming the folder, exit 2."""
+    from dapo_lightning.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["plot", str(make(tmp_path))])
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("dapo-lightning plot: error: "), err
+    assert fragment in lines[0], lines[0]
