@@ -18,6 +18,8 @@ resuming").
   command exits with 143 / 130. Lightning's own SIGTERM handling (``SIGTERMException`` at the end
   of the step, SLURM's requeue signal) keeps working: the guard's handler is composed into it.
   Ctrl-C twice abandons the update under way.
+* **SLURM's requeue signal** (SIGUSR1 under ``srun``; :mod:`dapo_lightning.slurm`): handled like
+  SIGTERM (no save inside Lightning's signal handler), then global rank 0 requeues the job.
 * **Any other exception** after training started: the state is saved if it is one that training
   reached between two optimizer updates (every hook outside ``optimizer.step``); not in the middle
   of an optimizer step, and on several ranks only for a stop every rank takes part in (a
@@ -75,6 +77,7 @@ from dapo_lightning.interrupt import (
     stop_requested,
 )
 from dapo_lightning.run_lock import RunDirLockedError, RunLock, check_run_dirs_writable
+from dapo_lightning.slurm import requeue_job, requeue_signal
 from dapo_lightning.step_guard import NonFiniteUpdatesError
 
 #: Exceptions every rank raises together: the state can be saved collectively.
@@ -111,6 +114,7 @@ class RunGuard(DAPOCallback):
         self._in_optimizer_step = False
         self._saved_step = -1
         self._stopping: str | None = None
+        self._requeue_on: str | None = None  # the name of SLURM's requeue signal, under srun
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -130,7 +134,9 @@ class RunGuard(DAPOCallback):
         self._configured_optim = optimizer_settings(trainer)
         self._started, self._stopping, self._in_optimizer_step = False, None, False
         clear_stop_request()
-        self._restore_signals = install_stop_handlers()
+        requeue = requeue_signal(trainer)
+        self._requeue_on = None if requeue is None else requeue.name
+        self._restore_signals = install_stop_handlers(() if requeue is None else (requeue,))
 
     @override
     def on_load_checkpoint(
@@ -196,6 +202,7 @@ class RunGuard(DAPOCallback):
             self._report(trainer, _last_path(checkpoint), why)
         else:
             self._save(trainer, checkpoint, why)
+        self._requeue_if_asked(trainer, self._stopping)
 
     @override
     def on_exception(
@@ -209,6 +216,7 @@ class RunGuard(DAPOCallback):
                 self._save(trainer, checkpoint, f"saved on {_describe(exception)}")
             elif why_not:
                 _say(trainer, f"{_describe(exception)}: {why_not}")
+            self._requeue_if_asked(trainer, stop_requested())
         finally:
             self._release()
 
@@ -289,6 +297,11 @@ class RunGuard(DAPOCallback):
             and bool(checkpoint.last_model_path)
         )
         return self._saved_step == trainer.global_step or by_checkpoint
+
+    def _requeue_if_asked(self, trainer: pl.Trainer, reason: str | None) -> None:
+        """After the save of a stop on SLURM's requeue signal: requeue the job (rank 0)."""
+        if reason is not None and reason == self._requeue_on and trainer.is_global_zero:
+            _say(trainer, requeue_job())
 
     def _stop_guarding(self) -> None:
         if self._restore_signals is not None:

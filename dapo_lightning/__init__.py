@@ -58,10 +58,14 @@ from dapo_lightning.rollout import (
 )
 from dapo_lightning.rollout_correction import RolloutCorrection
 from dapo_lightning.schedules import WarmupConstantLR, WarmupCosineLR
+from dapo_lightning.slurm import replace_srun_hint
 from dapo_lightning.strategy import StrategyAdapter
 from dapo_lightning.tasks import register_task
 from dapo_lightning.update import BatchingConfig, OptimizerStepConfig
 from dapo_lightning.update_loop import StepContext, UpdateLoop
+
+# Lightning's "srun is available but not used" hint on every local run where SLURM is installed
+replace_srun_hint()
 
 __version__ = "0.1.0"
 

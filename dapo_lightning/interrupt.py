@@ -113,6 +113,8 @@ def exit_code(reason: str | None) -> int:
 #: The handlers that were installed before :func:`install_stop_handlers` (while it is active).
 _previous: dict[int, Any] = {}
 _active = False
+#: The signals :func:`install_stop_handlers` handles now (:data:`STOP_SIGNALS` and its extra).
+_signals: tuple[signal.Signals, ...] = STOP_SIGNALS
 
 
 def _handle(signum: int, frame: FrameType | None) -> None:
@@ -141,9 +143,10 @@ def _call_previous(signum: int, frame: FrameType | None) -> None:
         os.kill(os.getpid(), signum)
 
 
-def install_stop_handlers() -> Callable[[], None]:
-    """Make SIGTERM / SIGINT request a stop (see the module docstring); returns a function that
-    puts the previous handlers back. Does nothing outside the main thread (Python delivers
+def install_stop_handlers(extra: tuple[signal.Signals, ...] = ()) -> Callable[[], None]:
+    """Make SIGTERM / SIGINT (and the ``extra`` signals: SLURM's requeue signal, see
+    :mod:`dapo_lightning.slurm`) request a stop (see the module docstring); returns a function
+    that puts the previous handlers back. Does nothing outside the main thread (Python delivers
     signals only there).
 
     Lightning composes an existing SIGTERM handler into its own while ``fit`` runs and puts it
@@ -158,10 +161,11 @@ def install_stop_handlers() -> Callable[[], None]:
         finally:
             restore()
     """
-    global _active
+    global _active, _signals
     if threading.current_thread() is not threading.main_thread() or _active:
         return lambda: None
-    for sig in STOP_SIGNALS:
+    _signals = (*STOP_SIGNALS, *extra)
+    for sig in _signals:
         current = signal.getsignal(sig)
         if current is not _handle:  # ours, left behind by a previous run: keep what it replaced
             _previous[sig] = current
@@ -189,7 +193,7 @@ def reassert_stop_handlers() -> None:
     (seen with 2 FSDP2 ranks). Ours only records the request; the ranks agree at clean points.
     """
     if _active and threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
+        for sig in _signals:
             signal.signal(sig, _handle)
 
 

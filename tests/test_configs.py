@@ -277,7 +277,8 @@ def test_sbatch_launch_line_follows_the_allocation(tmp_path):
     line = proc.stdout.strip()
     assert "job 123 restart 1" in line
     assert line.endswith(
-        "srun .venv/bin/dapo-lightning fit --config configs/dapo_qwen2.5_32b.yaml "
+        "srun --kill-on-bad-exit=1 --ntasks-per-node=4 .venv/bin/dapo-lightning fit "
+        "--config configs/dapo_qwen2.5_32b.yaml "
         "--trainer.num_nodes 2 --trainer.devices 4 --ckpt_path auto --trainer.max_steps 32"
     )
     missing = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True)

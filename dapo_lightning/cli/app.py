@@ -44,6 +44,7 @@ from dapo_lightning.data.datamodule import DAPODataModule
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.precision import resolve_trainer_precision
 from dapo_lightning.run_lock import check_run_dirs_writable
+from dapo_lightning.slurm import array_task_run, check_task_count
 
 
 class DAPOLightningCLI(LightningCLI):
@@ -90,6 +91,13 @@ class DAPOLightningCLI(LightningCLI):
             "OMP_NUM_THREADS / MKL_NUM_THREADS, when set, win over auto "
             "(dapo_lightning/threads.py).",
         )
+        parser.add_argument(
+            "--seed_per_array_task",
+            type=bool,
+            default=False,
+            help="In a SLURM job array (sbatch --array): seed_everything = SLURM_ARRAY_TASK_ID and "
+            "the run directory trainer.default_root_dir/seed_<id> (slurm/dapo.sbatch sets it).",
+        )
         parser.link_arguments(
             "model.init_args.model_name_or_path", "data.init_args.model_name_or_path"
         )
@@ -99,10 +107,21 @@ class DAPOLightningCLI(LightningCLI):
         """Nothing: on a resume the config applies (LightningCLI would overwrite the model's
         arguments with the checkpoint's; the RunGuard prints what differs instead)."""
 
+    def _set_seed(self) -> None:
+        """As LightningCLI does, after ``--seed_per_array_task`` set the seed and run directory
+        of this job array task (:func:`~dapo_lightning.slurm.array_task_run`)."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        task = array_task_run(config.trainer.get("default_root_dir"))
+        if config.get("seed_per_array_task") and task is not None:
+            config.seed_everything, config.trainer.default_root_dir = task
+        super()._set_seed()
+
     def before_instantiate_classes(self) -> None:  # noqa: D102
         config = self.config[self.subcommand] if self.subcommand else self.config
         resolve_run_paths(config)
         trainer = config.get("trainer")
+        if isinstance(trainer, Namespace):  # under srun: one task per rank
+            check_task_count(trainer.get("devices"), trainer.get("num_nodes"))
         if isinstance(trainer, Namespace):  # precision: auto -> bf16-mixed | 32-true
             trainer.precision = resolve_trainer_precision(
                 trainer.get("precision"), trainer.get("accelerator", "auto")

@@ -1,0 +1,117 @@
+"""What a run does differently under SLURM (docs/cluster.md, "Tested under SLURM").
+
+* **The requeue signal** (``--signal=USR1@90``, ``scancel --signal=USR1``): Lightning's
+  ``SLURMEnvironment`` saves ``hpc_ckpt_<n>.ckpt`` inside its signal handler, wherever the
+  signal lands: in the middle of an update, and on several ranks as a collective save that meets
+  whatever collective the other ranks are in. Here the signal is a stop request like SIGTERM
+  (:func:`requeue_signal` says which signal, :mod:`dapo_lightning.interrupt` records it): the
+  ranks stop together at the next clean point, :class:`~dapo_lightning.callbacks.RunGuard`
+  saves ``last.ckpt``, then global rank 0 runs ``scontrol requeue`` (:func:`requeue_job`) and the
+  command exits with 138 (128 + SIGUSR1). The requeued job's ``--ckpt_path auto`` resumes there.
+* **Task counts**: under ``srun`` the tasks are the ranks; :func:`check_task_count` refuses a
+  ``trainer.devices x trainer.num_nodes`` that disagrees, before anything is built.
+* **Job arrays**: :func:`array_task_run` gives each task of ``sbatch --array`` its own seed and
+  run directory (``--seed_per_array_task``, which ``slurm/dapo.sbatch`` passes).
+* **Outside SLURM**: on a machine with SLURM's client tools, Lightning warns on every
+  ``Trainer`` built outside ``srun`` ("The `srun` command is available on your system but is not
+  used"), also for a local run that has nothing to do with SLURM. :func:`replace_srun_hint`
+  says it once in our words, and only inside a SLURM job (where a missing ``srun`` is the likely
+  mistake).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+from lightning.fabric.plugins.environments.slurm import SLURMEnvironment, _is_srun_used
+
+from dapo_lightning.checks import ConfigError
+
+
+def requeue_signal(trainer: Any) -> signal.Signals | None:
+    """The signal on which Lightning would save and requeue this fit (SIGUSR1 by default), or
+    None when the fit does not run under ``srun`` with ``auto_requeue``."""
+    environment = trainer._accelerator_connector.cluster_environment
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+        return environment.requeue_signal
+    return None
+
+
+def job_id() -> str | None:
+    """This job's id for ``scontrol`` (``<array job>_<task>`` in a job array), or None."""
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array is not None:
+        return f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def requeue_job() -> str:
+    """Run ``scontrol requeue`` for this job; returns what happened, as a line to print."""
+    job = job_id()
+    if job is None:
+        return "not requeued: SLURM_JOB_ID is not set."
+    try:
+        proc = subprocess.run(
+            ["scontrol", "requeue", job], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"requeueing SLURM job {job} failed ({err}); resubmit the same command."
+    if proc.returncode != 0:
+        why = (proc.stderr or proc.stdout).strip() or f"exit {proc.returncode}"
+        return f"requeueing SLURM job {job} failed ({why}); resubmit the same command."
+    return f"Requeued SLURM job {job}: it resumes from the checkpoint with --ckpt_path auto."
+
+
+def check_task_count(devices: Any, num_nodes: Any) -> None:
+    """Under ``srun`` (``SLURM_NTASKS`` set and SLURM's job name not ``bash`` / ``interactive``),
+    raise :class:`ConfigError` when ``devices x num_nodes`` is not the job step's task count.
+
+    Only integer device counts are checked (``auto``, ``-1`` and device lists are Lightning's
+    to resolve)."""
+    if not _is_srun_used() or not isinstance(devices, int) or not isinstance(num_nodes, int):
+        return
+    if devices <= 0:
+        return
+    tasks = int(os.environ["SLURM_NTASKS"])
+    if devices * num_nodes != tasks:
+        raise ConfigError(
+            f"trainer.devices {devices} x trainer.num_nodes {num_nodes} = "
+            f"{devices * num_nodes} ranks, but this SLURM job step has {tasks} tasks "
+            f"(SLURM_NTASKS): under srun every task is one rank. Fix: give sbatch "
+            f"--nodes={num_nodes} --ntasks-per-node={devices}, or leave trainer.devices and "
+            "trainer.num_nodes to slurm/dapo.sbatch (it passes SLURM's counts)."
+        )
+
+
+def array_task_run(root: str | None) -> tuple[int, str] | None:
+    """In a job array task (``SLURM_ARRAY_TASK_ID``): its seed (the task id) and run directory
+    (``<root>/seed_<id>``, root default ``.``); None outside a job array."""
+    task = os.environ.get("SLURM_ARRAY_TASK_ID")
+    if task is None:
+        return None
+    return int(task), os.path.join(root or ".", f"seed_{task}")
+
+
+def replace_srun_hint() -> None:
+    """Replace Lightning's srun hint (see the module docstring): nothing outside a SLURM job,
+    one line inside a job that did not start the process with ``srun``."""
+    SLURMEnvironment._validate_srun_used = staticmethod(_srun_hint)  # type: ignore[method-assign]
+
+
+_hinted = False
+
+
+def _srun_hint() -> None:
+    global _hinted
+    if _hinted or "SLURM_JOB_ID" not in os.environ or _is_srun_used():
+        return
+    _hinted = True
+    print(
+        f"note: this process runs inside SLURM job {os.environ['SLURM_JOB_ID']} but was not "
+        "started by srun: it trains as one process (slurm/dapo.sbatch starts one per task).",
+        file=sys.stderr,
+    )
