@@ -420,6 +420,48 @@ def restore_rng_states(state: dict[str, Any]) -> None:
 #: distributed checkpoint (``.metadata``), DeepSpeed (``latest``, ``checkpoint/``).
 _SHARDED_MARKERS = ("meta.pt", ".metadata", "latest", "checkpoint")
 
+
+def shape_mismatches(
+    saved: dict[str, Any], current: dict[str, Any]
+) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """``(name, saved shape, current shape)`` of every tensor both state dicts hold with
+    different shapes, in ``saved``'s order (names only one of them holds are not compared: a
+    LoRA checkpoint holds the adapters only). A DeepSpeed ZeRO-3 parameter's full shape is its
+    ``ds_shape``."""
+
+    def shape(value: Any) -> tuple[int, ...] | None:
+        full = getattr(value, "ds_shape", None) or getattr(value, "shape", None)
+        return None if full is None else tuple(full)
+
+    out = []
+    for name, value in saved.items():
+        if name in current:
+            old, new = shape(value), shape(current[name])
+            if old is not None and new is not None and old != new:
+                out.append((name, old, new))
+    return out
+
+
+def check_checkpoint_fits(
+    path: Any, saved: dict[str, Any], current: dict[str, Any], model: Any
+) -> None:
+    """Raise :class:`~dapo_lightning.checks.ConfigError` naming the checkpoint at ``path``, the
+    first parameter whose shape differs from the model's (``model``: its
+    ``model_name_or_path``), both shapes, the count of the others, and the fix (was ~30 lines
+    of ``size mismatch`` under a traceback, from ``load_state_dict``)."""
+    found = shape_mismatches(saved, current)
+    if not found:
+        return
+    name, old, new = found[0]
+    more = f" (and {len(found) - 1} more parameters)" if len(found) > 1 else ""
+    raise ConfigError(
+        f"ckpt_path: {path} does not fit the model: {name} has shape {list(old)} in the "
+        f"checkpoint but {list(new)} in model.model_name_or_path={model}{more}. Fix: resume "
+        "with the model the checkpoint was trained from, or start a fresh run (another "
+        "trainer.default_root_dir, without --ckpt_path)."
+    )
+
+
 #: ``ckpt_path`` values Lightning resolves itself (and ``auto``, resolved by the CLI).
 _NAMED_CKPT_PATHS = ("auto", "last", "best", "hpc")
 

@@ -34,7 +34,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
-from dapo_lightning.checkpoint import collect_rng_states, restore_rng_states
+from dapo_lightning.checkpoint import (
+    check_checkpoint_fits,
+    collect_rng_states,
+    restore_rng_states,
+)
 from dapo_lightning.checks import check_optimizer_settings, optimizer_error
 from dapo_lightning.contract import PolicyHandle, RolloutChannel, rollout_channel
 from dapo_lightning.data.metrics import ValidationMetrics, rollout_step_metrics
@@ -411,6 +415,11 @@ class DAPOModule(LightningModule):
             keep_adapters_only(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Before the weights load: a checkpoint of another shape is one error line (path,
+        parameter, shapes), then the DAPO state."""
+        current = self.state_dict()
+        path, model = getattr(self._trainer, "ckpt_path", None), self.hparams.model_name_or_path
+        check_checkpoint_fits(path, checkpoint.get("state_dict", {}), current, model)
         state = checkpoint.get("dapo", {})
         restore_adapter_checkpoint(self, checkpoint, state.get(LORA_CHECKPOINT_KEY))
         self._load_dapo_state(state)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from dapo_lightning.testing import make_tiny_checkpoint
 from tests._harness import ARITHMETIC_RUN, run_cli, write_run_config
 from tests.test_bad_inputs import assert_one_error_line, fit_config, fit_main
 
@@ -116,3 +117,50 @@ def test_plot_of_a_missing_or_empty_folder_is_one_error_line_exit_2(
     assert exc.value.code == 2 and "Traceback" not in err, err
     assert len(lines) == 1 and lines[0].startswith("dapo-lightning plot: error: "), err
     assert fragment in lines[0], lines[0]
+
+
+# ----------------------------------------- item 2: resume with a model of another shape
+SAVING = {
+    "enable_checkpointing": True,
+    "callbacks": [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": "checkpoints", "save_last": True, "save_top_k": 0},
+        }
+    ],
+}
+
+
+@pytest.mark.timeout(300)
+def test_resume_with_a_model_of_another_shape_is_one_error_line_exit_2(
+    tiny_checkpoint, tmp_path, capfd
+):
+    """``--ckpt_path auto`` after the model's hidden size changed: exit 1, a traceback and ~30
+    lines of ``size mismatch``. Now one line naming the checkpoint, the first parameter that
+    differs, both shapes and the fix, exit 2."""
+    run = tmp_path / "run"
+    config = write_run_config(
+        tmp_path / "fit.yaml", run, tiny_checkpoint, base=ARITHMETIC_RUN, trainer=SAVING
+    )
+    code, err = fit_main([f"--config={config}"], capfd)
+    assert code == 0 and (run / "checkpoints" / "last.ckpt").is_file(), err[-3000:]
+    wider = make_tiny_checkpoint(tmp_path / "wider", hidden_size=64, intermediate_size=128)
+    code, err = fit_main(
+        [
+            f"--config={config}",
+            f"--model.model_name_or_path={wider}",
+            "--trainer.max_steps=2",
+            "--ckpt_path=auto",
+        ],
+        capfd,
+    )
+    assert_one_error_line(
+        code,
+        err,
+        f"ckpt_path: {run / 'checkpoints' / 'last.ckpt'} does not fit the model: ",
+        "policy.model.embed_tokens.weight has shape [259, 128] in the checkpoint but [259, 64]"
+        f" in model.model_name_or_path={wider} (and 20 more parameters)",
+        "more parameters",
+        "Fix: resume with the model the checkpoint was trained from",
+    )
+    assert "size mismatch" not in err
