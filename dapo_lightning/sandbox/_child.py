@@ -42,7 +42,11 @@ def _main() -> None:
         import traceback
 
         traceback.print_exception(type(err), err, err.__traceback__.tb_next)
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed or broken stream
+                pass
         os._exit(1)
 
 

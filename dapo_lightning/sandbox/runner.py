@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 STATUSES = ("ok", "error", "timeout")
 #: Bytes read from a pipe at a time.
 _CHUNK = 1 << 16
-#: Seconds the start check may take.
-CHECK_TIMEOUT_S = 20.0
+#: Most seconds to wait for a killed sandbox to be gone.
+KILL_WAIT_S = 2.0
 
 
 class SandboxUnavailableError(ConfigError):
@@ -113,22 +113,45 @@ def describe_exit(exit_code: int | None) -> str:
     return f"killed by {sig.name}{_SIGNAL_CAUSES.get(sig, '')}"
 
 
+def first_child(pid: int) -> int | None:
+    """The first child of process ``pid`` (``/proc/PID/task/PID/children``), None if none."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
 class _Proc:
-    """One started interpreter and, under ``isolation: none``, its scratch folder."""
+    """One started interpreter (under bwrap: bwrap, whose one child is the pid namespace's
+    init, whose child is the interpreter) and, under ``isolation: none``, its scratch folder."""
 
     def __init__(self, popen: subprocess.Popen[bytes], scratch: str | None) -> None:
         self.popen = popen
         self.scratch = scratch
 
     def kill(self) -> None:
-        """SIGKILL its process group (bwrap's; under bwrap the pid namespace dies with it),
-        reap it, remove its scratch folder."""
+        """End every process of the sandbox, reap them, remove the scratch folder.
+
+        Under bwrap the namespace's init is killed first: the kernel then kills every process
+        of the namespace, and bwrap, which waits for its init, exits once they are all gone
+        (killing bwrap first would return while they are still dying). Then bwrap's process
+        group (the whole sandbox under ``isolation: none``, which has no namespace) is killed.
+        """
+        if self.scratch is None and self.popen.poll() is None:
+            init = first_child(self.popen.pid)
+            if init is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(init, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.popen.wait(timeout=KILL_WAIT_S)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             self.popen.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=5.0)
+            self.popen.wait(timeout=KILL_WAIT_S)
         for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if stream is not None:
                 with contextlib.suppress(OSError):
@@ -255,8 +278,10 @@ class Sandbox:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:
             self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: module globals may be gone
+            pass
 
     # ------------------------------------------------------------------ helpers
     def _fill(self) -> None:
