@@ -74,15 +74,15 @@ def test_cli_unknown_model_key(capsys):
 @pytest.mark.parametrize(
     ("option", "refusal"),
     [
-        # parsed by the module class's own parser
+        # parsed by the module class's own parser (one line naming the key: issue 53)
         (
             "--model.init_args.loss.clip_ratio_hi=0.3",
-            "unrecognized arguments: --loss.clip_ratio_hi",
+            "error: model.init_args.loss.clip_ratio_hi is not an option of DAPOModule.",
         ),
-        ("--model.loss.clip_ratio_hi=0.3", "unrecognized arguments: --loss.clip_ratio_hi"),
-        ("--model.batching.micro_batch=8", "unrecognized arguments: --batching.micro_batch="),
-        ("--data.init_args.sampling.max_tok=3", "unrecognized arguments: --sampling.max_tok="),
-        ("--trainer.max_ste=3", "unrecognized arguments: --trainer.max_ste="),  # fit's parser
+        ("--model.loss.clip_ratio_hi=0.3", "model.init_args.loss.clip_ratio_hi is not an option"),
+        ("--model.batching.micro_batch=8", "model.init_args.batching.micro_batch is not an"),
+        ("--data.init_args.sampling.max_tok=3", "data.init_args.sampling.max_tok is not an"),
+        ("--trainer.max_ste=3", "error: trainer.max_ste is not an option."),  # fit's parser
     ],
 )
 def test_cli_refuses_abbreviated_options(capfd, option, refusal):

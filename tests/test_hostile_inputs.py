@@ -6,6 +6,7 @@ point) on the tiny model, with real rewards, environments, signals and checkpoin
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -164,3 +165,67 @@ def test_resume_with_a_model_of_another_shape_is_one_error_line_exit_2(
         "Fix: resume with the model the checkpoint was trained from",
     )
     assert "size mismatch" not in err
+
+
+# --------------------------------------- item 6: a bad key or class path is one error line
+QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
+
+
+@pytest.mark.parametrize(
+    ("make_args", "line"),
+    [
+        (
+            lambda tmp: ["--data.init_args.scoring.workerz", "2"],
+            "data.init_args.scoring.workerz is not an option of DAPODataModule. Did you mean "
+            "data.init_args.scoring.workers?",
+        ),
+        (
+            lambda tmp: ["--model.init_args.loss.clip_ratio_hihg", "0.3"],
+            "model.init_args.loss.clip_ratio_hihg is not an option of DAPOModule. Did you mean "
+            "model.init_args.loss.clip_ratio_high?",
+        ),
+        (
+            lambda tmp: ["--data.rewrd", "dapo"],
+            "data.init_args.rewrd is not an option of DAPODataModule. Did you mean "
+            "data.init_args.reward?",
+        ),
+        (
+            lambda tmp: ["--config", str(_yaml(tmp, "data: {init_args: {scoring: {workerz: 2}}}"))],
+            "data.init_args.scoring.workerz is not an option of DAPODataModule. Did you mean "
+            "data.init_args.scoring.workers?",
+        ),
+        (
+            lambda tmp: ["--config", str(_yaml(tmp, "trainer: {max_stepz: 3}"))],
+            "trainer.max_stepz is not an option. Did you mean trainer.max_steps?",
+        ),
+        (
+            lambda tmp: ["--trainer.callbacks+=dapo_lightning.callbacks.PhaseTrase"],
+            "trainer.callbacks: class_path dapo_lightning.callbacks.PhaseTrase does not exist: "
+            "dapo_lightning.callbacks has no PhaseTrase. Did you mean "
+            "dapo_lightning.callbacks.PhaseTrace?",
+        ),
+        (
+            lambda tmp: ["--trainer.callbacks+=dapo_lightnin.callbacks.PhaseTrace"],
+            "trainer.callbacks: class_path dapo_lightnin.callbacks.PhaseTrace does not import: "
+            "no module named dapo_lightnin.",
+        ),
+    ],
+    ids=["cli-group-key", "model-key", "data-key", "yaml-group-key", "yaml-trainer-key",
+         "callback-class", "callback-module"],
+)  # fmt: skip
+def test_bad_key_or_class_path_is_one_error_line_with_the_closest_name(
+    tmp_path, capfd, make_args, line
+):
+    """A 9-13-line union dump (an unknown key under model / data init_args, a class_path typo);
+    now one ``error:`` line naming the key and the closest valid one, and the fix, exit 2."""
+    code, err = fit_main(["--config", QUICKSTART, *make_args(tmp_path), "--print_config"], capfd)
+    errors = [x for x in err.splitlines() if "error:" in x]
+    assert code == 2 and len(errors) == 1, err[-3000:]
+    assert errors[0].startswith(f"error: {line} Fix: correct the "), errors[0]
+    assert len(err.strip().splitlines()) <= 3, err  # usage, tip, the error
+
+
+def _yaml(tmp: Path, text: str) -> Path:
+    path = tmp / "bad.yaml"
+    path.write_text(text + "\n")
+    return path

@@ -1,14 +1,19 @@
 """The CLI's argument parser: options spelled out in full, help that keeps its line breaks,
-``trainer.precision: auto``, and a non-finite number given plainly (``nan``) said in one line.
+``trainer.precision: auto``, and a non-finite number given plainly (``nan``), an unknown key or
+a class path that does not import said in one line (the closest valid name suggested).
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import importlib
 import json
 import re
+from collections.abc import Callable
 from typing import Any, Literal, NoReturn
 
-from jsonargparse import DefaultHelpFormatter
+from jsonargparse import ArgumentParser, DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser
 
 #: The top of ``fit --help`` / ``validate --help``: where the DAPO options are.
@@ -44,8 +49,95 @@ class StrictArgumentParser(LightningArgumentParser):
         """jsonargparse's error, with a non-finite number said in one line
         (:func:`nonfinite_message`; by the parser that prints it, not by the nested parsers
         whose messages it quotes)."""
-        shorter = nonfinite_message(message) if self.exit_on_error else None
+        shorter = None
+        if self.exit_on_error:
+            parser = getattr(ex, "subcommand_parser", None) or self
+            shorter = nonfinite_message(message) or bad_key_message(
+                message, lambda class_path: known_keys(parser, class_path)
+            )
         super().error(shorter or message, ex)
+
+
+def known_keys(parser: Any, class_path: str | None = None) -> list[str]:
+    """The option names of ``class_path``'s arguments (``scoring.workers``), or with None of
+    ``parser`` and its subcommands' parsers (``trainer.max_steps``); [] when it cannot say."""
+    if class_path is not None:
+        try:
+            module, _, name = class_path.rpartition(".")
+            owner = ArgumentParser(exit_on_error=False)
+            owner.add_class_arguments(
+                getattr(importlib.import_module(module), name), fail_untyped=False
+            )
+        except Exception:  # noqa: BLE001 - no suggestion then
+            return []
+        parser = owner
+    keys = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            keys += [k for sub in action.choices.values() for k in known_keys(sub)]
+        elif action.dest not in ("help", argparse.SUPPRESS):
+            keys.append(action.dest)
+    return keys
+
+
+def closest(name: str, names: list[str], prefix: str = "") -> str:
+    """`` Did you mean PREFIX+X?`` for the name X of ``names`` closest to ``name`` (difflib),
+    else ``""``."""
+    match = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return f" Did you mean {prefix}{match[0]}?" if match else ""
+
+
+_ROOT_KEY = re.compile(r'^Parser key "([^"]+)"')
+_CLASS_PATH = re.compile(r"Problem with given class_path '([\w.]+)':\s*\n\s*(.+)")
+_UNKNOWN = (
+    re.compile(r"unrecognized arguments: --([\w.]+)"),  # --data.init_args.scoring.workerz 2
+    re.compile(r"Group '([\w.]+)' does not accept option '(\w+)'"),  # a YAML file's
+    re.compile(r"Option '([\w.]+)' is not accepted"),
+)
+_NO_ATTRIBUTE = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
+_NO_MODULE = re.compile(r"No module named '([\w.]+)'")
+
+
+def bad_key_message(message: str, keys: Callable[[str | None], list[str]]) -> str | None:
+    """One line for jsonargparse's 3-13-line error of an unknown key or of a class path that
+    does not import: the key as given on the command line, what is wrong, the closest valid
+    name (``keys(class_path)``: the valid keys of that class, None: of the parser) and the fix;
+    None for any other message."""
+    root = _ROOT_KEY.match(message)
+    owner = _CLASS_PATH.search(message)
+    detail = owner.group(2) if owner else message.strip().splitlines()[0]
+    for pattern in _UNKNOWN:
+        found = pattern.search(detail)
+        if found is None:
+            continue
+        key = ".".join(found.groups())
+        class_path = owner.group(1) if owner else None
+        valid = keys(class_path)
+        prefix = f"{root.group(1)}.init_args." if root and owner else ""
+        where = f" of {class_path.rpartition('.')[2]}" if class_path else ""
+        hint = closest(key, valid, prefix)
+        return (
+            f"{prefix}{key} is not an option{where}.{hint} Fix: correct the key "
+            "(--print_config shows the valid ones)."
+        )
+    field = f"{root.group(1)}: " if root else ""
+    if owner is not None and (missing := _NO_ATTRIBUTE.search(detail)) is not None:
+        module, name = missing.groups()
+        try:
+            names = [n for n in dir(importlib.import_module(module)) if not n.startswith("_")]
+        except Exception:  # noqa: BLE001 - no suggestion then
+            names = []
+        hint = closest(name, names, f"{module}.")
+        return (
+            f"{field}class_path {owner.group(1)} does not exist: {module} has no {name}.{hint}"
+            " Fix: correct the class path."
+        )
+    if owner is not None and (missing := _NO_MODULE.search(detail)) is not None:
+        return (
+            f"{field}class_path {owner.group(1)} does not import: no module named "
+            f"{missing.group(1)}. Fix: correct the module path, or install its package."
+        )
+    return None
 
 
 _NONFINITE = r"[+-]?(?:nan|inf|infinity)"
