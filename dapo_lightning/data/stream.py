@@ -119,7 +119,12 @@ class RolloutStream:
     def validate(
         self, chunk: list[PromptRecord], n: int, sampling: SamplingConfig
     ) -> ScoredRollouts:
-        """``n`` scored responses for each prompt of ``chunk``."""
-        version = self.version
-        with phase("validation"), self.session.generating(version):
-            return self.producer.score(chunk, [n] * len(chunk), sampling, version)
+        """``n`` scored responses for each prompt of ``chunk``. The engine's sampling RNG is
+        put back afterwards: training samples the same whether or not (and wherever) a
+        validation ran, so a resume from a checkpoint saved just before one is exact."""
+        version, rng = self.version, self.session.state_dict()
+        try:
+            with phase("validation"), self.session.generating(version):
+                return self.producer.score(chunk, [n] * len(chunk), sampling, version)
+        finally:
+            self.session.load_state_dict(rng)
