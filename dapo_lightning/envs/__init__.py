@@ -7,6 +7,8 @@
   an environment whose public typed methods are its tools;
 * :mod:`dapo_lightning.envs.calculator`: the built-in ``calculator`` environment;
 * :mod:`dapo_lightning.envs.arithmetic`: the built-in ``arithmetic`` environment (binary tools);
+* :mod:`dapo_lightning.envs.python_tool`: the built-in ``python`` environment (code run in the
+  sandbox, :mod:`dapo_lightning.sandbox`);
 * :mod:`dapo_lightning.envs.runner`: :class:`EpisodeRunner`, an engine that runs episodes;
 * :mod:`dapo_lightning.envs.session`: the engine session and prompt instructions the data
   module uses.
@@ -31,6 +33,7 @@ from dapo_lightning.envs.base import (
     register_environment,
 )
 from dapo_lightning.envs.calculator import CalculatorEnvironment, CalculatorError, evaluate
+from dapo_lightning.envs.python_tool import PythonToolEnvironment
 from dapo_lightning.envs.runner import (
     EnvironmentFailureError,
     Episode,
@@ -93,6 +96,7 @@ __all__ = [
     "EpisodeRunner",
     "EpisodeSession",
     "ObservationFormatter",
+    "PythonToolEnvironment",
     "StepResult",
     "ToolCall",
     "ToolCallError",

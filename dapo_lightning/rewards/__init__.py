@@ -1,8 +1,10 @@
 """Reward functions: one batch protocol, run with timeouts and failure accounting.
 
-``get_reward("dapo" | "math_verify" | "arithmetic" | "last_number" | "reasoning_gym" | obj)`` returns a
-reward object. The rewards of the built-in tasks live with their task in :mod:`dapo_lightning.tasks`
-and are registered there. Your own reward class, in your own module::
+``get_reward("dapo" | "math_verify" | "code_tests" | "arithmetic" | "last_number" |
+"reasoning_gym" | obj)`` returns a reward object (``code_tests``: code run against the prompt's
+tests in the sandbox, :mod:`dapo_lightning.rewards.code_tests`). The rewards of the built-in
+tasks live with their task in :mod:`dapo_lightning.tasks` and are registered there.
+Your own reward class, in your own module::
 
     @register_reward("exact_match")
     class ExactMatch:
@@ -29,6 +31,7 @@ from dapo_lightning.rewards.base import (
     RewardResult,
     RewardRunner,
 )
+from dapo_lightning.rewards.code_tests import CodeTestsReward
 from dapo_lightning.rewards.dapo import DAPOAnswerReward, extract_answer_line, normalize_answer
 from dapo_lightning.rewards.mathverify import MathVerifyReward
 
@@ -52,6 +55,7 @@ REWARDS: Registry[Callable[..., Any]] = Registry(
 )
 REWARDS.register("dapo")(DAPOAnswerReward)
 REWARDS.register("math_verify")(MathVerifyReward)
+REWARDS.register("code_tests")(CodeTestsReward)
 
 
 def register_reward(name: str) -> Callable[[type], type]:
@@ -114,6 +118,7 @@ def _reward_from_class_path(spec: dict[str, Any], kwargs: dict[str, Any]) -> Any
 
 __all__ = [
     "REWARDS",
+    "CodeTestsReward",
     "DAPOAnswerReward",
     "MathVerifyReward",
     "RewardFailureError",

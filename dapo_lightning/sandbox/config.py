@@ -20,8 +20,9 @@ class SandboxConfig:
     Args:
         timeout_s: Wall-clock deadline of one call, from the moment it starts; past it the
             whole sandbox (every process in it) is killed and the call is a ``timeout``.
-        cpu_s: CPU seconds of the code's process (``RLIMIT_CPU``; SIGXCPU, then SIGKILL
-            one second later). None: ``ceil(timeout_s)``.
+        cpu_s: CPU seconds of each process in the sandbox (``RLIMIT_CPU``; SIGXCPU, then
+            SIGKILL one second later). None: ``ceil(timeout_s) + 1``, so that the wall
+            deadline ends a single-threaded busy loop first.
         memory_mb: Address space of each process in the sandbox (``RLIMIT_AS``), in MiB.
         scratch_mb: Size of the private tmpfs at ``/tmp`` (the working folder and ``$HOME``),
             the only writable place, in MiB.
@@ -82,8 +83,11 @@ class SandboxConfig:
 
     @property
     def cpu_limit_s(self) -> int:
-        """``RLIMIT_CPU`` in whole seconds: ``ceil(cpu_s)``, or ``ceil(timeout_s)`` without it."""
-        return max(1, math.ceil(self.cpu_s if self.cpu_s is not None else self.timeout_s))
+        """``RLIMIT_CPU`` in whole seconds: ``ceil(cpu_s)``, or ``ceil(timeout_s) + 1``
+        without it."""
+        if self.cpu_s is not None:
+            return max(1, math.ceil(self.cpu_s))
+        return math.ceil(self.timeout_s) + 1
 
     def key(self) -> tuple[Any, ...]:
         """A hashable form of the settings (the key of a process's shared sandboxes)."""

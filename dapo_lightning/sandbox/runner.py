@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,17 @@ def first_child(pid: int) -> int | None:
     return int(children[0]) if children else None
 
 
+def process_state(pid: int) -> tuple[str, int] | None:
+    """``(state, start time)`` of process ``pid`` from ``/proc/PID/stat`` (state ``"Z"``: a
+    zombie, done), None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[19])
+
+
 class _Proc:
     """One started interpreter (under bwrap: bwrap, whose one child is the pid namespace's
     init, whose child is the interpreter) and, under ``isolation: none``, its scratch folder."""
@@ -130,34 +142,70 @@ class _Proc:
     def __init__(self, popen: subprocess.Popen[bytes], scratch: str | None) -> None:
         self.popen = popen
         self.scratch = scratch
+        self.init: tuple[int, int] | None = None  # the namespace's init: pid, start time
+
+    def find_init(self) -> None:
+        """Note the namespace's init (bwrap's child) once it exists."""
+        if self.init is None and self.scratch is None:
+            pid = first_child(self.popen.pid)
+            state = process_state(pid) if pid is not None else None
+            if pid is not None and state is not None:
+                self.init = (pid, state[1])
 
     def kill(self) -> None:
         """End every process of the sandbox, reap them, remove the scratch folder.
 
-        Under bwrap the namespace's init is killed first: the kernel then kills every process
-        of the namespace, and bwrap, which waits for its init, exits once they are all gone
-        (killing bwrap first would return while they are still dying). Then bwrap's process
-        group (the whole sandbox under ``isolation: none``, which has no namespace) is killed.
+        Under bwrap the namespace's init is killed (the kernel then kills every process of
+        the namespace) and waited for: it is done (a zombie, or gone) only once every process
+        of the namespace is gone. bwrap itself may exit earlier (it passes on the code's exit
+        status as soon as init reports it). Then bwrap's process group (the whole sandbox
+        under ``isolation: none``, which has no namespace) is killed and bwrap reaped.
         """
-        if self.scratch is None and self.popen.poll() is None:
-            init = first_child(self.popen.pid)
-            if init is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(init, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.popen.wait(timeout=KILL_WAIT_S)
+        if self.popen.poll() is None:
+            self.find_init()
+        if self.init is not None:
+            pid, started = self.init
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if process_state(pid) is not None and process_state(pid)[1] == started:
+                    os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             self.popen.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=KILL_WAIT_S)
+        if self.init is not None:
+            give_up = time.monotonic() + KILL_WAIT_S
+            while time.monotonic() < give_up:
+                state = process_state(self.init[0])
+                if state is None or state[1] != self.init[1] or state[0] in "ZX":
+                    break
+                time.sleep(0.001)
         for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if stream is not None:
                 with contextlib.suppress(OSError):
                     stream.close()
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+_STARTER: tuple[int, ThreadPoolExecutor] | None = None
+_STARTER_LOCK = threading.Lock()
+
+
+def starter() -> ThreadPoolExecutor:
+    """The one long-lived thread that starts this process's sandboxes.
+
+    ``--die-with-parent`` kills a sandbox when the *thread* that started bwrap ends (the
+    kernel's parent-death signal follows the thread), so a sandbox started from a short-lived
+    thread (a thread pool's, an episode's call thread) would be killed while it waits in the
+    pool. A forked child of this process gets a thread of its own.
+    """
+    global _STARTER
+    with _STARTER_LOCK:
+        if _STARTER is None or _STARTER[0] != os.getpid():
+            _STARTER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="sandbox-starter"))
+        return _STARTER[1]
 
 
 _CHECKED: dict[tuple[Any, ...], str] = {}
@@ -239,7 +287,7 @@ class Sandbox:
         self.calls = 0
         self.timeouts = 0
         self.errors = 0
-        self._fill()
+        starter().submit(self._fill).result()
 
     # ------------------------------------------------------------------ public
     def run(self, code: str) -> SandboxResult:
@@ -251,8 +299,8 @@ class Sandbox:
         with self._lock:
             proc = self._pool.popleft() if self._pool else None
         if proc is None:
-            proc = self._start()
-        self._fill()
+            proc = starter().submit(self._start).result()
+        starter().submit(self._fill)  # a replacement, started while this call runs
         try:
             result = self._communicate(proc, code.encode("utf-8", "replace"), start)
         finally:
@@ -285,16 +333,21 @@ class Sandbox:
 
     # ------------------------------------------------------------------ helpers
     def _fill(self) -> None:
+        """Start interpreters until ``pool_size`` wait (on the starter thread)."""
         while not self._closed:
             with self._lock:
                 if len(self._pool) >= self.pool_size:
                     return
             proc = self._start()
             with self._lock:
-                self._pool.append(proc)
+                if not self._closed:
+                    self._pool.append(proc)
+                    continue
+            proc.kill()
 
     def _start(self) -> _Proc:
-        """Start one interpreter, waiting for code on its stdin."""
+        """Start one interpreter, waiting for code on its stdin (call it on :func:`starter`'s
+        thread)."""
         scratch = None
         if self._bwrap is not None:
             argv = bwrap_argv(self.config, self._bwrap, self._as_root, sandbox_uid())
@@ -336,6 +389,7 @@ class Sandbox:
         timed_out = False
         try:
             while out.keys() & open_fds:
+                proc.find_init()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     timed_out = True

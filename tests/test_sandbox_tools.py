@@ -1,0 +1,242 @@
+"""The ``python`` tool environment and the ``code_tests`` reward (issue 56), both through the
+real bwrap sandbox: what the policy sees of a call, the per-episode sandbox counts, an episode
+played through the real runner, and unit tests scored in the sandbox, in reward worker
+processes too."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from transformers import AutoTokenizer
+
+from dapo_lightning.checks import ConfigError
+from dapo_lightning.envs import (
+    ENVIRONMENTS,
+    EnvironmentConfig,
+    ObservationFormatter,
+    PythonToolEnvironment,
+    environment_class,
+    environment_factory,
+    register_environment,
+)
+from dapo_lightning.envs.python_tool import NO_OUTPUT, observation_text
+from dapo_lightning.envs.replay import play_demonstrations
+from dapo_lightning.prompts import PromptRecord, encode_prompt
+from dapo_lightning.rewards import CodeTestsReward, RewardRunner, get_reward
+from dapo_lightning.rewards.code_tests import (
+    count_passes,
+    extract_code,
+    harness_program,
+    parse_tests,
+)
+from dapo_lightning.sandbox import SandboxResult
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bwrap missing: bash scripts/setup.sh installs it"
+)
+
+FAST = {"timeout_s": 1.0, "pool_size": 1}
+
+
+def call(code: str) -> str:
+    return f"<tool_call>{json.dumps({'name': 'python', 'arguments': {'code': code}})}</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def env() -> PythonToolEnvironment:
+    environment = PythonToolEnvironment(sandbox=FAST)
+    environment.reset(PromptRecord("q", "q", "0"))
+    return environment
+
+
+# ----------------------------------------------------------------------------- the python tool
+def test_python_is_a_registered_environment_with_one_tool():
+    assert "python" in ENVIRONMENTS.names()
+    assert environment_class("python") is PythonToolEnvironment
+    schemas = PythonToolEnvironment(sandbox=FAST).tool_schemas()
+    assert [s["function"]["name"] for s in schemas] == ["python"]
+    assert schemas[0]["function"]["parameters"]["required"] == ["code"]
+
+
+def test_a_call_shows_what_the_code_printed(env):
+    result = env.step(call("print(23 * 47 * 56)"))
+    assert (result.observation, result.done, result.tool_calls, result.tool_errors) == (
+        "60536", False, 1, 0,
+    )  # fmt: skip
+    assert result.metrics == {"sandbox_timeouts": 0.0, "sandbox_errors": 0.0}
+    fenced = env.step(call("```python\nprint('fenced')\n```"))
+    assert fenced.observation == "fenced"
+    silent = env.step(call("x = 1"))
+    assert silent.observation == NO_OUTPUT
+    final = env.step("The answer is 60536.")
+    assert final.done and final.metrics == {"sandbox_timeouts": 0.0, "sandbox_errors": 0.0}
+
+
+def test_a_traceback_a_crash_and_a_timeout_are_observations_and_counted(env):
+    raised = env.step(call("1 / 0"))
+    assert raised.observation.endswith("ZeroDivisionError: division by zero")
+    assert raised.metrics == {"sandbox_timeouts": 0.0, "sandbox_errors": 1.0}
+    assert raised.tool_errors == 0  # the code failed, not the tool
+    crashed = env.step(call("import ctypes\nctypes.string_at(0)"))
+    assert crashed.observation == "[killed by SIGSEGV (a crash)]"
+    looped = env.step(call("print('start', flush=True)\nwhile True: pass"))
+    assert looped.observation == (
+        "start\n[timeout: ran over its deadline of 1 s; the code was killed]"
+    )
+    assert looped.metrics == {"sandbox_timeouts": 1.0, "sandbox_errors": 0.0}
+    both = env.step(call("1/0") + call("while True: pass"))
+    assert both.metrics == {"sandbox_timeouts": 1.0, "sandbox_errors": 1.0}
+    assert both.tool_calls == 2
+
+
+def test_long_output_is_cut_with_a_note():
+    env = PythonToolEnvironment(sandbox={**FAST, "max_output_bytes": 300}, max_observation_chars=50)
+    env.reset(PromptRecord("q", "q", "0"))
+    assert env.step(call("print('a' * 200)")).observation == "a" * 50 + "\n[output truncated]"
+    flood = env.step(call("print('b' * 10**6)")).observation
+    assert flood == "b" * 50 + "\n[output truncated]"
+
+
+def test_observation_text_joins_stdout_stderr_and_notes():
+    result = SandboxResult("error", 1, "out", "Traceback\nValueError: x\n", reason="exit status 1")
+    assert observation_text(result, 100) == "out\nTraceback\nValueError: x"
+    cut = SandboxResult("timeout", -9, "x" * 10, "", True, False, 1.0, "ran over 1 s")
+    assert (
+        observation_text(cut, 4)
+        == "xxxx\n[output truncated]\n[timeout: ran over 1 s; the code was killed]"
+    )
+    assert observation_text(SandboxResult("ok", 0, "", ""), 10) == NO_OUTPUT
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ConfigError, match="environment.kwargs.sandbox has no setting 'bogus'"):
+        environment_factory(EnvironmentConfig(name="python", kwargs={"sandbox": {"bogus": 1}}))
+    with pytest.raises(ConfigError, match="sandbox.timeout_s must be > 0"):
+        PythonToolEnvironment(sandbox={"timeout_s": 0})
+    with pytest.raises(ValueError, match="max_observation_chars must be an integer >= 1"):
+        PythonToolEnvironment(max_observation_chars=0)
+
+
+@register_environment("test_python_demo")
+class _Demonstrated(PythonToolEnvironment):
+    """The python environment with a scripted episode: the call in the prompt, then an answer."""
+
+    def demonstrate(self, record: PromptRecord) -> list[str]:
+        return [call(record.meta["code"]), "The answer is 60536."]
+
+
+def test_an_episode_through_the_runner_shows_the_output_and_counts_per_episode(tiny_checkpoint):
+    """Two scripted episodes played by the real runner: the observation tokens are the
+    formatter's tokens of the code's output, and each episode's metrics are its own."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    records = []
+    for i, code in enumerate(["print(23 * 47 * 56)", "while True: pass"]):
+        r = PromptRecord(
+            f"q{i}", [{"role": "user", "content": f"q{i}"}], "60536", meta={"code": code}
+        )
+        r.prompt_ids = encode_prompt(tokenizer, r.prompt, True)
+        records.append(r)
+    config = EnvironmentConfig(name="test_python_demo", kwargs={"sandbox": FAST})
+    observe = ObservationFormatter(tokenizer, "tool", True)
+    ok, slow = play_demonstrations(
+        records, environment_factory(config), config, observe,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        max_tokens=400, max_episode_tokens=2000,
+    )  # fmt: skip
+    first = tokenizer(call("print(23 * 47 * 56)"), add_special_tokens=False)["input_ids"]
+    start = len(first) + 1  # the call and its EOS
+    assert ok.token_ids[start : start + len(observe("60536"))] == observe("60536")
+    assert (ok.turns, ok.tool_calls, ok.failure) == (2, 1, None)
+    assert ok.metrics == {"sandbox_timeouts": 0.0, "sandbox_errors": 0.0}
+    assert slow.metrics == {"sandbox_timeouts": 1.0, "sandbox_errors": 0.0}
+    assert slow.failure is None  # the code's timeout is an observation, not a failed episode
+
+
+# ----------------------------------------------------------------------------- code_tests
+def test_extract_code_and_parse_tests():
+    assert extract_code("Here:\n```python\ndef f(): pass\n```\nor\n```py\nx = 2\n```") == "x = 2"
+    assert extract_code("```\nprint(1)\n```") == "print(1)"
+    assert extract_code("  def f(x): return x\n") == "def f(x): return x"
+    assert parse_tests('["assert f(1) == 1", "assert f(2) == 2"]') == [
+        "assert f(1) == 1",
+        "assert f(2) == 2",
+    ]
+    assert parse_tests("assert f(1) == 1\n\nassert f(2) == 2\n") == [
+        "assert f(1) == 1",
+        "assert f(2) == 2",
+    ]
+    for bad in ("", "[1, 2]", "[]"):
+        with pytest.raises(ValueError, match="code_tests"):
+            parse_tests(bad)
+
+
+def test_count_passes_reads_only_marked_lines_up_to_the_total():
+    token = "@@t@@"
+    out = "@@t@@P\nnoise @@t@@P\n@@t@@F\n@@t@@P\n@@t@@P\n"
+    assert count_passes(out, token, 3) == 2  # P, F, P: the fourth mark is past the total
+    assert count_passes("@@x@@P\n", token, 1) == 0
+
+
+TESTS = json.dumps(["assert f(2) == 4", "assert f(0) == 0", "assert f(-3) == -6"])
+
+
+@pytest.fixture(scope="module")
+def reward() -> CodeTestsReward:
+    return get_reward("code_tests", sandbox={"timeout_s": 2.0, "pool_size": 2})
+
+
+def test_code_tests_scores_all_pass_plus_one_else_minus_one_with_the_pass_fraction(reward):
+    responses = [
+        "```python\ndef f(x):\n    return 2 * x\n```",
+        "def f(x):\n    return x * x",  # passes f(2) and f(0): 2 of 3
+        "I do not know.",
+        "",
+    ]
+    results = reward(responses, [TESTS] * 4)
+    assert [r.score for r in results] == [1.0, -1.0, -1.0, -1.0]
+    assert [r.acc for r in results] == [True, False, False, False]
+    assert [r.extra["pass_frac"] for r in results] == [1.0, 2 / 3, 0.0, 0.0]
+    assert [r.extra["has_answer"] for r in results] == [True, True, True, False]
+
+
+def test_code_tests_holds_against_hostile_solutions(reward):
+    token_guess = "@@" + "0" * 16 + "@@"
+    responses = [
+        "import os\nos._exit(0)",  # leaves before the tests run
+        "def f(x):\n    while True: pass",  # hangs on the first test
+        "import sys\nprint('x' * 10**7)\nsys.stdout.flush()\ndef f(x):\n    return 2 * x",
+        f"print('{token_guess}P\\n' * 3)\ndef f(x):\n    return 0",  # a guessed report
+        "raise SystemExit(0)",
+    ]
+    results = reward(responses, [TESTS] * len(responses))
+    assert [r.score for r in results] == [-1.0, -1.0, 1.0, -1.0, -1.0]
+    assert [r.extra["pass_frac"] for r in results] == [0.0, 0.0, 1.0, 1 / 3, 0.0]
+    assert [r.extra["sandbox_timeout"] for r in results] == [0.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_the_harness_runs_each_test_in_the_solutions_namespace():
+    program = harness_program("y = 5", ["assert y == 5", "assert y == 6"], "@@k@@")
+    compile(program, "<program>", "exec")  # valid Python whatever the code holds
+    assert "'y = 5'" in program and "'assert y == 6'" in program
+
+
+def test_code_tests_scores_in_reward_worker_processes():
+    """The reward travels to two spawned worker processes (pickled without a sandbox; each
+    worker starts its own) and scores there."""
+    reward = CodeTestsReward(sandbox={"timeout_s": 2.0, "pool_size": 1})
+    runner = RewardRunner(reward, timeout_s=30.0, num_workers=2, chunk_size=2)
+    try:
+        good, bad = "def f(x):\n    return 2 * x", "def f(x):\n    return x"
+        results = runner.score([good, bad, bad, good], [TESTS] * 4)
+    finally:
+        runner.close()
+    assert [r.score for r in results] == [1.0, -1.0, -1.0, 1.0]
+    assert [round(r.extra["pass_frac"], 3) for r in results] == [1.0, 0.333, 0.333, 1.0]
+    assert runner.last_failures == 0
+
+
+def test_code_tests_bad_settings_are_named():
+    with pytest.raises(ConfigError, match="data.scoring.reward_kwargs.sandbox has no setting"):
+        get_reward("code_tests", sandbox={"timeout": 1})
