@@ -57,6 +57,10 @@ LAZY_INTERNAL: dict[tuple[str, str, str], str] = {
     ("dapo_lightning/threads.py", "apply_threads", "torch"): (
         "torch reads OMP_WAIT_POLICY when it loads: threads.py sets it first (its docstring)"
     ),
+    ("dapo_lightning/sandbox/_child.py", "_main", "traceback"): (
+        "the sandboxed interpreter imports it only when the code raised: every sandboxed call "
+        "starts an interpreter, and importing it at the top would cost each call"
+    ),
 }
 
 #: Sub-packages that are one node of the package graph (every other module is its own node).
@@ -66,6 +70,7 @@ SUBPACKAGES = (
     "dapo_lightning.envs",
     "dapo_lightning.rewards",
     "dapo_lightning.rollout",
+    "dapo_lightning.sandbox",
     "dapo_lightning.tasks",
 )
 

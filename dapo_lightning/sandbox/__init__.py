@@ -4,6 +4,7 @@
 * :mod:`dapo_lightning.sandbox.command`: the bwrap command line and what it isolates;
 * :mod:`dapo_lightning.sandbox.runner`: :class:`Sandbox` (a warm pool of sandboxed
   interpreters, ``run(code) -> SandboxResult``) and the start check;
+* :mod:`dapo_lightning.sandbox.process`: starting, talking to and killing its processes;
 * :func:`shared_sandbox`: one :class:`Sandbox` per settings per process, for environments and
   rewards built once per episode or per worker.
 

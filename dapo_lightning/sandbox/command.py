@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import sys
 from functools import cache
 from pathlib import Path
@@ -94,8 +95,6 @@ def child_env(config: SandboxConfig, home: str = SCRATCH) -> dict[str, str]:
 @cache
 def bwrap_has(flag: str, bwrap: str) -> bool:
     """True when ``bwrap --help`` lists ``flag`` (``--disable-userns`` came in 0.8)."""
-    import subprocess
-
     try:
         out = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):

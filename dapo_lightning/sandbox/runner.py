@@ -17,10 +17,8 @@ way to run without isolation, and says so in a warning.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import selectors
 import shutil
 import signal
 import subprocess
@@ -28,7 +26,6 @@ import tempfile
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,16 +37,13 @@ from dapo_lightning.sandbox.command import (
     interpreter,
     sandbox_uid,
 )
-from dapo_lightning.sandbox.config import SandboxConfig
+from dapo_lightning.sandbox.config import SandboxConfig, as_sandbox_config
+from dapo_lightning.sandbox.process import Proc, exchange, starter
 
 log = logging.getLogger(__name__)
 
 #: The statuses of a call.
 STATUSES = ("ok", "error", "timeout")
-#: Bytes read from a pipe at a time.
-_CHUNK = 1 << 16
-#: Most seconds to wait for a killed sandbox to be gone.
-KILL_WAIT_S = 2.0
 
 
 class SandboxUnavailableError(ConfigError):
@@ -112,100 +106,6 @@ def describe_exit(exit_code: int | None) -> str:
     except ValueError:
         return f"killed by signal {-exit_code}"
     return f"killed by {sig.name}{_SIGNAL_CAUSES.get(sig, '')}"
-
-
-def first_child(pid: int) -> int | None:
-    """The first child of process ``pid`` (``/proc/PID/task/PID/children``), None if none."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = f.read().split()
-    except OSError:
-        return None
-    return int(children[0]) if children else None
-
-
-def process_state(pid: int) -> tuple[str, int] | None:
-    """``(state, start time)`` of process ``pid`` from ``/proc/PID/stat`` (state ``"Z"``: a
-    zombie, done), None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return fields[0], int(fields[19])
-
-
-class _Proc:
-    """One started interpreter (under bwrap: bwrap, whose one child is the pid namespace's
-    init, whose child is the interpreter) and, under ``isolation: none``, its scratch folder."""
-
-    def __init__(self, popen: subprocess.Popen[bytes], scratch: str | None) -> None:
-        self.popen = popen
-        self.scratch = scratch
-        self.init: tuple[int, int] | None = None  # the namespace's init: pid, start time
-
-    def find_init(self) -> None:
-        """Note the namespace's init (bwrap's child) once it exists."""
-        if self.init is None and self.scratch is None:
-            pid = first_child(self.popen.pid)
-            state = process_state(pid) if pid is not None else None
-            if pid is not None and state is not None:
-                self.init = (pid, state[1])
-
-    def kill(self) -> None:
-        """End every process of the sandbox, reap them, remove the scratch folder.
-
-        Under bwrap the namespace's init is killed (the kernel then kills every process of
-        the namespace) and waited for: it is done (a zombie, or gone) only once every process
-        of the namespace is gone. bwrap itself may exit earlier (it passes on the code's exit
-        status as soon as init reports it). Then bwrap's process group (the whole sandbox
-        under ``isolation: none``, which has no namespace) is killed and bwrap reaped.
-        """
-        if self.popen.poll() is None:
-            self.find_init()
-        if self.init is not None:
-            pid, started = self.init
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if process_state(pid) is not None and process_state(pid)[1] == started:
-                    os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            self.popen.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=KILL_WAIT_S)
-        if self.init is not None:
-            give_up = time.monotonic() + KILL_WAIT_S
-            while time.monotonic() < give_up:
-                state = process_state(self.init[0])
-                if state is None or state[1] != self.init[1] or state[0] in "ZX":
-                    break
-                time.sleep(0.001)
-        for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-_STARTER: tuple[int, ThreadPoolExecutor] | None = None
-_STARTER_LOCK = threading.Lock()
-
-
-def starter() -> ThreadPoolExecutor:
-    """The one long-lived thread that starts this process's sandboxes.
-
-    ``--die-with-parent`` kills a sandbox when the *thread* that started bwrap ends (the
-    kernel's parent-death signal follows the thread), so a sandbox started from a short-lived
-    thread (a thread pool's, an episode's call thread) would be killed while it waits in the
-    pool. A forked child of this process gets a thread of its own.
-    """
-    global _STARTER
-    with _STARTER_LOCK:
-        if _STARTER is None or _STARTER[0] != os.getpid():
-            _STARTER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="sandbox-starter"))
-        return _STARTER[1]
 
 
 _CHECKED: dict[tuple[Any, ...], str] = {}
@@ -273,15 +173,13 @@ class Sandbox:
         pool_size: int | None = None,
         checked: bool = False,
     ) -> None:
-        from dapo_lightning.sandbox.config import as_sandbox_config
-
         self.config = as_sandbox_config(config)
         self.pool_size = self.config.pool_size if pool_size is None else pool_size
         if not checked:
             check_isolation(self.config)
         self._bwrap = shutil.which("bwrap") if self.config.isolation == "bwrap" else None
         self._as_root = os.geteuid() == 0
-        self._pool: deque[_Proc] = deque()
+        self._pool: deque[Proc] = deque()
         self._lock = threading.Lock()
         self._closed = False
         self.calls = 0
@@ -345,7 +243,7 @@ class Sandbox:
                     continue
             proc.kill()
 
-    def _start(self) -> _Proc:
+    def _start(self) -> Proc:
         """Start one interpreter, waiting for code on its stdin (call it on :func:`starter`'s
         thread)."""
         scratch = None
@@ -366,71 +264,18 @@ class Sandbox:
             start_new_session=True,
             close_fds=True,
         )
-        return _Proc(popen, scratch)
+        return Proc(popen, scratch)
 
-    def _communicate(self, proc: _Proc, code: bytes, start: float) -> SandboxResult:
+    def _communicate(self, proc: Proc, code: bytes, start: float) -> SandboxResult:
         """Send ``code``, collect the output until the interpreter exits or the deadline."""
-        cap = self.config.max_output_bytes
-        deadline = start + self.config.timeout_s
-        popen = proc.popen
-        assert popen.stdin is not None and popen.stdout is not None and popen.stderr is not None
-        stdout_fd, stderr_fd = popen.stdout.fileno(), popen.stderr.fileno()
-        out = {stdout_fd: bytearray(), stderr_fd: bytearray()}
-        cut = dict.fromkeys(out, False)
-        selector = selectors.DefaultSelector()
-        for fd in out:
-            os.set_blocking(fd, False)
-            selector.register(fd, selectors.EVENT_READ)
-        stdin = popen.stdin.fileno()
-        os.set_blocking(stdin, False)
-        pending = memoryview(code)
-        selector.register(stdin, selectors.EVENT_WRITE)
-        open_fds = set(out) | {stdin}
-        timed_out = False
-        try:
-            while out.keys() & open_fds:
-                proc.find_init()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    timed_out = True
-                    break
-                for key, _ in selector.select(timeout=left):
-                    fd = key.fd
-                    if fd == stdin:
-                        try:
-                            pending = pending[os.write(fd, pending) :]
-                        except (BrokenPipeError, BlockingIOError) as err:
-                            if isinstance(err, BlockingIOError):
-                                continue
-                            pending = pending[:0]
-                        if not pending:
-                            selector.unregister(fd)
-                            popen.stdin.close()
-                            open_fds.discard(fd)
-                        continue
-                    try:
-                        chunk = os.read(fd, _CHUNK)
-                    except BlockingIOError:
-                        continue
-                    if not chunk:
-                        selector.unregister(fd)
-                        open_fds.discard(fd)
-                        continue
-                    room = cap - len(out[fd])
-                    out[fd] += chunk[: max(room, 0)]
-                    cut[fd] = cut[fd] or len(chunk) > room
-            if not timed_out:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-                timed_out = popen.returncode is None
-        finally:
-            selector.close()
-        if timed_out:
+        io = exchange(proc, code, start + self.config.timeout_s, self.config.max_output_bytes)
+        if io.timed_out:
             proc.kill()
+        popen = proc.popen
         exit_code = popen.returncode if popen.returncode is not None else popen.poll()
         if self._bwrap is not None and exit_code is not None and 128 < exit_code < 160:
             exit_code = 128 - exit_code  # bwrap reports signal N as exit status 128 + N
-        if timed_out:
+        if io.timed_out:
             status, reason = "timeout", f"ran over its deadline of {self.config.timeout_s:g} s"
         elif exit_code == 0:
             status, reason = "ok", ""
@@ -439,10 +284,10 @@ class Sandbox:
         return SandboxResult(
             status=status,
             exit_code=exit_code,
-            stdout=bytes(out[stdout_fd]).decode("utf-8", "replace"),
-            stderr=bytes(out[stderr_fd]).decode("utf-8", "replace"),
-            stdout_truncated=cut[stdout_fd],
-            stderr_truncated=cut[stderr_fd],
+            stdout=io.stdout.decode("utf-8", "replace"),
+            stderr=io.stderr.decode("utf-8", "replace"),
+            stdout_truncated=io.stdout_cut,
+            stderr_truncated=io.stderr_cut,
             wall_s=time.monotonic() - start,
             reason=reason,
         )
