@@ -8,6 +8,7 @@ Public API::
     from dapo_lightning import PolicyHandle, RolloutSpec, RolloutChannel, UpdateLoop
     from dapo_lightning import register_policy_objective, register_advantage_estimator
     from dapo_lightning import register_reward, register_task, register_environment, register_engine
+    from dapo_lightning import Sandbox, SandboxConfig, SandboxResult  # model-written code, isolated
     from dapo_lightning.callbacks import OverlongRewardShaping, EntropyScheduler, CollapseDetector
 """
 
@@ -57,6 +58,7 @@ from dapo_lightning.rollout import (
     register_engine,
 )
 from dapo_lightning.rollout_correction import RolloutCorrection
+from dapo_lightning.sandbox import Sandbox, SandboxConfig, SandboxResult
 from dapo_lightning.schedules import WarmupConstantLR, WarmupCosineLR
 from dapo_lightning.slurm import replace_srun_hint
 from dapo_lightning.strategy import StrategyAdapter
@@ -98,6 +100,9 @@ __all__ = [
     "RolloutProducer",
     "RolloutSpec",
     "SamplingConfig",
+    "Sandbox",
+    "SandboxConfig",
+    "SandboxResult",
     "ScoredRollouts",
     "ScoringConfig",
     "StepContext",
