@@ -93,6 +93,8 @@ def stop_reason(trainer: pl.Trainer, exception: BaseException | None = None) -> 
             and callback.stopping_reason != EarlyStoppingReason.NOT_STOPPED
         ):
             return f"EarlyStopping: {callback.stopping_reason_message}"
+    if trainer.max_steps == 0:  # a fit that only sets up (writes the first-use model, say)
+        return "trainer.max_steps=0: no update was asked for (give max_steps >= 1 to train)"
     if trainer.max_steps and 0 < trainer.max_steps <= trainer.global_step:
         return f"max_steps={trainer.max_steps} reached"
     if trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch:

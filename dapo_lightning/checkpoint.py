@@ -52,6 +52,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.step_guard import all_finite
+from dapo_lightning.weights import shape_mismatches
 
 #: What a disk-full failure raises as (EDQUOT: a quota is full, the same to the user).
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
@@ -319,18 +320,40 @@ def find_resume_checkpoint(trainer: Any, report: Callable[[str], None] | None = 
 
     Args:
         trainer: The trainer about to fit.
-        report: Called with one line per skipped checkpoint (e.g. ``print``).
+        report: Called with one line per skipped checkpoint (e.g. ``print``) and one saying
+            which file was taken and why (:func:`resume_choice`).
     """
-    best, best_step = None, -2
-    for path in resume_candidates(trainer):  # modified last first: the first of a tie wins
+    loadable: list[tuple[str, int]] = []  # modified last first
+    for path in resume_candidates(trainer):
         step, error = inspect_checkpoint(path)
         if error is not None:
             if report is not None:
                 report(f"skipping {path}: it cannot be loaded ({error})")
             continue
-        if (-1 if step is None else step) > best_step:
-            best, best_step = path, -1 if step is None else step
-    return best
+        loadable.append((path, -1 if step is None else step))
+    if not loadable:
+        return None
+    best = max(loadable, key=lambda found: found[1])  # the first of a tie: modified last
+    if report is not None:
+        report(resume_choice(best, loadable))
+    return best[0]
+
+
+def resume_choice(best: tuple[str, int], loadable: list[tuple[str, int]]) -> str:
+    """Which checkpoint ``--ckpt_path auto`` took and why: ``best`` (path, update) among
+    ``loadable`` (modified last first); a file written after it at a lower update (a fresh run's
+    beside a stale run's) is named, with how to resume that one instead."""
+    path, step = best
+    of = f", the highest of {len(loadable)} loadable checkpoints; read from each file"
+    line = f"resuming from {path} (update {step}{of if len(loadable) > 1 else ''})"
+    later = [found for found in loadable[: loadable.index(best)] if found[1] < step]
+    if later:
+        other, other_step = later[0]
+        line += (
+            f"; {other} was written after it, at update {other_step} (a fresh run started in "
+            f"this folder?): to resume that run instead, give --ckpt_path {other}"
+        )
+    return line
 
 
 def optimizer_settings(trainer: Any) -> list[list[dict[str, Any]]]:
@@ -421,35 +444,18 @@ def restore_rng_states(state: dict[str, Any]) -> None:
 _SHARDED_MARKERS = ("meta.pt", ".metadata", "latest", "checkpoint")
 
 
-def shape_mismatches(
-    saved: dict[str, Any], current: dict[str, Any]
-) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
-    """``(name, saved shape, current shape)`` of every tensor both state dicts hold with
-    different shapes, in ``saved``'s order (names only one of them holds are not compared: a
-    LoRA checkpoint holds the adapters only). A DeepSpeed ZeRO-3 parameter's full shape is its
-    ``ds_shape``."""
-
-    def shape(value: Any) -> tuple[int, ...] | None:
-        full = getattr(value, "ds_shape", None) or getattr(value, "shape", None)
-        return None if full is None else tuple(full)
-
-    out = []
-    for name, value in saved.items():
-        if name in current:
-            old, new = shape(value), shape(current[name])
-            if old is not None and new is not None and old != new:
-                out.append((name, old, new))
-    return out
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True for a folder holding a sharded checkpoint (one of :data:`_SHARDED_MARKERS`)."""
+    folder = Path(path)
+    return folder.is_dir() and any((folder / name).exists() for name in _SHARDED_MARKERS)
 
 
-def check_checkpoint_fits(
-    path: Any, saved: dict[str, Any], current: dict[str, Any], model: Any
-) -> None:
-    """Raise :class:`~dapo_lightning.checks.ConfigError` naming the checkpoint at ``path``, the
-    first parameter whose shape differs from the model's (``model``: its
-    ``model_name_or_path``), both shapes, the count of the others, and the fix (was ~30 lines
-    of ``size mismatch`` under a traceback, from ``load_state_dict``)."""
-    found = shape_mismatches(saved, current)
+def check_checkpoint_fits(module: Any, checkpoint: dict[str, Any]) -> None:
+    """Raise :class:`~dapo_lightning.checks.ConfigError` when ``checkpoint`` (before it loads
+    into ``module``, a DAPOModule) has a parameter of another shape: one line naming the file,
+    the parameter, both shapes and the fix (not ~30 lines of ``size mismatch``)."""
+    path, model = getattr(module._trainer, "ckpt_path", None), module.hparams.model_name_or_path
+    found = shape_mismatches(checkpoint.get("state_dict", {}), module.state_dict())
     if not found:
         return
     name, old, new = found[0]
@@ -475,12 +481,12 @@ def check_ckpt_path(path: str | os.PathLike[str] | None) -> None:
         return
     fix = (
         "Fix: give a checkpoint file (e.g. RUN/checkpoints/last.ckpt), or --ckpt_path auto to "
-        "resume from the run's newest loadable checkpoint."
+        "resume from the run's loadable checkpoint with the highest update."
     )
     given = Path(text)
     if not given.exists():
         raise ConfigError(f"ckpt_path: {text} does not exist. {fix}")
-    if given.is_dir() and not any((given / name).exists() for name in _SHARDED_MARKERS):
+    if given.is_dir() and not is_sharded_checkpoint(given):
         inside = sorted(p.name for p in given.glob("*.ckpt"))
         holds = f" (it holds {', '.join(inside[:4])})" if inside else ""
         raise ConfigError(f"ckpt_path: {text} is a folder, not a checkpoint{holds}. {fix}")

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from transformers.utils import logging as hf_logging
 
+from dapo_lightning.checkpoint import is_sharded_checkpoint
 from dapo_lightning.lora import (
     LoraSettings,
     apply_lora,
@@ -208,11 +209,21 @@ def export_pretrained(
 def _load_checkpoint(ckpt_path: Path) -> dict[str, Any]:
     if not ckpt_path.exists():
         raise FileNotFoundError(f"checkpoint {ckpt_path} does not exist: give a .ckpt file path.")
-    if ckpt_path.is_dir():
+    if is_sharded_checkpoint(ckpt_path):
         raise IsADirectoryError(
             f"checkpoint {ckpt_path} is a folder (a sharded DeepSpeed/FSDP checkpoint): "
             "consolidate it into one file first, e.g. with "
             "lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict."
+        )
+    if ckpt_path.is_dir():
+        inside = sorted(p.name for p in ckpt_path.glob("*.ckpt"))
+        holds = f"; it holds {', '.join(inside[:4])}" if inside else ""
+        what = (
+            "a Hugging Face model folder" if (ckpt_path / "config.json").is_file() else "a folder"
+        )
+        raise IsADirectoryError(
+            f"checkpoint {ckpt_path} is {what}, not a checkpoint{holds}. export expects one "
+            "Lightning .ckpt file, e.g. RUN/checkpoints/last.ckpt."
         )
     try:
         checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)

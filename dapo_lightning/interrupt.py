@@ -225,3 +225,32 @@ def exit_on_stop() -> Iterator[None]:
     if reason is not None:
         clear_stop_request()
         raise SystemExit(exit_code(reason))
+
+
+@contextlib.contextmanager
+def exit_at_once_on_stop_signals(outcome: str | Callable[[], str]) -> Iterator[None]:
+    """SIGTERM / SIGINT raise ``SystemExit(128 + signum)`` inside (143 / 130, as a stopped fit
+    exits), after one line saying ``outcome`` (what is left undone; a callable is asked when
+    the signal comes): for the stretches with nothing to save (a model folder being written,
+    the Trainer built but no update made), where SIGTERM's default would end the process
+    without a word (or leave a half-written folder behind) and SIGINT's ``KeyboardInterrupt``
+    would print a traceback. Handlers installed inside it (the
+    :class:`~dapo_lightning.callbacks.RunGuard`'s, while ``fit`` runs) take over; the previous
+    handlers are restored after. Nothing outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        said = outcome() if callable(outcome) else outcome
+        # os.write, not print: a handler may interrupt a print to the same stream
+        os.write(2, f"\n{name} received: stopped; {said}.\n".encode())
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, _exit) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -35,6 +35,7 @@ imported the first time a name is not found.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 from collections.abc import Callable, Iterator
@@ -74,6 +75,12 @@ def import_object(path: str, what: str, missing: Any = _RAISE) -> Any:
             error, so a caller that reports an exception's root cause reports this one.
     """
     module_name, _, attr = str(path).rpartition(".")
+    if "/" in str(path) or "\\" in str(path) or str(path).endswith(".py"):
+        raise ImportPathError(
+            f"{what} {path!r} is a file path, not an import path. Fix: give "
+            "'module.Name' (the file's module, a dot, the name in it), with the file's folder on "
+            "PYTHONPATH."
+        )
     if not module_name or not attr:
         raise ImportPathError(f"{what} {path!r} must be a dotted path 'package.module.Name'.")
     try:
@@ -228,12 +235,20 @@ class Registry(Generic[F]):
 
     def _from_path(self, path: str, field: str) -> Entry[F]:
         fn = import_object(path, field, missing=None)
+        module_name, _, attr = path.rpartition(".")
+        if fn is None:  # the module imports, the name is not in it
+            names = [n for n in dir(importlib.import_module(module_name)) if not n.startswith("_")]
+            match = difflib.get_close_matches(attr, names, n=1)
+            hint = f" Did you mean {module_name}.{match[0]}?" if match else ""
+            raise ConfigError(
+                f"{field}={path!r} was not found: module {module_name} has no {attr!r}.{hint} "
+                "Fix: check the name after the last dot."
+            )
         for entry in self._entries.values():
             if entry.fn is fn:
                 return entry
         if self.adopt is not None and self.adopt(fn):
             return Entry(path, fn)
-        module_name, _, attr = path.rpartition(".")
         article = "an" if self.kind[0] in "aeiou" else "a"
         raise ConfigError(
             f"{field}={path!r}: {module_name} has no function {attr!r} registered as {article} "

@@ -8,6 +8,7 @@ session stand on (it imports nothing from the library).
 * The policy: :func:`load_policy` (``from_pretrained`` with an error naming the field),
   :func:`enable_gradient_checkpointing`, :func:`frozen_copy` (the KL reference),
   :func:`eval_mode` and :func:`has_dropout` (when train-mode log-probs differ).
+* Shapes: :func:`shape_mismatches` (a checkpoint's tensors against a module's).
 
 ``deepspeed``, ``bitsandbytes`` and ``transformers`` are imported where they are used (optional
 or slow to import; see tests/test_structure.py).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +38,7 @@ __all__ = [
     "is_4bit",
     "is_sharded",
     "load_policy",
+    "shape_mismatches",
     "strip_wrapper_prefixes",
 ]
 
@@ -169,3 +172,24 @@ def has_dropout(model: nn.Module) -> bool:
         float(getattr(getattr(model, "config", None), key, 0.0) or 0.0) > 0
         for key in ("attention_dropout", "hidden_dropout", "dropout")
     )
+
+
+def shape_mismatches(
+    saved: dict[str, Any], current: dict[str, Any]
+) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """``(name, saved shape, current shape)`` of every tensor both state dicts hold with
+    different shapes, in ``saved``'s order (names only one of them holds are not compared: a
+    LoRA checkpoint holds the adapters only). A DeepSpeed ZeRO-3 parameter's full shape is its
+    ``ds_shape``."""
+
+    def shape(value: Any) -> tuple[int, ...] | None:
+        full = getattr(value, "ds_shape", None) or getattr(value, "shape", None)
+        return None if full is None else tuple(full)
+
+    out = []
+    for name, value in saved.items():
+        if name in current:
+            old, new = shape(value), shape(current[name])
+            if old is not None and new is not None and old != new:
+                out.append((name, old, new))
+    return out

@@ -12,6 +12,7 @@ from typing import Any
 
 from dapo_lightning.callbacks import DAPOCallback
 
+from dapo_lightning import DAPODataModule
 from dapo_lightning.envs import StepResult
 
 
@@ -63,3 +64,14 @@ class CtrlCTwice(DAPOCallback):
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1.0)  # the handlers run here
+
+
+class SigtermInSetup(DAPODataModule):
+    """The data module, with a SIGTERM to this process at the start of its ``setup`` (after the
+    Trainer was built, before the :class:`~dapo_lightning.callbacks.RunGuard` guards the fit:
+    a stop while the engine starts)."""
+
+    def setup(self, stage: str) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5.0)  # the handler runs here
+        super().setup(stage)

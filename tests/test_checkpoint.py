@@ -121,7 +121,9 @@ def test_resume_picks_the_highest_update_not_the_newest_file(tmp_path):
     _truncate(last)
     skipped: list[str] = []
     assert find_resume_checkpoint(trainer, skipped.append) == str(hpc)
+    *skipped, chose = skipped  # the last line: which file was taken, and why
     assert len(skipped) == 2 and all("cannot be loaded" in line for line in skipped)
+    assert chose.startswith(f"resuming from {hpc} (update "), chose
     hpc.unlink()
     assert find_resume_checkpoint(trainer) == str(previous)
 
@@ -137,7 +139,8 @@ def test_truncated_newest_falls_back_to_the_previous_one(tmp_path):
     chosen = find_resume_checkpoint(trainer, skipped.append)
     assert chosen == str(previous_path(path))
     assert torch.load(chosen, weights_only=True)["global_step"] == 40
-    assert len(skipped) == 1 and str(path) in skipped[0] and "cannot be loaded" in skipped[0]
+    assert len(skipped) == 2 and str(path) in skipped[0] and "cannot be loaded" in skipped[0]
+    assert skipped[1] == f"resuming from {chosen} (update 40)"
     _truncate(previous_path(path))
     assert find_resume_checkpoint(trainer) is None  # nothing loadable: start fresh
 

@@ -5,10 +5,12 @@ point) on the tiny model, with real rewards, environments, signals and checkpoin
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dapo_lightning.testing import make_tiny_checkpoint
 from tests._harness import ARITHMETIC_RUN, run_cli, write_run_config
@@ -229,3 +231,113 @@ def _yaml(tmp: Path, text: str) -> Path:
     path = tmp / "bad.yaml"
     path.write_text(text + "\n")
     return path
+
+
+# ------------------------------------------------------------------ item 7: the wrong words
+def test_max_steps_0_says_no_update_was_asked_for(tiny_checkpoint, tmp_path, capfd):
+    """``--trainer.max_steps 0`` (a fit that only sets up: writes the first-use model) ended
+    saying the training data ran out; it says what it was."""
+    override = write_run_config(tmp_path / "o.yaml", tmp_path / "run", tiny_checkpoint)
+    args = ["--config", QUICKSTART, "--config", str(override), "--trainer.max_steps=0"]
+    from dapo_lightning.cli import main
+
+    main(["fit", *args])  # exit 0: no SystemExit
+    out = capfd.readouterr().out  # the summary
+    assert "stopped:     trainer.max_steps=0: no update was asked for (give max_steps >= 1" in out
+    assert "ran out" not in out, out[-3000:]
+
+
+def test_export_of_a_plain_folder_says_what_it_is_and_what_export_expects(
+    tiny_checkpoint, tmp_path, capfd
+):
+    """A plain folder was called "a sharded DeepSpeed/FSDP checkpoint"."""
+    from dapo_lightning.cli import main
+
+    run = tmp_path / "checkpoints"
+    run.mkdir()
+    (run / "last.ckpt").write_bytes(b"")
+    for folder, what in ((run, "a folder"), (tiny_checkpoint, "a Hugging Face model folder")):
+        with pytest.raises(SystemExit) as exc:
+            main(["export", str(folder), str(tmp_path / "out")])
+        err = capfd.readouterr().err
+        assert exc.value.code == 2 and "sharded" not in err, err
+        assert f"checkpoint {folder} is {what}, not a checkpoint" in err, err
+        assert "export expects one Lightning .ckpt file" in err, err
+        assert ("it holds last.ckpt" in err) == (folder == run), err
+
+
+def test_environment_path_that_is_not_found_says_so(tiny_checkpoint, tmp_path, capfd):
+    """A class name missing from its module suggested decorating it with
+    ``@register_environment``; it is not found: the module, the name, the closest one."""
+    config = fit_config(tmp_path, tiny_checkpoint)
+    code, err = fit_main(
+        [f"--config={config}", '--data.environment={"name": "_episode_envs.Shopp"}'], capfd
+    )
+    assert_one_error_line(
+        code,
+        err,
+        "'_episode_envs.Shopp' was not found: module _episode_envs has no 'Shopp'. "
+        "Did you mean _episode_envs.Shop?",
+    )
+    assert "register_environment" not in err
+
+
+def test_unknown_subcommand_lists_every_subcommand(capfd):
+    """``dapo-lightning fitt`` listed only fit and validate."""
+    from dapo_lightning.cli import COMMANDS, main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["fitt"])
+    err = capfd.readouterr().err
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("dapo-lightning: error: unknown subcommand 'fitt'. Did you mean fit?")
+    assert {"fit", "validate", "sft", "plot", "export", "make-model"} <= set(COMMANDS)
+    assert f"The subcommands: {', '.join(COMMANDS)} " in err, err
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_before_the_first_update_says_so_and_exits_143(tiny_checkpoint, tmp_path):
+    """A SIGTERM after the Trainer was built and before the fit is guarded (here in the data's
+    ``setup``) ended the process silently (killed by the signal); now one line, exit 143."""
+    config = write_run_config(
+        tmp_path / "fit.yaml",
+        tmp_path / "run",
+        tiny_checkpoint,
+        base=ARITHMETIC_RUN,
+        data={"class_path": "_hostile.SigtermInSetup"},
+    )
+    proc = run_cli("fit", f"--config={config}", timeout=240)
+    assert proc.returncode == 143, (proc.returncode, proc.stderr[-3000:])
+    assert "SIGTERM received: stopped; nothing to save yet." in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_ckpt_path_auto_says_which_file_it_took_and_names_a_later_lower_one(
+    tiny_checkpoint, tmp_path, capfd
+):
+    """A stale run left ``last.ckpt`` at update 26; a fresh run in the same folder wrote
+    ``last-v1.ckpt`` at update 22, after it. ``--ckpt_path auto`` takes the highest update
+    (right for a resumed run whose files were copied: their times say nothing) and now says so,
+    naming the later file and how to resume it instead (docs/running.md says the same)."""
+    run = tmp_path / "run"
+    config = write_run_config(
+        tmp_path / "fit.yaml", run, tiny_checkpoint, base=ARITHMETIC_RUN, trainer=SAVING
+    )
+    code, err = fit_main([f"--config={config}"], capfd)
+    assert code == 0, err[-3000:]
+    saved = run / "checkpoints" / "last.ckpt"
+    state = torch.load(saved, weights_only=False)
+    stale, fresh = saved, run / "checkpoints" / "last-v1.ckpt"
+    for path, update, mtime in ((stale, 26, 1_000_000), (fresh, 22, 2_000_000)):
+        torch.save({**state, "global_step": update}, path)
+        os.utime(path, (mtime, mtime))
+    code, err = fit_main([f"--config={config}", "--trainer.max_steps=2", "--ckpt_path=auto"], capfd)
+    assert code == 0, err[-3000:]
+    line = next(x for x in err.splitlines() if x.startswith("--ckpt_path auto: "))
+    assert line == (
+        f"--ckpt_path auto: resuming from {stale} (update 26, the highest of 2 loadable "
+        f"checkpoints; read from each file); {fresh} was written after it, at update 22 (a "
+        f"fresh run started in this folder?): to resume that run instead, give --ckpt_path "
+        f"{fresh}"
+    ), line

@@ -272,7 +272,9 @@ def test_unknown_objective_names_the_valid_ones():
         DAPOModule("unused", loss=PolicyLossConfig(objective="ppo"))
     with pytest.raises(ValueError, match="module 'no_such_pkg' cannot be imported"):
         DAPOModule("unused", loss=PolicyLossConfig(objective="no_such_pkg.fn"))
-    with pytest.raises(ValueError, match="has no function 'nope' registered"):
+    with pytest.raises(
+        ValueError, match="was not found: module tests._user_objective has no 'nope'"
+    ):
         DAPOModule("unused", loss=PolicyLossConfig(objective="tests._user_objective.nope"))
 
 

@@ -22,7 +22,9 @@ Absolute paths stay where they are.
 **Resuming**: ``--ckpt_path auto`` (``fit`` and ``validate``) resumes from the checkpoint with
 the highest update (read from each file, never taken from its modification time) that loads,
 among the ``last*.ckpt`` of the run's ``ModelCheckpoint`` (``last-previous.ckpt`` included) and
-the ``hpc_ckpt_*.ckpt`` of Lightning's SLURM requeue; with none it starts fresh. The same
+the ``hpc_ckpt_*.ckpt`` of Lightning's SLURM requeue, and says which file it took and why (a
+file written after it at a lower update, a fresh run's beside a stale run's, is named with how
+to resume it instead); with none it starts fresh. The same
 command line is therefore right for the first start and for every requeue (see ``slurm/``),
 and for a run directory that was copied or moved (it goes on writing ``last.ckpt``). A
 ``--ckpt_path`` that names a file is checked first: a missing, unloadable or plain folder is
@@ -66,6 +68,7 @@ null, is the run's ``seed_everything``.
 
 from __future__ import annotations
 
+import difflib
 import sys
 
 from dapo_lightning.checks import ConfigError
@@ -75,7 +78,7 @@ from dapo_lightning.cli.model_source import CreateModel
 from dapo_lightning.cli.parser import StrictArgumentParser, nested_nulls
 from dapo_lightning.cli.run_setup import AUTO_CKPT, VALIDATE_LOG_SUFFIX, run_path
 from dapo_lightning.export import export_main
-from dapo_lightning.interrupt import exit_on_stop
+from dapo_lightning.interrupt import exit_at_once_on_stop_signals, exit_on_stop
 from dapo_lightning.logging_setup import quiet_known_warnings
 from dapo_lightning.models import make_model_main
 from dapo_lightning.plot import plot_main
@@ -103,17 +106,20 @@ OTHER_COMMANDS = {
 }
 
 
+#: Every subcommand: name -> one line of help (LightningCLI's, then :data:`OTHER_COMMANDS`).
+COMMANDS = {
+    "fit": "train (dapo-lightning fit --help)",
+    "validate": "score a checkpoint on the held-out prompts",
+    **OTHER_COMMANDS,
+}
+
+
 def top_level_help() -> str:
     """What ``dapo-lightning --help`` prints."""
-    commands = {
-        "fit": "train (dapo-lightning fit --help)",
-        "validate": "score a checkpoint on the held-out prompts",
-        **OTHER_COMMANDS,
-    }
-    lines = [f"  {name:<12}{text}" for name, text in commands.items()]
+    lines = [f"  {name:<12}{text}" for name, text in COMMANDS.items()]
     return "\n".join(
         [
-            f"usage: dapo-lightning {{{','.join(commands)}}} ...",
+            f"usage: dapo-lightning {{{','.join(COMMANDS)}}} ...",
             "",
             "DAPO reinforcement learning for LLMs, on PyTorch Lightning.",
             "",
@@ -133,8 +139,8 @@ def _run_lightning(args: list[str] | None) -> None:
     else:
         args = nested_nulls(list(args))
 
-    def command() -> None:
-        with exit_on_stop():
+    def command() -> None:  # a stop before (or after) a fit guards its run: one line, 143 / 130
+        with exit_on_stop(), exit_at_once_on_stop_signals("nothing to save yet"):
             build_cli(args)
 
     run_reporting_errors(command)
@@ -143,6 +149,16 @@ def _run_lightning(args: list[str] | None) -> None:
 def _sft_main(argv: list[str]) -> None:
     """``dapo-lightning sft`` (:mod:`dapo_lightning.sft`), with the error contract of ``fit``."""
     run_reporting_errors(lambda: sft_main(argv))
+
+
+def unknown_command_message(name: str) -> str:
+    """The error line for a subcommand that does not exist: every subcommand, the closest."""
+    match = difflib.get_close_matches(name, list(COMMANDS), n=1)
+    hint = f" Did you mean {match[0]}?" if match else ""
+    return (
+        f"unknown subcommand {name!r}.{hint} The subcommands: {', '.join(COMMANDS)} "
+        "(dapo-lightning --help says what each does)."
+    )
 
 
 def main(args: list[str] | None = None) -> None:
@@ -163,4 +179,7 @@ def main(args: list[str] | None = None) -> None:
     if argv[0] in other:  # the commands of OTHER_COMMANDS
         other[argv[0]](argv[1:])
         return
+    if not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        print(f"dapo-lightning: error: {unknown_command_message(argv[0])}", file=sys.stderr)
+        sys.exit(2)
     _run_lightning(args)

@@ -41,6 +41,7 @@ from dapo_lightning.cli.run_setup import (
     separate_validate_logs,
 )
 from dapo_lightning.data.datamodule import DAPODataModule
+from dapo_lightning.interrupt import exit_at_once_on_stop_signals
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.precision import resolve_trainer_precision
 from dapo_lightning.run_lock import check_run_dirs_writable
@@ -171,10 +172,9 @@ class DAPOLightningCLI(LightningCLI):
         if ckpt_path != AUTO_CKPT:
             check_ckpt_path(ckpt_path)  # missing, a plain folder, cut short: one error line
             return ckpt_path
-        resolved = resolve_auto_checkpoint(self.trainer)
-        if self.trainer.is_global_zero:
-            found = f"resuming from {resolved}" if resolved else "no checkpoint yet, starting fresh"
-            print(f"--ckpt_path auto: {found}", file=sys.stderr)
+        resolved = resolve_auto_checkpoint(self.trainer)  # says which file it took, and why
+        if self.trainer.is_global_zero and resolved is None:
+            print("--ckpt_path auto: no checkpoint yet, starting fresh", file=sys.stderr)
         return resolved
 
     def fit(
@@ -185,11 +185,18 @@ class DAPOLightningCLI(LightningCLI):
         **kwargs: Any,
     ) -> None:
         """``trainer.fit`` with ``ckpt_path="auto"`` resolved first, the batch sizes checked
-        against the ranks before any rank is started."""
-        check_world_split(self.trainer, datamodule)
-        self.trainer.fit(
-            model, datamodule=datamodule, ckpt_path=self._resolve_ckpt_path(ckpt_path), **kwargs
-        )
+        against the ranks before any rank is started. A SIGTERM / SIGINT before the
+        :class:`~dapo_lightning.callbacks.RunGuard` guards the fit (the data's set-up, the
+        engine's start) is one line and exit 143 / 130, not a silent end."""
+
+        def outcome() -> str:
+            done = self.trainer.global_step
+            return f"the fit had ended at update {done}" if done else "nothing to save yet"
+
+        with exit_at_once_on_stop_signals(outcome):
+            check_world_split(self.trainer, datamodule)
+            ckpt_path = self._resolve_ckpt_path(ckpt_path)
+            self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
 
     def validate(
         self,

@@ -5,16 +5,12 @@ folder, or a hub model in the cache or on a reachable hub).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +22,7 @@ from jsonargparse import Namespace
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.cli.run_setup import run_path
 from dapo_lightning.export import atomic_folder
-from dapo_lightning.interrupt import STOP_SIGNALS
+from dapo_lightning.interrupt import exit_at_once_on_stop_signals
 from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
 from dapo_lightning.testing import make_tiny_checkpoint
 
@@ -111,7 +107,7 @@ def write_model(config: Namespace, kind: str, target: Path) -> None:
     say(f"{target} does not exist: writing the {kind!r} model (seed {seed}; nothing is downloaded)")
     # SIGTERM / SIGINT: the temporary folder is removed, the next run writes the model again
     stopped = f"{target} was not written (the next run writes it)"
-    with _stop_signals_exit(stopped), atomic_folder(target) as tmp:
+    with exit_at_once_on_stop_signals(stopped), atomic_folder(target) as tmp:
         if kind == "tiny":
             make_tiny_checkpoint(tmp, seed=seed)
         else:
@@ -143,30 +139,6 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-@contextlib.contextmanager
-def _stop_signals_exit(outcome: str) -> Iterator[None]:
-    """SIGTERM / SIGINT raise ``SystemExit(128 + signum)`` inside (143 / 130, as a stopped fit
-    exits), after one line saying ``outcome`` (what is left undone): SIGTERM's default would kill
-    the process at once, leaving a half-written folder behind, and SIGINT's
-    ``KeyboardInterrupt`` would print a traceback. The previous handlers are restored after."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def _exit(signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        # os.write, not print: a handler may interrupt a print to the same stream
-        os.write(2, f"\n{name} received: stopped; {outcome}.\n".encode())
-        raise SystemExit(128 + signum)
-
-    previous = {sig: signal.signal(sig, _exit) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _warmup_task_kwargs(config: Namespace) -> dict[str, Any]:

@@ -50,16 +50,16 @@ def keep_adapters_only(module: nn.Module, checkpoint: dict[str, Any]) -> None:
     checkpoint["dapo"][LORA_CHECKPOINT_KEY] = {"adapter_only": True, "settings": settings}
 
 
-def restore_adapter_checkpoint(
-    module: nn.Module, checkpoint: dict[str, Any], lora_state: dict[str, Any] | None
-) -> None:
-    """Check an adapter-only checkpoint against ``module`` (a DAPOModule) and fill in the
-    frozen base (the module's own, loaded from ``model_name_or_path``), so the load is strict.
+def restore_adapter_checkpoint(module: nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Check an adapter-only checkpoint (its ``dapo`` state's :data:`LORA_CHECKPOINT_KEY`)
+    against ``module`` (a DAPOModule) and fill in the frozen base (the module's own, loaded
+    from ``model_name_or_path``), so the load is strict.
 
     Raises:
         ValueError: the checkpoint and the module disagree on LoRA, or the adapters do not
             fit (names the setting to fix).
     """
+    lora_state = checkpoint.get("dapo", {}).get(LORA_CHECKPOINT_KEY)
     peft = is_peft_model(module.policy)
     weights = checkpoint.get("state_dict")
     if lora_state is None:

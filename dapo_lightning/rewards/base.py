@@ -120,6 +120,19 @@ def chunk_limit_s(timeout_s: float, size: int, pace_s: float | None) -> float:
     return min(size * timeout_s, timeout_s + PACE_MARGIN * size * pace_s)
 
 
+def lost_job_line(runner: RewardRunner, size: int, limit_s: float, why: str) -> str:
+    """The line said at a round's first lost job (``size`` responses, ``limit_s``, ``why``:
+    ``"timeout"`` or how the worker ended): what happened and what comes next."""
+    what = "timed out" if why == "timeout" else "failed"
+    restart = "abandoning its thread" if runner.in_process else "restarting its worker"
+    return (
+        f"scoring: reward {type(runner.reward).__name__} {what} on {size} response(s) ({why}; "
+        f"limit {limit_s:.0f} s, data.scoring.timeout_s={runner.timeout_s:g}); {restart} and "
+        f"retrying; the round fails after {STRIKES_IN_A_ROW * runner.num_workers} such "
+        "failures in a row."
+    )
+
+
 class _Round:
     """One round's state: results so far, the jobs left, failures, the wall deadline."""
 
@@ -439,25 +452,10 @@ class RewardRunner:
             if not self.scored_once or rnd.fresh(job[1]):
                 self._strikes += 1
                 self._last_strike = reason
-            self._say_restart(rnd, job, reason)
+            if not rnd.warned:  # one line per round: the wait for a restart can be long
+                rnd.warned = True
+                print(lost_job_line(self, len(job[1]), job[3], reason), file=sys.stderr, flush=True)
             rnd.fail(job[1], reason, self.reward)
-
-    def _say_restart(self, rnd: _Round, job: tuple[int, list[int], float, float], why: str) -> None:
-        """Print one line per round, at its first lost job: what happened and what comes next
-        (the wait for a restarted worker process can be long)."""
-        if rnd.warned:
-            return
-        rnd.warned = True
-        what = "timed out" if why == "timeout" else "failed"
-        restart = "restarting its worker" if not self.in_process else "abandoning its thread"
-        print(
-            f"scoring: reward {type(self.reward).__name__} {what} on {len(job[1])} response(s) "
-            f"({why}; limit {job[3]:.0f} s, data.scoring.timeout_s={self.timeout_s:g}); "
-            f"{restart} and retrying; the round fails after "
-            f"{STRIKES_IN_A_ROW * self.num_workers} such failures in a row.",
-            file=sys.stderr,
-            flush=True,
-        )
 
     def _budget(self, n: int) -> float:
         return round_budget_s(self.timeout_s, n, self.num_workers, self.worker_start_s)
