@@ -70,14 +70,15 @@ def check_task_count(devices: Any, num_nodes: Any) -> None:
     """Under ``srun`` (``SLURM_NTASKS`` set and SLURM's job name not ``bash`` / ``interactive``),
     raise :class:`ConfigError` when ``devices x num_nodes`` is not the job step's task count.
 
-    Only integer device counts are checked (``auto``, ``-1`` and device lists are Lightning's
-    to resolve)."""
-    if not _is_srun_used() or not isinstance(devices, int) or not isinstance(num_nodes, int):
-        return
-    if devices <= 0:
+    Only counts are checked (``auto``, ``-1`` and device lists are Lightning's to resolve).
+    Task 0 raises the error; the other tasks exit 2 without a word (one line per job)."""
+    devices, num_nodes = _count(devices), _count(num_nodes)
+    if not _is_srun_used() or devices is None or num_nodes is None:
         return
     tasks = int(os.environ["SLURM_NTASKS"])
     if devices * num_nodes != tasks:
+        if os.environ.get("SLURM_PROCID", "0") != "0":
+            raise SystemExit(2)
         raise ConfigError(
             f"trainer.devices {devices} x trainer.num_nodes {num_nodes} = "
             f"{devices * num_nodes} ranks, but this SLURM job step has {tasks} tasks "
@@ -85,6 +86,13 @@ def check_task_count(devices: Any, num_nodes: Any) -> None:
             f"--nodes={num_nodes} --ntasks-per-node={devices}, or leave trainer.devices and "
             "trainer.num_nodes to slurm/dapo.sbatch (it passes SLURM's counts)."
         )
+
+
+def _count(value: Any) -> int | None:
+    """A positive count given as an int or a string of digits (``devices: "2"``), else None."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def array_task_run(root: str | None) -> tuple[int, str] | None:

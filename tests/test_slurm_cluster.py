@@ -14,10 +14,13 @@ installs it (and sets DAPO_REQUIRE_SLURM=1: then a missing SLURM fails).
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
+import signal
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -63,14 +66,20 @@ def job_config(tmp_path: Path, model_dir: Path, name: str = "run") -> tuple[Path
 
 
 def submit(
-    cluster: SlurmCluster, tmp_path: Path, override: Path, *sbatch_args: str, steps: int
+    cluster: SlurmCluster,
+    tmp_path: Path,
+    override: Path,
+    *sbatch_args: str,
+    steps: int,
+    extra: list[str] | None = None,
+    output: Path | None = None,
 ) -> tuple[str, Path]:
-    """``sbatch [CPU node] ARGS slurm/dapo.sbatch quickstart.yaml --config override``; the job
-    id and its output file."""
-    out = tmp_path / f"slurm-{len(list(tmp_path.glob('slurm-*')))}.out"
+    """``sbatch [CPU node] ARGS slurm/dapo.sbatch quickstart.yaml --config override
+    --trainer.max_steps STEPS EXTRA``; the job id and its output file."""
+    out = output or tmp_path / f"slurm-{len(list(tmp_path.glob('slurm-*')))}.out"
     job = cluster.sbatch(
         *CPU_NODE, f"--output={out}", *sbatch_args, SBATCH, QUICKSTART,
-        "--config", str(override), "--trainer.max_steps", str(steps),
+        "--config", str(override), "--trainer.max_steps", str(steps), *(extra or []),
         env={"DAPO_CLI": CLI, "TOKENIZERS_PARALLELISM": "false"},
     )  # fmt: skip
     return job, out
@@ -108,9 +117,9 @@ def series(rows: list[dict[str, str]], key: str) -> list[tuple[int, float]]:
     return [(int(r["step"]), float(r[key])) for r in rows if r.get(key) not in (None, "")]
 
 
-def assert_same_metrics(run_dir: Path, ref_dir: Path, stopped_at: int) -> None:
+def assert_same_metrics(run_dir: Path, ref_dir: Path, stops: list[int]) -> None:
     """The run's training metrics are the reference's: the same steps, each once, the same
-    values. Its validations too, except the one due at ``stopped_at`` when the stop landed
+    values. Its validations too, except one due at an update in ``stops`` when the stop landed
     during it (a stop during a validation drops that validation; the next runs as planned)."""
     run, ref = metric_rows(run_dir), metric_rows(ref_dir)
     for key in TRAINING_METRICS:
@@ -119,7 +128,7 @@ def assert_same_metrics(run_dir: Path, ref_dir: Path, stopped_at: int) -> None:
     got, want = series(run, "val/acc"), series(ref, "val/acc")
     missing = [(step, v) for step, v in want if (step, v) not in got]
     assert all(v in want for v in got) and len(got) == len(set(got)), (got, want)
-    assert [step for step, _ in missing] in ([], [stopped_at - 1]), (got, want)
+    assert all(step + 1 in stops for step, _ in missing), (got, want)
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -132,56 +141,248 @@ def saved_after(ckpt: Path, t: float) -> float | None:
 
 
 # ------------------------------------------------------------------------------- 1. time limit
-STEPS = 60  # updates of the time-limit case (one per rollout step)
 RESUMED = re.compile(r"Resuming from \S+ at update (\d+)")
 
 
-def test_time_limit_signal_requeues_and_resumes_exactly(cluster, model_dir, tmp_path, capsys):
+def requeue_once(
+    cluster: SlurmCluster, job: str, out: Path, after_update: int, restart: int
+) -> tuple[int, float, float]:
+    """Once the job's log shows ``after_update``: ``scancel --signal=USR1``, wait for the save
+    and the requeue (the log's "Requeued SLURM job" line), release the held job and wait until
+    it trains again. Returns the update it resumed at, the seconds from the signal to the
+    requeue and from the release to training again."""
+    start = len(text(out))
+    wait_for(f"update {after_update}", lambda: update_seen(out, after_update, start), timeout=180)
+    signalled = time.monotonic()
+    cluster.run("scancel", "--signal=USR1", job)
+    wait_for("the requeue", lambda: "Requeued SLURM job" in text(out)[start:], timeout=60)
+    requeued = time.monotonic()
+    cluster.wait(job, {"PENDING", "RUNNING"}, timeout=60, restarts=restart)
+    released = time.monotonic()
+    cluster.wait(job, {"RUNNING", "COMPLETED"}, timeout=60, restarts=restart)
+    resumed = wait_for("the resume", lambda: RESUMED.search(text(out)[start:]), timeout=120)
+    assert f"job {job} restart {restart}:" in text(out)  # SLURM_RESTART_COUNT, as the script saw it
+    return int(resumed.group(1)), requeued - signalled, time.monotonic() - released
+
+
+@pytest.mark.parametrize(
+    ("requeues", "steps"), [(1, 50), pytest.param(3, 80, marks=pytest.mark.slow)]
+)
+def test_time_limit_signal_requeues_and_resumes_exactly(
+    cluster, model_dir, tmp_path, capsys, requeues, steps
+):
     """``scancel --signal=USR1`` (what ``--signal=SIGUSR1@90`` sends before the time limit):
     the run saves at the next clean point, requeues itself, comes back with
-    SLURM_RESTART_COUNT=1, resumes from that update and ends at max_steps with the weights and
-    metrics of an uninterrupted run, bit for bit; metrics.csv has every update exactly once."""
+    SLURM_RESTART_COUNT=1 (2, 3), resumes from that update and ends at max_steps with the
+    weights and metrics of an uninterrupted run, bit for bit; metrics.csv has every update
+    exactly once."""
     ref_dir, ref_config = job_config(tmp_path, model_dir, "reference")
     ref = run_cli(
         "fit", "--config", QUICKSTART, "--config", str(ref_config),
-        "--trainer.max_steps", str(STEPS), env={"OMP_NUM_THREADS": "1"}, timeout=300,
+        "--trainer.max_steps", str(steps), env={"OMP_NUM_THREADS": "1"}, timeout=300,
     )  # fmt: skip
     assert ref.returncode == 0, ref.stderr[-3000:]
     # outside srun, with SLURM installed: none of Lightning's "prepend srun" hint
     assert "srun" not in ref.stderr, ref.stderr[-3000:]
 
     run_dir, config = job_config(tmp_path, model_dir)
-    job, out = submit(cluster, tmp_path, config, "--ntasks-per-node=1", steps=STEPS)
-    wait_for("update 20 of the first run", lambda: update_seen(out, 20), timeout=180)
-    last = run_dir / "checkpoints" / "last.ckpt"
-    signalled = time.time()
-    cluster.run("scancel", "--signal=USR1", job)
-    saved = wait_for("the save on SIGUSR1", lambda: saved_after(last, signalled), timeout=60)
-    cluster.wait(job, {"PENDING", "RUNNING"}, timeout=60, restarts=1)  # requeued
-    released = time.time()
-    cluster.wait(job, {"RUNNING", "COMPLETED"}, timeout=60, restarts=1)
-    first = text(out)
-    resumed = wait_for("the resume", lambda: RESUMED.search(text(out)), timeout=120)
-    training_again = time.time()
-    done = cluster.wait(job, {"COMPLETED", "FAILED"}, timeout=300, restarts=1)
+    job, out = submit(cluster, tmp_path, config, "--ntasks-per-node=1", steps=steps)
+    stops, times = [], []
+    for restart in range(1, requeues + 1):
+        at, to_requeue, to_train = requeue_once(cluster, job, out, 20 * restart - 5, restart)
+        assert stops[-1:] < [at] < [steps]  # resumed where it stopped: later each time
+        stops.append(at)
+        times.append(f"signal -> saved + requeued {to_requeue:.2f} s, released -> training "
+                     f"again {to_train:.1f} s (update {at})")  # fmt: skip
+    done = cluster.wait(job, {"COMPLETED", "FAILED"}, timeout=300, restarts=requeues)
     log = text(out)
     assert done["JobState"] == "COMPLETED", log[-4000:]
+    assert log.count("SIGUSR1 received") == requeues and f"max_steps={steps} reached" in log
 
-    assert "SIGUSR1 received" in first and "Requeued SLURM job" in log
-    assert f"job {job} restart 1:" in log  # SLURM_RESTART_COUNT=1, printed by the script
-    at = int(resumed.group(1))
-    assert 20 <= at < STEPS
-    assert f"max_steps={STEPS} reached" in log
-    assert_same_metrics(run_dir, ref_dir, stopped_at=at)
+    assert_same_metrics(run_dir, ref_dir, stops)
     updates = [s for s, _ in series(metric_rows(run_dir), "update/loss")]
-    assert updates == sorted(set(updates)) and len(updates) == STEPS  # no gap, no repeat
-    ref_w, got_w = weights(ref_dir / "checkpoints" / "last.ckpt"), weights(last)
+    assert updates == list(range(steps))  # every update once: no gap, no repeat
+    ref_w, got_w = weights(ref_dir / "checkpoints" / "last.ckpt"), weights(last_ckpt(run_dir))
     assert ref_w.keys() == got_w.keys()
     for name, tensor in ref_w.items():
         assert torch.equal(got_w[name], tensor), f"weights differ: {name}"
     with capsys.disabled():
-        print(
-            f"\n[slurm] USR1: saved after {saved - signalled:.2f} s; the requeued job released "
-            f"-> training again (update {at}) after {training_again - released:.1f} s "
-            f"({training_again - signalled:.1f} s after the signal)"
-        )
+        print("\n[slurm] USR1: " + "; ".join(times))
+
+
+def last_ckpt(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+def saved_update(run_dir: Path) -> int:
+    return int(torch.load(last_ckpt(run_dir), map_location="cpu", weights_only=True)["global_step"])
+
+
+# ------------------------------------------------------------------------------- 2. preemption
+def test_preemption_saves_within_the_grace_and_a_resubmission_resumes(
+    cluster, model_dir, tmp_path, capsys
+):
+    """``scancel --signal=TERM`` (SIGTERM to the tasks) and a plain ``scancel`` (SIGTERM to the
+    job, SIGKILL after KillWait=30 s): the run saves the update it is at within the grace and
+    exits; the same command submitted again resumes there and finishes."""
+    run_dir, config = job_config(tmp_path, model_dir)
+    times = []
+    for how, state in ((["--signal=TERM"], "FAILED"), ([], "CANCELLED")):
+        before = saved_update(run_dir) if last_ckpt(run_dir).exists() else 0
+        job, out = submit(cluster, tmp_path, config, "--ntasks-per-node=1", steps=200)
+        wait_for("training", partial(update_seen, out, before + 5), timeout=180)
+        signalled = time.monotonic()
+        cluster.run("scancel", *how, job)
+        info = cluster.wait(job, {state}, timeout=60)
+        ended = time.monotonic() - signalled
+        log = text(out)
+        assert "SIGTERM received" in log, log[-3000:]
+        assert ended < 30, f"not within SLURM's default grace (KillWait 30 s): {ended:.1f} s"
+        assert info["ExitCode"].startswith("143:") or state == "CANCELLED", info
+        saved = saved_update(run_dir)
+        last_logged = max(s for s, _ in series(metric_rows(run_dir), "update/loss")) + 1
+        assert saved == last_logged > before  # the last update made is the one saved
+        times.append(f"scancel {' '.join(how) or '(plain)'}: saved update {saved}, job ended "
+                     f"{ended:.1f} s after the signal")  # fmt: skip
+    job, out = submit(cluster, tmp_path, config, "--ntasks-per-node=1", steps=saved + 3)
+    info = cluster.wait(job, {"COMPLETED", "FAILED"}, timeout=240)
+    log = text(out)
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert f"Resuming from {last_ckpt(run_dir)} at update {saved}" in log
+    updates = [s for s, _ in series(metric_rows(run_dir), "update/loss")]
+    assert updates == list(range(saved + 3))  # each update once across the three jobs
+    with capsys.disabled():
+        print("\n[slurm] preemption: " + "; ".join(times))
+
+
+# ------------------------------------------------------------------------------- 3. two tasks
+def lock_holder(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / ".dapo-run.lock").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def test_two_tasks_train_requeue_and_resume(cluster, model_dir, tmp_path):
+    """``--ntasks=2`` on the one node: two ranks (DDP over gloo) started by srun train,
+    requeue on SIGUSR1 and resume; the run-directory lock records the job id, and the
+    requeued job takes it over."""
+    run_dir, config = job_config(tmp_path, model_dir)
+    job, out = submit(cluster, tmp_path, config, "--ntasks=2", steps=24)
+    wait_for("training", lambda: update_seen(out, 2), timeout=180)
+    first = lock_holder(run_dir)
+    assert first is not None and first["slurm_job_id"] == job, first
+    at, _, _ = requeue_once(cluster, job, out, 8, restart=1)
+    second = lock_holder(run_dir)
+    assert second is not None and second["slurm_job_id"] == job and second["pid"] != first["pid"]
+    done = cluster.wait(job, {"COMPLETED", "FAILED"}, timeout=300, restarts=1)
+    log = text(out)
+    assert done["JobState"] == "COMPLETED", log[-4000:]
+    assert "--trainer.num_nodes 1 --trainer.devices 2" in log and "max_steps=24 reached" in log
+    assert 8 <= at < 24 and saved_update(run_dir) == 24
+    updates = [s for s, _ in series(metric_rows(run_dir), "update/loss")]
+    assert updates == list(range(24))
+    assert lock_holder(run_dir) is None  # released at the end
+
+
+# ------------------------------------------------------------------------------- 4. a dead task
+def task_pid(job: str, rank: int) -> int | None:
+    """The PID of task ``rank``'s training process of ``job`` (from /proc: this node)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmd = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if (
+            f"SLURM_JOB_ID={job}".encode() in env
+            and f"SLURM_PROCID={rank}".encode() in env
+            and b"dapo-lightning" in cmd
+            and b"srun" not in cmd
+        ):
+            return int(proc.name)
+    return None
+
+
+def test_a_dead_task_ends_the_job_and_a_resubmission_resumes(cluster, model_dir, tmp_path, capsys):
+    """``kill -9`` of one task's process mid-training: the job ends within 60 s (not at its
+    time limit) with a line naming the task; the same command submitted again resumes the
+    last saved update."""
+    run_dir, config = job_config(tmp_path, model_dir)
+    job, out = submit(cluster, tmp_path, config, "--ntasks=2", steps=200)
+    wait_for("update 22 (saved at 20)", lambda: update_seen(out, 22), timeout=240)
+    pid = task_pid(job, rank=1)
+    assert pid is not None
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    info = cluster.wait(job, {"FAILED", "CANCELLED", "COMPLETED"}, timeout=90)
+    ended = time.monotonic() - killed
+    log = text(out)
+    assert info["JobState"] == "FAILED", info
+    assert ended < 60, f"the job ran on {ended:.0f} s after a task died"
+    assert re.search(r"srun: error: \S+: task 1: Killed", log), log[-3000:]
+    saved = saved_update(run_dir)
+    assert saved >= 20
+    job, out = submit(cluster, tmp_path, config, "--ntasks=2", steps=saved + 2)
+    info = cluster.wait(job, {"COMPLETED", "FAILED"}, timeout=240)
+    log = text(out)
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert f"Resuming from {last_ckpt(run_dir)} at update {saved}" in log
+    with capsys.disabled():
+        print(f"\n[slurm] kill -9 of task 1: the job ended {ended:.1f} s later")
+
+
+# ------------------------------------------------------------------------------- 5. mismatch
+def test_task_counts_that_disagree_with_the_trainer_are_one_error_line(
+    cluster, model_dir, tmp_path
+):
+    """Task counts that disagree with ``trainer.devices x trainer.num_nodes`` are one
+    ``error:`` line before anything trains, exit 2: ``--trainer.devices 1`` after the script's
+    own counts (the script refuses it: the job exits 2), and a second ``--config`` that sets
+    ``trainer.devices: 1`` for a two-task job (task 0's CLI says why, every task exits 2; srun
+    ends the tasks still running when the first one exits, so the job's own exit status is
+    the 2 or the 143 of a task it ended)."""
+    run_dir, config = job_config(tmp_path, model_dir)
+    one_device = tmp_path / "one_device.yaml"
+    one_device.write_text("trainer:\n  devices: 1\n")
+    cases = (
+        (["--trainer.devices", "1"], "slurm/dapo.sbatch: error: --trainer.devices"),
+        (["--config", str(one_device)], "dapo-lightning: error: trainer.devices 1 x "),
+    )
+    for extra, error in cases:
+        job, out = submit(cluster, tmp_path, config, "--ntasks-per-node=2", steps=4, extra=extra)
+        info = cluster.wait(job, {"FAILED", "COMPLETED"}, timeout=180)
+        log = text(out)
+        ours = [
+            line for line in log.splitlines()
+            if ": error:" in line and not line.startswith(("srun:", "slurmstepd"))
+        ]  # fmt: skip
+        assert len(ours) == 1 and ours[0].startswith(error), log[-3000:]
+        assert "Traceback" not in log and "fit: update" not in log
+        assert not (run_dir / "checkpoints").exists() and not (run_dir / "logs").exists()
+        if extra[0] == "--config":
+            assert "2 tasks (SLURM_NTASKS)" in ours[0]
+            assert re.search(r"srun: error: \S+: tasks? [\d-]+: Exited with exit code 2", log), log
+        else:
+            assert info["ExitCode"] == "2:0", info
+
+
+# ------------------------------------------------------------------------------- 6. seeds as an array
+def test_an_array_job_runs_one_seed_per_task_in_its_own_run_directory(cluster, model_dir, tmp_path):
+    """``sbatch --array=0-1``: task i trains with seed i in <run dir>/seed_i."""
+    run_dir, config = job_config(tmp_path, model_dir)
+    job, _ = submit(
+        cluster, tmp_path, config, "--array=0-1", "--ntasks-per-node=1", steps=6,
+        output=tmp_path / "slurm-%A_%a.out",
+    )  # fmt: skip
+    for task in (0, 1):
+        info = cluster.wait(f"{job}_{task}", {"COMPLETED", "FAILED"}, timeout=240)
+        log = text(tmp_path / f"slurm-{job}_{task}.out")
+        assert info["JobState"] == "COMPLETED", log[-3000:]
+        assert f"Seed set to {task}" in log
+        assert saved_update(run_dir / f"seed_{task}") == 6
+        saved = next((run_dir / f"seed_{task}" / "logs").rglob("config.yaml")).read_text()
+        assert f"seed_everything: {task}" in saved
+    assert not last_ckpt(run_dir).exists()
+    loss = [series(metric_rows(run_dir / f"seed_{t}"), "update/loss") for t in (0, 1)]
+    assert len(loss[0]) == len(loss[1]) == 6 and loss[0] != loss[1]  # two seeds, two runs
