@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
@@ -32,6 +33,7 @@ from dapo_lightning.sandbox import (
     describe_exit,
 )
 from dapo_lightning.sandbox.command import UID_BASE, UID_SPAN
+from dapo_lightning.sandbox.seccomp import seccomp_program
 
 pytestmark = pytest.mark.skipif(
     shutil.which("bwrap") is None, reason="bwrap missing: bash scripts/setup.sh installs it"
@@ -388,6 +390,38 @@ def test_bash_through_subprocess_runs_inside_the_sandbox(sandbox):
     assert uid != 0 and (os.geteuid() != 0 or UID_BASE <= uid < UID_BASE + UID_SPAN)
     assert lines[2:] == ["no-etc", "no-usr", "no-bashrc", "no-net"]
     assert not Path("/etc", name).exists() and not Path("/usr", name).exists()
+
+
+@pytest.mark.skipif(seccomp_program() is None, reason="the seccomp filter is x86-64 only")
+def test_a_namespace_or_a_mount_of_its_own_is_refused(sandbox):
+    """An unprivileged user may make a user namespace and mount a tmpfs of any size in it,
+    outside every limit: the seccomp filter refuses; forks, threads and clone3's fallback
+    still work."""
+    result = contained(
+        sandbox,
+        "import ctypes, errno, os, threading\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def call(*args):\n"
+        "    r = libc.syscall(*args)\n"
+        "    print(errno.errorcode[ctypes.get_errno()] if r == -1 else r)\n"
+        "call(272, 0x10000000 | 0x00020000)\n"  # unshare(CLONE_NEWUSER | CLONE_NEWNS)
+        "call(165, b'none', b'/tmp', b'tmpfs', 0, None)\n"  # mount
+        "call(56, 0x10000000 | 17, 0, 0, 0, 0)\n"  # clone(CLONE_NEWUSER | SIGCHLD)
+        "call(435, 0, 0)\n"  # clone3
+        "call(321, 0, 0, 0)\n"  # bpf
+        "t = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
+        "pid = os.fork()\nif pid == 0:\n    os._exit(3)\n"
+        "print(os.waitpid(pid, 0)[1] >> 8)\n",
+    )
+    assert result.stdout.split() == ["EPERM", "EPERM", "EPERM", "ENOSYS", "EPERM", "thread", "3"]
+
+
+def test_the_seccomp_program_is_x86_64_only_and_whole_instructions():
+    program = seccomp_program("x86_64")
+    assert program is not None and len(program) % 8 == 0
+    code, jt, jf, k = struct.unpack("<HBBI", program[:8])
+    assert (code, k) == (0x20, 4)  # it starts by loading the architecture
+    assert seccomp_program("aarch64") is None
 
 
 # ----------------------------------------------------------------------------- the results

@@ -14,7 +14,9 @@ Under ``isolation: bwrap`` the interpreter runs in ``bwrap`` with
 * an empty environment (``--clearenv``) plus ``HOME``, ``PATH``, ``LANG``, ``TMPDIR`` and
   ``sandbox.env``;
 * the resource limits of :class:`~dapo_lightning.sandbox.config.SandboxConfig`, which the
-  child sets on itself before it reads the code (:mod:`dapo_lightning.sandbox._child`).
+  child sets on itself before it reads the code (:mod:`dapo_lightning.sandbox._child`);
+* a seccomp filter (x86-64) that stops the code from making namespaces of its own, mounting,
+  and a few of the kernel's larger attack surfaces (:mod:`dapo_lightning.sandbox.seccomp`).
 
 Run by root, ``bwrap`` maps uid 0 to itself in a user namespace, and the kernel never enforces
 ``RLIMIT_NPROC`` for host uid 0: a fork bomb would not stop. So as root the user namespace is
@@ -112,9 +114,12 @@ def _read_only(path: str) -> list[str]:
     return flags + ["--ro-bind", path, path]
 
 
-def bwrap_argv(config: SandboxConfig, bwrap: str, as_root: bool, uid: int) -> list[str]:
+def bwrap_argv(
+    config: SandboxConfig, bwrap: str, as_root: bool, uid: int, seccomp_fd: int | None = None
+) -> list[str]:
     """The whole command line of one sandboxed interpreter (module docstring); ``uid`` is the
-    one the child drops to (as root), -1 for none."""
+    one the child drops to (as root), -1 for none; ``seccomp_fd`` an open descriptor bwrap
+    reads the seccomp filter from (:mod:`dapo_lightning.sandbox.seccomp`), None for none."""
     python, roots = interpreter()
     if as_root:
         spaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
@@ -135,6 +140,7 @@ def bwrap_argv(config: SandboxConfig, bwrap: str, as_root: bool, uid: int) -> li
     argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
     argv += ["--perms", "1777", "--size", str(config.scratch_mb << 20), "--tmpfs", SCRATCH]
     argv += ["--remount-ro", "/", "--chdir", SCRATCH, "--clearenv"]
+    argv += ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
     for name, value in child_env(config).items():
         argv += ["--setenv", name, value]
     return argv + child_argv(config, python, uid if as_root else -1)

@@ -39,6 +39,7 @@ from dapo_lightning.sandbox.command import (
 )
 from dapo_lightning.sandbox.config import SandboxConfig, as_sandbox_config
 from dapo_lightning.sandbox.process import Proc, exchange, starter
+from dapo_lightning.sandbox.seccomp import seccomp_program
 
 log = logging.getLogger(__name__)
 
@@ -246,24 +247,36 @@ class Sandbox:
     def _start(self) -> Proc:
         """Start one interpreter, waiting for code on its stdin (call it on :func:`starter`'s
         thread)."""
-        scratch = None
+        scratch, passed = None, []
         if self._bwrap is not None:
-            argv = bwrap_argv(self.config, self._bwrap, self._as_root, sandbox_uid())
+            program = seccomp_program()
+            if program is not None:
+                read, write = os.pipe()
+                os.write(write, program)
+                os.close(write)
+                passed.append(read)
+            uid = sandbox_uid()
+            argv = bwrap_argv(self.config, self._bwrap, self._as_root, uid, *passed)
             env, cwd = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, "/"
         else:
             scratch = tempfile.mkdtemp(prefix="dapo-sandbox-")
             argv = child_argv(self.config, interpreter()[0], -1)
             env, cwd = child_env(self.config, home=scratch), scratch
-        popen = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=cwd,
-            env=env,
-            start_new_session=True,
-            close_fds=True,
-        )
+        try:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=passed,
+            )
+        finally:
+            for fd in passed:
+                os.close(fd)
         return Proc(popen, scratch)
 
     def _communicate(self, proc: Proc, code: bytes, start: float) -> SandboxResult:
