@@ -6,7 +6,11 @@ processes too."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -240,3 +244,23 @@ def test_code_tests_scores_in_reward_worker_processes():
 def test_code_tests_bad_settings_are_named():
     with pytest.raises(ConfigError, match="data.scoring.reward_kwargs.sandbox has no setting"):
         get_reward("code_tests", sandbox={"timeout": 1})
+
+
+@pytest.mark.slow
+def test_the_throughput_benchmark_runs_quick():
+    """benchmarks/sandbox_throughput.py --quick end to end: its table and its PNG (no timing
+    asserted: these cores are shared)."""
+    root = Path(__file__).resolve().parent.parent
+    png = root / "benchmarks" / "out" / "sandbox_throughput_quick.png"
+    png.unlink(missing_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/sandbox_throughput.py", "--quick"],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root), COLUMNS="200"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "python tool x2" in proc.stdout and "sandbox warm" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
