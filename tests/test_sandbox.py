@@ -14,6 +14,7 @@ import shutil
 import socket
 import stat
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -422,6 +423,52 @@ def test_the_seccomp_program_is_x86_64_only_and_whole_instructions():
     code, jt, jf, k = struct.unpack("<HBBI", program[:8])
     assert (code, k) == (0x20, 4)  # it starts by loading the architecture
     assert seccomp_program("aarch64") is None
+
+
+UNPRIVILEGED = """
+import sys, types
+package = types.ModuleType("dapo_lightning")  # the sandbox alone: no torch in this Python
+package.__path__ = [sys.argv[1]]
+sys.modules["dapo_lightning"] = package
+from dapo_lightning.sandbox import Sandbox, SandboxConfig
+import os
+config = SandboxConfig(pool_size=0, timeout_s=3, max_processes=16, memory_mb=2048)
+with Sandbox(config) as box:
+    for code in sys.argv[2:]:
+        result = box.run(code)
+        print(result.status, result.stdout.strip())
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or shutil.which("setpriv") is None,
+    reason="needs root (to become another user), /usr/bin/python3 and setpriv",
+)
+def test_the_unprivileged_path_holds_for_another_user():
+    """Run by an ordinary user (uid 65534 here, with the system Python: this project's
+    interpreter lives under root's home), the sandbox takes bwrap's own user namespace: the
+    code runs as that user, a fork bomb stops at the process limit (bwrap's init counts too),
+    the network is its own."""
+    codes = [
+        "import os; print(os.getuid())",
+        "import os, time\nn = 0\nwhile True:\n    try:\n        if os.fork() == 0:\n"
+        "            time.sleep(30)\n            os._exit(0)\n        n += 1\n"
+        "    except OSError:\n        print(n)\n        break",
+        "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=1)\n"
+        "except OSError as err:\n    print(type(err).__name__)",
+        "import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.unshare(0x10000000), errno.errorcode[ctypes.get_errno()])",
+    ]
+    since = time.time()
+    proc = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+         "-c", UNPRIVILEGED, str(Path(__file__).resolve().parent.parent / "dapo_lightning"),
+         *codes],
+        capture_output=True, text=True, timeout=60, cwd="/",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["ok 65534", "ok 14", "ok OSError", "ok -1 EPERM"]
+    assert sandbox_processes(since) == []
 
 
 # ----------------------------------------------------------------------------- the results
