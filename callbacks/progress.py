@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from dapo_lightning.checks import check_count
 from dapo_lightning.interrupt import AbortRequested, StopRequested, stop_requested
+from dapo_lightning.ranks import lost_rank
 
 #: What the bar and the plain lines show: (label, metric name, format).
 STEP_FIELDS: tuple[tuple[str, str, str], ...] = (
@@ -80,6 +81,9 @@ def stop_reason(trainer: pl.Trainer, exception: BaseException | None = None) -> 
         return "interrupted (Ctrl-C twice: aborted at once)"
     if isinstance(exception, StopRequested):
         return str(exception)
+    lost = lost_rank(exception) if exception is not None else None
+    if lost is not None:
+        return f"error: {lost}"
     if exception is not None:
         text = str(exception).strip().splitlines()
         return f"error: {type(exception).__name__}" + (f": {text[0][:300]}" if text else "")

@@ -76,6 +76,7 @@ from dapo_lightning.interrupt import (
     request_stop,
     stop_requested,
 )
+from dapo_lightning.ranks import lost_rank
 from dapo_lightning.run_lock import RunDirLockedError, RunLock, check_run_dirs_writable
 from dapo_lightning.slurm import requeue_job, requeue_signal
 from dapo_lightning.step_guard import NonFiniteUpdatesError
@@ -391,6 +392,9 @@ def _describe(exception: BaseException) -> str:
         return exception.reason
     if isinstance(exception, SIGTERMException):
         return "SIGTERM"
+    lost = lost_rank(exception)
+    if lost is not None:
+        return lost
     text = str(exception).splitlines()[0] if str(exception) else ""
     return f"{type(exception).__name__}: {text}" if text else type(exception).__name__
 

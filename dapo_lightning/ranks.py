@@ -10,13 +10,22 @@ object per rank (the data module's per-rank state).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["RankOp", "gather_objects", "reduce_over_ranks", "sum_over_group", "sum_over_ranks"]
+__all__ = [
+    "RankOp",
+    "gather_objects",
+    "lost_rank",
+    "lost_rank_message",
+    "reduce_over_ranks",
+    "sum_over_group",
+    "sum_over_ranks",
+]
 
 RankOp = Literal["sum", "max", "min"]
 
@@ -77,3 +86,44 @@ def gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj)
     return out
+
+
+#: What gloo / NCCL say when the process at the other end of a collective is gone.
+LOST_PEER_PHRASES = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Connection refused",
+)
+
+
+def lost_rank(
+    error: BaseException, rank: int | None = None, world: int | None = None
+) -> str | None:
+    """``"rank R lost rank S of 2"`` for a collective that failed because another rank's process
+    is gone (killed, crashed, out of memory): with 2 ranks it names the other one, else the
+    peer's address from the error. None for any other error. ``rank`` / ``world`` default to
+    this process's in the default process group."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or not any(p in text for p in LOST_PEER_PHRASES):
+        return None
+    if rank is None and _process_group_world() > 1:
+        rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 2 and rank is not None:
+        who = f"rank {1 - rank} of 2"
+    else:
+        peer = re.search(r"\[([^\]]+)\]:(\d+)", text)
+        who = f"the rank at {peer.group(1)}:{peer.group(2)}" if peer else "another rank"
+    return f"{f'rank {rank}' if rank is not None else 'this rank'} lost {who}"
+
+
+def lost_rank_message(error: BaseException) -> str | None:
+    """:func:`lost_rank` with what happened and what to do, as one line (None: another error)."""
+    lost = lost_rank(error)
+    if lost is None:
+        return None
+    return (
+        f"{lost}: its connection closed in a collective (the process died, was killed or ran "
+        "out of memory), so this rank stopped too. Resume with --ckpt_path auto from the last "
+        "checkpoint."
+    )

@@ -16,6 +16,7 @@ from dapo_lightning.checkpoint import CheckpointDiskFullError, NonFiniteCheckpoi
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.envs.runner import EnvironmentFailureError
 from dapo_lightning.metrics import MetricNamesMismatch
+from dapo_lightning.ranks import lost_rank_message
 from dapo_lightning.rewards.results import RewardFailureError
 from dapo_lightning.run_lock import RunDirLockedError
 from dapo_lightning.step_guard import NonFiniteUpdatesError
@@ -44,6 +45,12 @@ def run_reporting_errors(command: Callable[[], object]) -> None:
     except tuple(t for types, _ in ONE_LINE_ERRORS for t in types) as error:
         print(f"dapo-lightning: error: {error}", file=sys.stderr)
         sys.exit(next(code for types, code in ONE_LINE_ERRORS if isinstance(error, types)))
+    except RuntimeError as error:  # a rank whose peer died: one line naming it, exit 1
+        lost = lost_rank_message(error)
+        if lost is None:
+            raise
+        print(f"dapo-lightning: error: {lost}", file=sys.stderr)
+        sys.exit(1)
 
 
 def class_error(error: ValueError) -> ConfigError | None:

@@ -1,0 +1,28 @@
+"""A test callback that records the update of every checkpoint a fit saves (periodic, final, on
+a signal), one line per save, in the file named by ``DAPO_TEST_SAVES`` (rank 0 only).
+
+Appended to a real command line, as a user would add a callback:
+``--trainer.callbacks+=_save_recorder.SaveRecorder`` (``tests/`` on ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lightning.pytorch import Callback
+
+
+class SaveRecorder(Callback):
+    """Appends ``trainer.global_step`` to ``$DAPO_TEST_SAVES`` each time a checkpoint is made."""
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        path = os.environ.get("DAPO_TEST_SAVES")
+        if path and trainer.is_global_zero:
+            with open(path, "a") as out:
+                out.write(f"{trainer.global_step}\n")
+
+
+def saved_updates(path: str | os.PathLike) -> list[int]:
+    """The updates :class:`SaveRecorder` wrote to ``path``, in order."""
+    return [int(line) for line in open(path).read().split()]
