@@ -540,6 +540,23 @@ def test_warm_interpreters_outlive_the_thread_that_started_the_call():
     assert [(r.status, r.stdout) for r in results] == [("ok", f"{i}\n") for i in range(4)]
 
 
+def test_a_fork_of_this_process_does_not_hold_a_call_back():
+    """A child forked while interpreters wait (a data loader's worker) holds copies of their
+    stdin pipes: the code is sent with its length, so the call needs no end of file."""
+    with Sandbox(SandboxConfig(pool_size=1, timeout_s=3.0)) as box:
+        pid = os.fork()
+        if pid == 0:  # the child only sleeps, holding the copies
+            time.sleep(5)
+            os._exit(0)
+        try:
+            result = box.run("print('done')")
+        finally:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+    assert (result.status, result.stdout) == ("ok", "done\n")
+    assert result.wall_s < 1.5
+
+
 # ----------------------------------------------------------------------------- settings
 @pytest.mark.parametrize(
     ("field", "value", "words"),

@@ -4,9 +4,10 @@ never imported by the library).
 Arguments: ``CPU_S AS_BYTES FSIZE_BYTES NPROC NOFILE UID``. It sets the resource limits on
 itself (inherited by every process the code starts), drops to ``UID`` when it is >= 0 (bwrap
 run by root: the kernel does not enforce ``RLIMIT_NPROC`` on root), reads the code from stdin
-until end of file, points stdin at ``/dev/null`` and runs the code as ``__main__``. A warm
-interpreter waits in the read. An uncaught exception prints its traceback without these frames
-and exits with status 1, as ``python file.py`` does.
+(a line with its length in bytes, then the code: no end of file needed, which a forked copy of
+the parent's pipe could hold back), points stdin at ``/dev/null`` and runs the code as
+``__main__``. A warm interpreter waits in the read. An uncaught exception prints its traceback
+without these frames and exits with status 1, as ``python file.py`` does.
 """
 
 import os
@@ -26,7 +27,8 @@ def _main() -> None:
         os.setgid(uid)
         os.setuid(uid)  # every capability goes with uid 0
     limit(resource.RLIMIT_NPROC, (nproc, nproc))
-    code = sys.stdin.buffer.read()
+    size = int(sys.stdin.buffer.readline() or 0)
+    code = sys.stdin.buffer.read(size)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)

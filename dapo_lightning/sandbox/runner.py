@@ -4,10 +4,10 @@
 A call takes a waiting interpreter (or starts one), writes the code to its stdin and reads
 its stdout and stderr (each kept up to ``max_output_bytes``; the rest is read and dropped, so
 a program that prints without end cannot stall), until the interpreter exits or the wall
-deadline ``timeout_s`` passes. Then the sandbox's process group is killed (under bwrap the pid
-namespace goes with it: every process the code started dies, daemons included) and reaped.
-A replacement interpreter is started when a call takes one from the pool, so the next call
-finds one ready.
+deadline ``timeout_s`` passes. Then every process of the sandbox is killed (under bwrap its
+pid namespace's init: every process the code started dies with it, daemons included) and the
+call returns once they are gone. A replacement interpreter is started (on one long-lived
+thread) when a call takes one from the pool, so the next call finds one ready.
 
 The sandbox is checked when it is built (:func:`check_isolation`): where ``bwrap`` is missing
 or cannot make its namespaces, building it raises :class:`SandboxUnavailableError` (one
@@ -139,7 +139,8 @@ def check_isolation(config: SandboxConfig) -> None:
                 "install -y bubblewrap, dnf install bubblewrap); or set sandbox.isolation: none "
                 "to run the code without isolation (unsafe)."
             )
-        result = Sandbox(config, pool_size=0, checked=True).run("print('sandbox-ok')")
+        with Sandbox(config, pool_size=0, checked=True) as probe:
+            result = probe.run("print('sandbox-ok')")
         if result.status != "ok" or result.stdout.strip() != "sandbox-ok":
             said = (result.stderr.strip().splitlines() or [result.reason or result.status])[-1]
             raise SandboxUnavailableError(
@@ -201,7 +202,8 @@ class Sandbox:
             proc = starter().submit(self._start).result()
         starter().submit(self._fill)  # a replacement, started while this call runs
         try:
-            result = self._communicate(proc, code.encode("utf-8", "replace"), start)
+            source = code.encode("utf-8", "replace")
+            result = self._communicate(proc, b"%d\n" % len(source) + source, start)
         finally:
             proc.kill()
         with self._lock:
