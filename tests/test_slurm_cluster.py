@@ -201,7 +201,7 @@ def test_time_limit_signal_requeues_and_resumes_exactly(
 
     assert_same_metrics(run_dir, ref_dir, stops)
     updates = [s for s, _ in series(metric_rows(run_dir), "update/loss")]
-    assert updates == list(range(steps))  # every update once: no gap, no repeat
+    assert updates == list(range(1, steps + 1))  # every update once: no gap, no repeat
     ref_w, got_w = weights(ref_dir / "checkpoints" / "last.ckpt"), weights(last_ckpt(run_dir))
     assert ref_w.keys() == got_w.keys()
     for name, tensor in ref_w.items():
@@ -240,7 +240,7 @@ def test_preemption_saves_within_the_grace_and_a_resubmission_resumes(
         assert ended < 30, f"not within SLURM's default grace (KillWait 30 s): {ended:.1f} s"
         assert info["ExitCode"].startswith("143:") or state == "CANCELLED", info
         saved = saved_update(run_dir)
-        last_logged = max(s for s, _ in series(metric_rows(run_dir), "update/loss")) + 1
+        last_logged = max(s for s, _ in series(metric_rows(run_dir), "update/loss"))
         assert saved == last_logged > before  # the last update made is the one saved
         times.append(f"scancel {' '.join(how) or '(plain)'}: saved update {saved}, job ended "
                      f"{ended:.1f} s after the signal")  # fmt: skip
@@ -250,7 +250,7 @@ def test_preemption_saves_within_the_grace_and_a_resubmission_resumes(
     assert info["JobState"] == "COMPLETED", log[-3000:]
     assert f"Resuming from {last_ckpt(run_dir)} at update {saved}" in log
     updates = [s for s, _ in series(metric_rows(run_dir), "update/loss")]
-    assert updates == list(range(saved + 3))  # each update once across the three jobs
+    assert updates == list(range(1, saved + 4))  # each update once across the three jobs
     with capsys.disabled():
         print("\n[slurm] preemption: " + "; ".join(times))
 
@@ -264,11 +264,12 @@ def lock_holder(run_dir: Path) -> dict | None:
 
 
 def test_two_tasks_train_requeue_and_resume(cluster, model_dir, tmp_path):
-    """``--ntasks=2`` on the one node: two ranks (DDP over gloo) started by srun train,
+    """Two tasks on the one node (``--ntasks-per-node=2``; the script asks for 8 per node, so a
+    plain ``--ntasks=2`` cannot be met): two ranks (DDP over gloo) started by srun train,
     requeue on SIGUSR1 and resume; the run-directory lock records the job id, and the
     requeued job takes it over."""
     run_dir, config = job_config(tmp_path, model_dir)
-    job, out = submit(cluster, tmp_path, config, "--ntasks=2", steps=24)
+    job, out = submit(cluster, tmp_path, config, "--ntasks-per-node=2", steps=24)
     wait_for("training", lambda: update_seen(out, 2), timeout=180)
     first = lock_holder(run_dir)
     assert first is not None and first["slurm_job_id"] == job, first
@@ -281,7 +282,7 @@ def test_two_tasks_train_requeue_and_resume(cluster, model_dir, tmp_path):
     assert "--trainer.num_nodes 1 --trainer.devices 2" in log and "max_steps=24 reached" in log
     assert 8 <= at < 24 and saved_update(run_dir) == 24
     updates = [s for s, _ in series(metric_rows(run_dir), "update/loss")]
-    assert updates == list(range(24))
+    assert updates == list(range(1, 25))
     assert lock_holder(run_dir) is None  # released at the end
 
 
@@ -305,13 +306,13 @@ def task_pid(job: str, rank: int) -> int | None:
 
 
 def test_a_dead_task_ends_the_job_and_a_resubmission_resumes(cluster, model_dir, tmp_path, capsys):
-    """``kill -9`` of one task's process mid-training: the job ends within 60 s (not at its
-    time limit) with a line naming the task; the same command submitted again resumes the
-    last saved update."""
+    """``kill -9`` of task 0's process mid-training: the job ends within 60 s (not at its time
+    limit) with lines naming the task (srun's, and the surviving rank's); the same command
+    submitted again takes over the lock the dead task left and resumes the last saved update."""
     run_dir, config = job_config(tmp_path, model_dir)
-    job, out = submit(cluster, tmp_path, config, "--ntasks=2", steps=200)
+    job, out = submit(cluster, tmp_path, config, "--ntasks-per-node=2", steps=200)
     wait_for("update 22 (saved at 20)", lambda: update_seen(out, 22), timeout=240)
-    pid = task_pid(job, rank=1)
+    pid = task_pid(job, rank=0)
     assert pid is not None
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)
@@ -320,16 +321,21 @@ def test_a_dead_task_ends_the_job_and_a_resubmission_resumes(cluster, model_dir,
     log = text(out)
     assert info["JobState"] == "FAILED", info
     assert ended < 60, f"the job ran on {ended:.0f} s after a task died"
-    assert re.search(r"srun: error: \S+: task 1: Killed", log), log[-3000:]
+    assert re.search(r"srun: error: \S+: task 0: Killed", log), log[-3000:]
+    assert "rank 1 lost rank 0 of 2" in log, log[-3000:]
+    assert lock_holder(run_dir)["pid"] == pid  # left behind by the killed task
     saved = saved_update(run_dir)
     assert saved >= 20
-    job, out = submit(cluster, tmp_path, config, "--ntasks=2", steps=saved + 2)
+    job, out = submit(cluster, tmp_path, config, "--ntasks-per-node=2", steps=saved + 2)
     info = cluster.wait(job, {"COMPLETED", "FAILED"}, timeout=240)
     log = text(out)
     assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert (
+        f"Taking over the stale run-directory lock {run_dir / '.dapo-run.lock'} of PID {pid}" in log
+    )
     assert f"Resuming from {last_ckpt(run_dir)} at update {saved}" in log
     with capsys.disabled():
-        print(f"\n[slurm] kill -9 of task 1: the job ended {ended:.1f} s later")
+        print(f"\n[slurm] kill -9 of task 0: the job ended {ended:.1f} s later")
 
 
 # ------------------------------------------------------------------------------- 5. mismatch
