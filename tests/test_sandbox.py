@@ -604,8 +604,8 @@ def test_no_bwrap_is_refused_at_start_with_one_error_line(tmp_path, monkeypatch,
         run_reporting_errors(lambda: Sandbox(config))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("dapo-lightning: error: sandbox: ")
-    assert "bubblewrap (bwrap) is not installed" in err
+    assert err.count("\n") == 1
+    assert err.startswith("dapo-lightning: error: bubblewrap (bwrap) is not installed")
     assert "scripts/setup.sh" in err and "isolation: none" in err
 
 

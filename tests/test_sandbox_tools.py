@@ -264,3 +264,23 @@ def test_the_throughput_benchmark_runs_quick():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "python tool x2" in proc.stdout and "sandbox warm" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_a_python_environment_without_bwrap(tmp_path):
+    """A real ``dapo-lightning fit`` with ``environment.name: python`` and no bwrap on PATH
+    stops at start with one error line naming the fix, exit status 2."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "dapo-lightning"), "fit",
+         "--config", str(root / "configs" / "quickstart.yaml"),
+         "--data.init_args.environment", '{"name": "python"}',
+         "--trainer.default_root_dir", str(tmp_path / "run")],
+        cwd=tmp_path, env=dict(os.environ, PATH=str(tmp_path)),
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1
+    assert "bubblewrap (bwrap) is not installed" in errors[0]
+    assert "scripts/setup.sh" in errors[0] and "isolation: none" in errors[0]

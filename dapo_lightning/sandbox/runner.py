@@ -134,8 +134,8 @@ def check_isolation(config: SandboxConfig) -> None:
             return
         if shutil.which("bwrap") is None:
             raise SandboxUnavailableError(
-                "sandbox: bubblewrap (bwrap) is not installed, and model-written code is run "
-                "only inside it. Fix: bash scripts/setup.sh as root installs it (or apt-get "
+                "bubblewrap (bwrap) is not installed: the sandbox runs model-written code only "
+                "inside it. Fix: bash scripts/setup.sh as root installs it (or apt-get "
                 "install -y bubblewrap, dnf install bubblewrap); or set sandbox.isolation: none "
                 "to run the code without isolation (unsafe)."
             )
@@ -144,7 +144,7 @@ def check_isolation(config: SandboxConfig) -> None:
         if result.status != "ok" or result.stdout.strip() != "sandbox-ok":
             said = (result.stderr.strip().splitlines() or [result.reason or result.status])[-1]
             raise SandboxUnavailableError(
-                f"sandbox: bwrap cannot start a sandbox here ({said[:300]}; {result.reason}). "
+                f"bwrap cannot start a sandbox here ({said[:300]}; {result.reason}). "
                 "Fix: allow user namespaces (sysctl -w kernel.unprivileged_userns_clone=1 and "
                 "user.max_user_namespaces=10000; on Ubuntu 24.04 also "
                 "kernel.apparmor_restrict_unprivileged_userns=0), or in a container run it "
