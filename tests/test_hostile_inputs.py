@@ -6,6 +6,7 @@ point) on the tiny model, with real rewards, environments, signals and checkpoin
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from dapo_lightning.testing import make_tiny_checkpoint
-from tests._harness import ARITHMETIC_RUN, run_cli, write_run_config
+from tests._harness import ARITHMETIC_RUN, CLI, QUICKSTART, REPO, cli_env, run_cli, write_run_config
 from tests.test_bad_inputs import assert_one_error_line, fit_config, fit_main
 
 
@@ -170,7 +171,6 @@ def test_resume_with_a_model_of_another_shape_is_one_error_line_exit_2(
 
 
 # --------------------------------------- item 6: a bad key or class path is one error line
-QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
 
 
 @pytest.mark.parametrize(
@@ -341,3 +341,44 @@ def test_ckpt_path_auto_says_which_file_it_took_and_names_a_later_lower_one(
         f"fresh run started in this folder?): to resume that run instead, give --ckpt_path "
         f"{fresh}"
     ), line
+
+
+@pytest.mark.slow  # real spawned reward workers and their restart: ~1-2 min on 2 shared cores
+@pytest.mark.timeout(600)
+def test_worker_reward_hanging_mid_run_fails_the_cli_fit_within_3_timeouts_plus_30_s(
+    tiny_checkpoint, tmp_path
+):
+    """The probe's case: 2 spawned worker processes, timeout_s 3, a reward that hangs after
+    its first calls (updates already made). The fit waited for the round's budget (8.7 min)
+    and ended with a traceback; now it ends within 3 x 3 s + 30 s of the hang, one line said
+    while it waits, one ``error:`` line, exit 2."""
+    marker = tmp_path / "marker.txt"
+    override = write_run_config(
+        tmp_path / "o.yaml",
+        tmp_path / "run",
+        tiny_checkpoint,
+        data={
+            "init_args": {
+                "reward": {
+                    "class_path": "_hanging_reward.HangsAfterCalls",
+                    "init_args": {"marker": str(marker), "ok_calls": 6},
+                },
+                "scoring": {"in_process": False, "workers": 2, "timeout_s": 3},
+            }
+        },
+    )
+    proc = subprocess.Popen(
+        [CLI, "fit", "--config", QUICKSTART, "--config", str(override), "--trainer.max_steps=50"],
+        cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    hang = None
+    while proc.poll() is None:
+        if hang is None and marker.exists() and len(marker.read_text().splitlines()) > 6:
+            hang = time.monotonic()
+        time.sleep(0.1)
+    ended = time.monotonic()
+    err = proc.stderr.read()
+    assert hang is not None, err[-3000:]
+    assert_one_error_line(proc.returncode, err, "failed to score with HangsAfterCalls")
+    assert "scoring: reward HangsAfterCalls timed out" in err, err[-3000:]
+    assert ended - hang < 3 * 3 + 30, (ended - hang, err[-3000:])
