@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from dapo_lightning.callbacks import RunGuard
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from dapo_lightning.callbacks import RunGuard
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.update import BatchingConfig
 from tests._harness import fit
