@@ -11,7 +11,9 @@ Rows (each through the real bwrap sandbox unless said):
   (a replacement starts in the call);
 * ``sandbox warm xT``: T threads calling at once for ``--seconds`` (pool size T);
 * ``python tool xT``: T threads, each an episode of the ``python`` environment answering a
-  tool-call turn (``print(23 * 47 * 56)``): parse, sandbox, observation.
+  tool-call turn (``print(23 * 47 * 56)``): parse, sandbox, observation;
+* ``code_tests x2``: the ``code_tests`` reward scoring batches of 8 right solutions against 3
+  tests (2 at once: ``sandbox.pool_size``); its times are per response.
 
 The program is ``pass`` (``print(...)`` for the tool). Median and 90th percentile of the
 per-call wall time; calls/s is calls / elapsed wall time. Writes ``docs/img/sandbox_throughput.png``
@@ -40,9 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO_ROOT, out_dir, print_table  # noqa: E402
 
 from dapo_lightning.envs.python_tool import PythonToolEnvironment  # noqa: E402
+from dapo_lightning.rewards.code_tests import CodeTestsReward  # noqa: E402
 from dapo_lightning.sandbox import Sandbox, SandboxConfig  # noqa: E402
 from dapo_lightning.sandbox.command import interpreter  # noqa: E402
 
+TESTS = json.dumps(["assert f(2) == 4", "assert f(0) == 0", "assert f(-3) == -6"])
 TOOL_TURN = (
     '<tool_call>{"name": "python", "arguments": {"code": "print(23 * 47 * 56)"}}</tool_call>'
 )
@@ -130,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         env = PythonToolEnvironment(sandbox={"pool_size": 2})
         env.reset(None)  # type: ignore[arg-type]
         return lambda: env.step(TOOL_TURN)
+
+    reward = CodeTestsReward(sandbox={"pool_size": 2})
+    batch = 8
+    solutions, tests = ["def f(x):\n    return 2 * x"] * batch, [TESTS] * batch
+    assert all(r.acc for r in reward(solutions, tests))
+    times, rate = serial(lambda: reward(solutions, tests), max(2, n // batch))
+    per_response = [t / batch for t in times for _ in range(batch)]
+    rows.append(("code_tests x2", 2, per_response, rate * batch))
 
     check = episode()()
     assert check.observation == "60536", check  # type: ignore[attr-defined]

@@ -28,8 +28,8 @@ before it reads the code. Any other user gets ``--unshare-all`` with a user name
 
 from __future__ import annotations
 
-import itertools
 import os
+import secrets
 import subprocess
 import sys
 from functools import cache
@@ -39,18 +39,17 @@ from dapo_lightning.sandbox.config import SandboxConfig
 
 #: Where the scratch tmpfs is mounted (working folder, ``$HOME``, ``$TMPDIR``).
 SCRATCH = "/tmp"
-#: Uids the root-run sandboxes drop to: ``UID_BASE + (pid * 4096 + n) % UID_SPAN`` (one per
-#: interpreter, so that ``RLIMIT_NPROC`` counts the processes of one sandbox only).
+#: Uids the root-run sandboxes drop to: one drawn at random per interpreter from
+#: ``[UID_BASE, UID_BASE + UID_SPAN)``, so that ``RLIMIT_NPROC`` counts the processes of one
+#: sandbox only (two sandboxes alive at once share a uid with odds ~1e-6 per pair).
 UID_BASE = 200_000
 UID_SPAN = 1_000_000
-_counter = itertools.count()
 
 
 def sandbox_uid() -> int:
-    """A uid for the next root-run sandbox: ``UID_BASE + (pid * 4096 + n) % UID_SPAN`` for the
-    n-th interpreter this process starts (no user has it; distinct across the sandboxes alive
-    at once unless a million are)."""
-    return UID_BASE + (os.getpid() * 4096 + next(_counter)) % UID_SPAN
+    """A uid for the next root-run sandbox: ``UID_BASE + randbelow(UID_SPAN)`` (no user has
+    it: no files, no other processes)."""
+    return UID_BASE + secrets.randbelow(UID_SPAN)
 
 
 def interpreter() -> tuple[str, list[str]]:
