@@ -497,6 +497,16 @@ def test_a_warm_pool_keeps_interpreters_ready_and_close_leaves_none():
     assert sandbox_processes(since) == []
 
 
+def test_an_interpreter_that_died_waiting_is_replaced():
+    with Sandbox(SandboxConfig(pool_size=1, timeout_s=2.0)) as box:
+        waiting = psutil.Process().children()
+        assert len(waiting) == 1
+        waiting[0].kill()  # bwrap of the waiting interpreter, killed from outside
+        waiting[0].wait(2)
+        result = box.run("print('fresh')")
+    assert (result.status, result.stdout) == ("ok", "fresh\n")
+
+
 def test_calls_from_threads_run_at_once():
     with Sandbox(SandboxConfig(pool_size=3, timeout_s=3.0)) as box:
         results: list[SandboxResult] = []

@@ -158,6 +158,7 @@ class Sandbox:
     """Runs model-written Python code isolated, with limits and a deadline (module docstring).
 
     Thread-safe: calls from several threads run at once, each in its own interpreter.
+    ``calls``, ``timeouts`` and ``errors`` count this sandbox's calls and their outcomes.
 
     Args:
         config: The settings (:class:`SandboxConfig`; a mapping of its fields is built).
@@ -196,8 +197,7 @@ class Sandbox:
         if self._closed:
             raise RuntimeError("this Sandbox is closed.")
         start = time.monotonic()
-        with self._lock:
-            proc = self._pool.popleft() if self._pool else None
+        proc = self._take()
         if proc is None:
             proc = starter().submit(self._start).result()
         starter().submit(self._fill)  # a replacement, started while this call runs
@@ -233,6 +233,16 @@ class Sandbox:
             pass
 
     # ------------------------------------------------------------------ helpers
+    def _take(self) -> Proc | None:
+        """A waiting interpreter that is still alive (one that died waiting is reaped), or
+        None when the pool has none."""
+        while True:
+            with self._lock:
+                proc = self._pool.popleft() if self._pool else None
+            if proc is None or proc.popen.poll() is None:
+                return proc
+            proc.kill()
+
     def _fill(self) -> None:
         """Start interpreters until ``pool_size`` wait (on the starter thread)."""
         while not self._closed:
