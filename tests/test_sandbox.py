@@ -567,6 +567,28 @@ def test_a_fork_of_this_process_does_not_hold_a_call_back():
     assert result.wall_s < 1.5
 
 
+def test_a_generation_of_episodes_calls_at_once_from_short_lived_threads():
+    """32 calls at once, each from its own short-lived thread (as the episode runner steps a
+    generation's episodes): every one runs its code, and nothing is left afterwards."""
+    since = time.time()
+    results: dict[int, SandboxResult] = {}
+    with Sandbox(SandboxConfig(pool_size=2, timeout_s=20.0)) as box:
+        threads = [
+            threading.Thread(
+                target=lambda i=i: results.__setitem__(i, box.run(f"print({i} * {i})"))
+            )
+            for i in range(32)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert {i: (r.status, r.stdout) for i, r in results.items()} == {
+        i: ("ok", f"{i * i}\n") for i in range(32)
+    }
+    assert sandbox_processes(since) == []
+
+
 # ----------------------------------------------------------------------------- settings
 @pytest.mark.parametrize(
     ("field", "value", "words"),
