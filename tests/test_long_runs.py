@@ -160,6 +160,11 @@ def test_sigterm_mid_run_and_resume_end_where_the_uninterrupted_run_ends(
     assert code == 0, text[-4000:]
     assert final_update(text) == final_update(reference_text)
     expected, got = metrics_by_step(reference_run), metrics_by_step(tmp_path)
+    # a validation the signal interrupted is not repeated on resume (docs/design.md, "Stopping
+    # and resuming"): its values at the stop's update may be missing, nothing else
+    for key in [k for k in expected if k[0] == stopped_at - 1 and k[1].startswith("val/")]:
+        if key not in got:
+            del expected[key]
     assert expected.keys() <= got.keys(), sorted(expected.keys() - got.keys())[:10]
     differ = [(k, expected[k], got[k]) for k in expected if got[k] != expected[k]]
     assert not differ, differ[:10]
