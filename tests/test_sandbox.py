@@ -72,9 +72,25 @@ def sandbox_processes(since: float) -> list[psutil.Process]:
     return [p for p in found.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
+def files_of_sandbox_uids() -> list[str]:
+    """Files at the top of the host's /tmp, $HOME, /etc and the working folder owned by a
+    sandbox uid (what a write that got out would leave)."""
+    found = []
+    for folder in (Path("/tmp"), Path.home(), Path("/etc"), Path.cwd()):
+        for path in folder.iterdir():
+            try:
+                uid = path.lstat().st_uid
+            except OSError:
+                continue
+            if UID_BASE <= uid < UID_BASE + UID_SPAN:
+                found.append(str(path))
+    return found
+
+
 def contained(sandbox: Sandbox, code: str) -> SandboxResult:
     """Run ``code`` and check the catalogue's invariants: back within ``timeout_s + 1``, no
-    process left, and the sandbox still runs code afterwards (this process went on)."""
+    process left, no host file of a sandbox uid, and the sandbox still runs code afterwards
+    (this process went on)."""
     since = time.time()
     start = time.monotonic()
     result = sandbox.run(code)
@@ -83,6 +99,7 @@ def contained(sandbox: Sandbox, code: str) -> SandboxResult:
     assert result.status in ("ok", "error", "timeout")
     left = sandbox_processes(since)
     assert not left, [(p.pid, p.name(), p.uids()) for p in left]
+    assert files_of_sandbox_uids() == []
     after = sandbox.run("print(6 * 7)")
     assert (after.status, after.stdout) == ("ok", "42\n")
     return result
