@@ -13,9 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from transformers import AutoTokenizer
 
 from dapo_lightning.checks import ConfigError
+from dapo_lightning.data.config import ScoringConfig
 from dapo_lightning.envs import (
     ENVIRONMENTS,
     EnvironmentConfig,
@@ -284,3 +286,18 @@ def test_the_cli_refuses_a_python_environment_without_bwrap(tmp_path):
     assert len(errors) == 1
     assert "bubblewrap (bwrap) is not installed" in errors[0]
     assert "scripts/setup.sh" in errors[0] and "isolation: none" in errors[0]
+
+
+def test_the_docs_example_builds_the_environment_and_the_reward():
+    """docs/environments.md's sandbox YAML builds the real environment, scoring settings and
+    reward."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "environments.md").read_text()
+    section = text[text.index("## Model-written code: the sandbox") :]
+    block = section[section.index("```yaml\n") + len("```yaml\n") :]
+    data = yaml.safe_load(block[: block.index("```")])["data"]["init_args"]
+    env = environment_factory(EnvironmentConfig(**data["environment"]))()
+    scoring = ScoringConfig(**data["scoring"])
+    reward = get_reward(data["reward"], **scoring.reward_kwargs)
+    assert isinstance(env, PythonToolEnvironment) and isinstance(reward, CodeTestsReward)
+    assert (env.sandbox_config.timeout_s, env.sandbox_config.pool_size) == (5, 2)
+    assert reward.sandbox.timeout_s < scoring.timeout_s
