@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(
     shutil.which("bwrap") is None, reason="bwrap missing: bash scripts/setup.sh installs it"
 )
 
-FAST = {"timeout_s": 1.0, "pool_size": 1}
+FAST = {"timeout_s": 2.0, "pool_size": 1}
 
 
 def call(code: str) -> str:
@@ -89,7 +89,7 @@ def test_a_traceback_a_crash_and_a_timeout_are_observations_and_counted(env):
     assert crashed.observation == "[killed by SIGSEGV (a crash)]"
     looped = env.step(call("print('start', flush=True)\nwhile True: pass"))
     assert looped.observation == (
-        "start\n[timeout: ran over its deadline of 1 s; the code was killed]"
+        "start\n[timeout: ran over its deadline of 2 s; the code was killed]"
     )
     assert looped.metrics == {"sandbox_timeouts": 1.0, "sandbox_errors": 0.0}
     both = env.step(call("1/0") + call("while True: pass"))
