@@ -205,6 +205,7 @@ def test_code_tests_scores_all_pass_plus_one_else_minus_one_with_the_pass_fracti
     assert [r.acc for r in results] == [True, False, False, False]
     assert [r.extra["pass_frac"] for r in results] == [1.0, 2 / 3, 0.0, 0.0]
     assert [r.extra["has_answer"] for r in results] == [True, True, True, False]
+    assert [r.extra["sandbox_timeout"] for r in results] == [0.0] * 4
 
 
 def test_code_tests_holds_against_hostile_solutions(reward):
@@ -246,6 +247,8 @@ def test_code_tests_scores_in_reward_worker_processes():
 def test_code_tests_bad_settings_are_named():
     with pytest.raises(ConfigError, match="data.scoring.reward_kwargs.sandbox has no setting"):
         get_reward("code_tests", sandbox={"timeout": 1})
+    with pytest.raises(ConfigError, match="data.scoring.reward_kwargs.wrong_score=nan is not"):
+        get_reward("code_tests", wrong_score=float("nan"))
 
 
 @pytest.mark.slow

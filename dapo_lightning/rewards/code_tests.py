@@ -22,6 +22,7 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from dapo_lightning.checks import check_finite
 from dapo_lightning.rewards.results import RewardResult
 from dapo_lightning.sandbox import (
     Sandbox,
@@ -130,6 +131,8 @@ class CodeTestsReward:
         wrong_score: float = -1.0,
     ) -> None:
         self.sandbox = as_sandbox_config(sandbox, "data.scoring.reward_kwargs.sandbox")
+        for name, value in (("correct_score", correct_score), ("wrong_score", wrong_score)):
+            check_finite(f"data.scoring.reward_kwargs.{name}", value, "Give a finite score.")
         check_isolation(self.sandbox)
         self.correct_score = float(correct_score)
         self.wrong_score = float(wrong_score)
@@ -143,7 +146,8 @@ class CodeTestsReward:
         tests = parse_tests(ground_truth)
         code = extract_code(response)
         if not code:
-            return RewardResult(self.wrong_score, False, {"has_answer": False, "pass_frac": 0.0})
+            extra = {"has_answer": False, "pass_frac": 0.0, "sandbox_timeout": 0.0}
+            return RewardResult(self.wrong_score, False, extra)
         token = "@@" + secrets.token_hex(8) + "@@"
         result: SandboxResult = self._sandbox().run(harness_program(code, tests, token))
         passed = count_passes(result.stdout, token, len(tests))
