@@ -196,6 +196,8 @@ class Sandbox:
         anything the code does. Its stdin is empty; its working folder is the scratch."""
         if self._closed:
             raise RuntimeError("this Sandbox is closed.")
+        if not isinstance(code, str):
+            raise TypeError(f"Sandbox.run takes Python source as text, got {type(code).__name__}.")
         start = time.monotonic()
         proc = self._take()
         if proc is None:
