@@ -15,19 +15,26 @@ from __future__ import annotations
 
 import csv
 import json
+import multiprocessing
 import os
 import re
+import shutil
 import signal
 import time
+import warnings
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Trainer
 
+from dapo_lightning import slurm
+from dapo_lightning.rewards import get_reward
+from dapo_lightning.rewards.workers import ProcessWorker
 from tests._harness import CLI, QUICKSTART, run_cli, write_run_config
-from tests.slurm_cluster import SlurmCluster, missing, start_cluster
+from tests.slurm_cluster import INSTALL, SlurmCluster, missing, start_cluster
 
 pytestmark = pytest.mark.slurm
 
@@ -141,6 +148,8 @@ def saved_after(ckpt: Path, t: float) -> float | None:
 
 
 # ------------------------------------------------------------------------------- 1. time limit
+#: Rewards scored in a worker process: SLURM signals every process of the step, the worker too.
+WORKERS = ["--data.init_args.scoring.in_process", "false"]
 RESUMED = re.compile(r"Resuming from \S+ at update (\d+)")
 
 
@@ -175,18 +184,18 @@ def test_time_limit_signal_requeues_and_resumes_exactly(
     the run saves at the next clean point, requeues itself, comes back with
     SLURM_RESTART_COUNT=1 (2, 3), resumes from that update and ends at max_steps with the
     weights and metrics of an uninterrupted run, bit for bit; metrics.csv has every update
-    exactly once."""
+    exactly once. Rewards are scored in a worker process (signalled with the rest of the step)."""
     ref_dir, ref_config = job_config(tmp_path, model_dir, "reference")
     ref = run_cli(
         "fit", "--config", QUICKSTART, "--config", str(ref_config),
-        "--trainer.max_steps", str(steps), env={"OMP_NUM_THREADS": "1"}, timeout=300,
+        "--trainer.max_steps", str(steps), *WORKERS, env={"OMP_NUM_THREADS": "1"}, timeout=300,
     )  # fmt: skip
     assert ref.returncode == 0, ref.stderr[-3000:]
     # outside srun, with SLURM installed: none of Lightning's "prepend srun" hint
     assert "srun" not in ref.stderr, ref.stderr[-3000:]
 
     run_dir, config = job_config(tmp_path, model_dir)
-    job, out = submit(cluster, tmp_path, config, "--ntasks-per-node=1", steps=steps)
+    job, out = submit(cluster, tmp_path, config, "--ntasks-per-node=1", steps=steps, extra=WORKERS)
     stops, times = [], []
     for restart in range(1, requeues + 1):
         at, to_requeue, to_train = requeue_once(cluster, job, out, 20 * restart - 5, restart)
@@ -392,3 +401,39 @@ def test_an_array_job_runs_one_seed_per_task_in_its_own_run_directory(cluster, m
     assert not last_ckpt(run_dir).exists()
     loss = [series(metric_rows(run_dir / f"seed_{t}"), "update/loss") for t in (0, 1)]
     assert len(loss[0]) == len(loss[1]) == 6 and loss[0] != loss[1]  # two seeds, two runs
+
+
+# ------------------------------------------------------------------------------- processes
+def test_a_reward_worker_outlives_the_requeue_signal():
+    """SLURM signals every process of a job step: SIGUSR1 before the time limit reaches the
+    reward workers too (a forked child of a step task dies of it by default, seen on this
+    cluster). A worker leaves the signal to its parent, as it does SIGTERM."""
+    worker = ProcessWorker(multiprocessing.get_context("spawn"), get_reward("arithmetic"))
+    try:
+        wait_for("the worker's start", worker.conn.poll, timeout=60)
+        os.kill(worker.proc.pid, signal.SIGUSR1)
+        worker.proc.join(timeout=2)
+        assert worker.alive(), worker.died_how()
+    finally:
+        worker.kill()
+
+
+def test_no_srun_hint_outside_a_slurm_job(monkeypatch, capsys):
+    """With SLURM installed, a Trainer built outside a SLURM job warns about nothing (Lightning's
+    "The `srun` command is available on your system but is not used" hint); inside a job
+    without srun one note says it trains as one process."""
+    if shutil.which("srun") is None:
+        pytest.skip(f"no srun on PATH: {INSTALL}")
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Trainer(accelerator="cpu", logger=False)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setattr(slurm, "_hinted", False)
+    Trainer(accelerator="cpu", logger=False)
+    Trainer(accelerator="cpu", logger=False)
+    assert (
+        capsys.readouterr().err.count("runs inside SLURM job 77 but was not started by srun") == 1
+    )

@@ -79,17 +79,22 @@ def worker_loop(conn: Any, reward: Any) -> None:
             conn.send((job_id, "error", traceback.format_exc(limit=3)))
 
 
+#: What a whole process group or SLURM job step gets (SLURM signals every process of the step,
+#: SIGUSR1 before the time limit included): the parent decides, a worker ignores them.
+PARENTS_SIGNALS = (*STOP_SIGNALS, signal.SIGUSR1)
+
+
 def _process_main(conn: Any, reward: Any, parent: int) -> None:  # pragma: no cover - a child
-    """A worker process: the stop signals are its parent's (ignored while the parent lives),
-    then :func:`worker_loop`."""
+    """A worker process: the stop signals and SLURM's requeue signal are its parent's (ignored
+    while the parent lives), then :func:`worker_loop`."""
 
     def _on_stop(signum: int, frame: Any) -> None:
         if os.getppid() != parent:  # orphaned: nobody will kill it
             os._exit(128 + signum)
 
-    for sig in STOP_SIGNALS:
+    for sig in PARENTS_SIGNALS:
         signal.signal(sig, _on_stop)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PARENTS_SIGNALS)
     worker_loop(conn, reward)
 
 
@@ -120,7 +125,7 @@ class ProcessWorker:
         )
         # blocked across the start (inherited through fork / exec, delivered here afterwards):
         # a process-group SIGTERM must not kill the child before it can ignore it
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, PARENTS_SIGNALS)
         try:
             self.proc.start()
         finally:
