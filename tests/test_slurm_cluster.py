@@ -34,7 +34,7 @@ from dapo_lightning import slurm
 from dapo_lightning.rewards import get_reward
 from dapo_lightning.rewards.workers import ProcessWorker
 from tests._harness import CLI, QUICKSTART, run_cli, write_run_config
-from tests.slurm_cluster import INSTALL, SlurmCluster, missing, start_cluster
+from tests.slurm_cluster import ENDED, INSTALL, SlurmCluster, missing, start_cluster
 
 pytestmark = pytest.mark.slurm
 
@@ -217,6 +217,36 @@ def test_time_limit_signal_requeues_and_resumes_exactly(
         assert torch.equal(got_w[name], tensor), f"weights differ: {name}"
     with capsys.disabled():
         print("\n[slurm] USR1: " + "; ".join(times))
+
+
+@pytest.mark.slow
+def test_a_real_time_limit_requeues_until_the_run_is_done(cluster, model_dir, tmp_path, capsys):
+    """No scancel: ``--time=3`` with the script's own ``--signal=SIGUSR1@90`` (SLURM sends it
+    30-90 s into each run). Every run saves and requeues itself, the next one resumes, until
+    max_steps; only the ~2 minute hold of each requeue is cut short."""
+    run_dir, config = job_config(tmp_path, model_dir)
+    steps = 2500
+    job, out = submit(
+        cluster, tmp_path, config, "--ntasks-per-node=1", "--time=3", steps=steps,
+        extra=["--trainer.val_check_interval", "250"],
+    )  # fmt: skip
+    started = time.monotonic()
+    while (info := cluster.job(job))["JobState"] not in ENDED:
+        assert time.monotonic() - started < 900, info
+        if info["JobState"] == "PENDING" and info.get("Reason") == "BeginTime":  # requeued
+            cluster.wait(job, {"RUNNING", "COMPLETED"}, 60, int(info["Restarts"]))  # released
+        time.sleep(1)
+    log = text(out)
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, log[-3000:]
+    assert log.count("SIGUSR1 received") == int(info["Restarts"]) >= 1
+    assert saved_update(run_dir) == steps and f"max_steps={steps} reached" in log
+    updates = [s for s, _ in series(metric_rows(run_dir), "update/loss")]
+    assert updates == list(range(1, steps + 1))
+    with capsys.disabled():
+        print(
+            f"\n[slurm] --time=3 --signal=SIGUSR1@90: {info['Restarts']} requeues, done after "
+            f"{time.monotonic() - started:.0f} s"
+        )
 
 
 def last_ckpt(run_dir: Path) -> Path:
