@@ -39,6 +39,7 @@ from dapo_lightning.callbacks.collapse_judge import (
     tally_rollouts,
     update_readings,
 )
+from dapo_lightning.callbacks.round_counts import RoundCounts
 from dapo_lightning.callbacks.snapshot import TrainingSnapshot
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -159,7 +160,8 @@ class CollapseDetector(DAPOCallback):
         self.rollbacks = 0
         self.healthy_updates = 0  # healthy updates since the last snapshot
         self.snapshot: TrainingSnapshot | None = None
-        self._pending = self._zero_pending()  # this step's counts from on_rollouts_scored
+        # each round's counts from on_rollouts_scored, taken by the step that trains them
+        self._pending = RoundCounts(self._zero_pending)
 
     @property
     @override
@@ -184,7 +186,8 @@ class CollapseDetector(DAPOCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, rollouts: ScoredRollouts
     ) -> None:
         """Count repetitive and answer-less responses (judged at batch end)."""
-        self._pending = tally_rollouts(self._pending, rollouts, self.detectors)
+        counts = tally_rollouts(self._zero_pending(), rollouts, self.detectors)
+        self._pending.add(rollouts.policy_version, counts)
 
     @override
     def on_dapo_update(
@@ -204,7 +207,7 @@ class CollapseDetector(DAPOCallback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        readings, self._pending = step_readings(batch, self._pending), self._zero_pending()
+        readings = step_readings(batch, self._pending.take(batch))
         self._act(trainer, pl_module, self._judge(trainer, pl_module, "step", readings))
         for name, count in self.fired.items():
             _log(pl_module, f"collapse/fired_{name}", float(count))
@@ -311,7 +314,7 @@ class CollapseDetector(DAPOCallback):
             "stop_reason": self.stop_reason,
             "rollbacks": self.rollbacks,
             "healthy_updates": self.healthy_updates,
-            "pending": dict(self._pending),
+            "pending": self._pending.state_dict(),
         }
         if self.snapshot_in_checkpoint and self.snapshot is not None:
             state["snapshot"] = self.snapshot.state_dict()
@@ -331,7 +334,7 @@ class CollapseDetector(DAPOCallback):
         self.stop_reason = state_dict.get("stop_reason")
         self.rollbacks = int(state_dict.get("rollbacks", 0))
         self.healthy_updates = int(state_dict.get("healthy_updates", 0))
-        self._pending = {**self._zero_pending(), **state_dict.get("pending", {})}
+        self._pending.load_state_dict(state_dict.get("pending", {}))
         if "snapshot" in state_dict:
             self.snapshot = TrainingSnapshot.from_state_dict(state_dict["snapshot"])
 

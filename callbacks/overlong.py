@@ -15,6 +15,7 @@ from typing import Any, overload
 
 import lightning.pytorch as pl
 import torch
+from dapo_lightning.callbacks.round_counts import RoundCounts
 from torch import Tensor
 from typing_extensions import override
 
@@ -160,8 +161,8 @@ class OverlongRewardShaping(DAPOCallback):
         self.max_response_length = max_response_length
         self.overlong_filtering = overlong_filtering
         self.apply_penalty = apply_penalty
-        # counts since the last on_train_batch_end (logged there, then cleared)
-        self._pending = self._zero_counts()
+        # each round's counts, taken by the rollout step that trains its rollouts
+        self._pending = RoundCounts(self._zero_counts)
         # running totals over the whole run
         self.totals = self._zero_counts()
 
@@ -208,8 +209,8 @@ class OverlongRewardShaping(DAPOCallback):
             "penalty_sum": penalty_sum,
             "filtered": filtered,
         }
+        self._pending.add(rollouts.policy_version, counts)
         for key, value in counts.items():
-            self._pending[key] += value
             self.totals[key] += value
 
     @override
@@ -221,7 +222,7 @@ class OverlongRewardShaping(DAPOCallback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        p = self._pending
+        p = self._pending.take(batch)
         if p["responses"] > 0:
             n = p["responses"]
             values = {
@@ -231,13 +232,12 @@ class OverlongRewardShaping(DAPOCallback):
             }
             for name, value in values.items():
                 pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
-        self._pending = self._zero_counts()
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"totals": dict(self.totals), "pending": dict(self._pending)}
+        return {"totals": dict(self.totals), "pending": self._pending.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.totals = {**self._zero_counts(), **state_dict.get("totals", {})}
-        self._pending = {**self._zero_counts(), **state_dict.get("pending", {})}
+        self._pending.load_state_dict(state_dict.get("pending", {}))
