@@ -187,6 +187,16 @@ def test_resume_with_a_model_of_another_shape_is_one_error_line_exit_2(
             "model.init_args.loss.clip_ratio_high?",
         ),
         (
+            lambda tmp: ["--model.optimizer.init_args.lrr", "0.1"],
+            "model.init_args.optimizer.init_args.lrr is not an option of AdamW. Did you mean "
+            "model.init_args.optimizer.init_args.lr?",
+        ),
+        (
+            lambda tmp: ["--model.lr_scheduler.init_args.end_factr", "0.1"],
+            "model.init_args.lr_scheduler.init_args.end_factr is not an option of LinearLR. Did "
+            "you mean model.init_args.lr_scheduler.init_args.end_factor?",
+        ),
+        (
             lambda tmp: ["--data.rewrd", "dapo"],
             "data.init_args.rewrd is not an option of DAPODataModule. Did you mean "
             "data.init_args.reward?",
@@ -212,7 +222,7 @@ def test_resume_with_a_model_of_another_shape_is_one_error_line_exit_2(
             "no module named dapo_lightnin.",
         ),
     ],
-    ids=["cli-group-key", "model-key", "data-key", "yaml-group-key", "yaml-trainer-key",
+    ids=["cli-group-key", "model-key", "optimizer-key", "scheduler-key", "data-key", "yaml-group-key", "yaml-trainer-key",
          "callback-class", "callback-module"],
 )  # fmt: skip
 def test_bad_key_or_class_path_is_one_error_line_with_the_closest_name(

@@ -94,6 +94,9 @@ _UNKNOWN = (
     re.compile(r"Group '([\w.]+)' does not accept option '(\w+)'"),  # a YAML file's
     re.compile(r"Option '([\w.]+)' is not accepted"),
 )
+#: The class path on the line of a class argument's refusal (``Got value: Namespace(...)``).
+_INNER_CLASS = re.compile(r"class_path='([\w.]+)'[^\n]*$")
+_PARSER_KEYS = re.compile(r'Parser key "([\w.]+)"')
 _NO_ATTRIBUTE = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
 _NO_MODULE = re.compile(r"No module named '([\w.]+)'")
 
@@ -108,12 +111,20 @@ def bad_key_message(message: str, keys: Callable[[str | None], list[str]]) -> st
     detail = owner.group(2) if owner else message.strip().splitlines()[0]
     for pattern in _UNKNOWN:
         found = pattern.search(detail)
+        class_path = owner.group(1) if owner else None
+        prefix = f"{root.group(1)}.init_args." if root and owner else ""
+        if found is None and owner is not None:  # a class argument of the class (optimizer)
+            found = pattern.search(message, owner.end(1))
+            end = message.find("\n", found.end()) if found else -1
+            inner = _INNER_CLASS.search(message[: None if end < 0 else end]) if found else None
+            parents = _PARSER_KEYS.findall(message, owner.end(1), found.start()) if found else []
+            if inner is None or not parents:
+                continue
+            class_path, prefix = inner.group(1), f"{prefix}{parents[-1]}.init_args."
         if found is None:
             continue
         key = ".".join(found.groups())
-        class_path = owner.group(1) if owner else None
         valid = keys(class_path)
-        prefix = f"{root.group(1)}.init_args." if root and owner else ""
         where = f" of {class_path.rpartition('.')[2]}" if class_path else ""
         hint = closest(key, valid, prefix)
         return (
