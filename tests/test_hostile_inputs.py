@@ -222,8 +222,8 @@ def test_resume_with_a_model_of_another_shape_is_one_error_line_exit_2(
             "no module named dapo_lightnin.",
         ),
     ],
-    ids=["cli-group-key", "model-key", "optimizer-key", "scheduler-key", "data-key", "yaml-group-key", "yaml-trainer-key",
-         "callback-class", "callback-module"],
+    ids=["cli-group-key", "model-key", "optimizer-key", "scheduler-key", "data-key",
+         "yaml-group-key", "yaml-trainer-key", "callback-class", "callback-module"],
 )  # fmt: skip
 def test_bad_key_or_class_path_is_one_error_line_with_the_closest_name(
     tmp_path, capfd, make_args, line
