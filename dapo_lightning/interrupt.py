@@ -227,6 +227,10 @@ def exit_on_stop() -> Iterator[None]:
         raise SystemExit(exit_code(reason))
 
 
+#: What a stop before the first update leaves undone (the RunGuard's words for the same).
+NOTHING_SAVED = "nothing to save yet (no update was made)"
+
+
 @contextlib.contextmanager
 def exit_at_once_on_stop_signals(outcome: str | Callable[[], str]) -> Iterator[None]:
     """SIGTERM / SIGINT raise ``SystemExit(128 + signum)`` inside (143 / 130, as a stopped fit

@@ -78,7 +78,7 @@ from dapo_lightning.cli.model_source import CreateModel
 from dapo_lightning.cli.parser import StrictArgumentParser, nested_nulls
 from dapo_lightning.cli.run_setup import AUTO_CKPT, VALIDATE_LOG_SUFFIX, run_path
 from dapo_lightning.export import export_main
-from dapo_lightning.interrupt import exit_at_once_on_stop_signals, exit_on_stop
+from dapo_lightning.interrupt import NOTHING_SAVED, exit_at_once_on_stop_signals, exit_on_stop
 from dapo_lightning.logging_setup import quiet_known_warnings
 from dapo_lightning.models import make_model_main
 from dapo_lightning.plot import plot_main
@@ -140,7 +140,7 @@ def _run_lightning(args: list[str] | None) -> None:
         args = nested_nulls(list(args))
 
     def command() -> None:  # a stop before (or after) a fit guards its run: one line, 143 / 130
-        with exit_on_stop(), exit_at_once_on_stop_signals("nothing to save yet"):
+        with exit_on_stop(), exit_at_once_on_stop_signals(NOTHING_SAVED):
             build_cli(args)
 
     run_reporting_errors(command)

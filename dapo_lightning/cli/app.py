@@ -41,7 +41,7 @@ from dapo_lightning.cli.run_setup import (
     separate_validate_logs,
 )
 from dapo_lightning.data.datamodule import DAPODataModule
-from dapo_lightning.interrupt import exit_at_once_on_stop_signals
+from dapo_lightning.interrupt import NOTHING_SAVED, exit_at_once_on_stop_signals
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.precision import resolve_trainer_precision
 from dapo_lightning.run_lock import check_run_dirs_writable
@@ -191,7 +191,7 @@ class DAPOLightningCLI(LightningCLI):
 
         def outcome() -> str:
             done = self.trainer.global_step
-            return f"the fit had ended at update {done}" if done else "nothing to save yet"
+            return f"the fit had ended at update {done}" if done else NOTHING_SAVED
 
         with exit_at_once_on_stop_signals(outcome):
             check_world_split(self.trainer, datamodule)
