@@ -34,7 +34,7 @@ write_config() {
   local dir=$1 node=$2
   cat >"$dir/slurm.conf" <<EOF
 ClusterName=local
-SlurmctldHost=$node
+SlurmctldHost=$node(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -60,7 +60,7 @@ ReturnToService=2
 KillWait=30
 MinJobAge=300
 SchedulerType=sched/backfill
-NodeName=$node CPUs=$(nproc) State=UNKNOWN
+NodeName=$node NodeAddr=127.0.0.1 CPUs=$(nproc) State=UNKNOWN
 PartitionName=local Nodes=$node Default=YES MaxTime=INFINITE State=UP
 EOF
 }
@@ -101,8 +101,18 @@ start() {
 }
 
 stop() {
-  local dir name pid i
+  local dir name pid i jobs
   dir=$(realpath -m "$1")
+  # jobs still running (a test that failed mid-job): cancelled first, so no task outlives slurmd
+  jobs=$(SLURM_CONF=$dir/slurm.conf squeue -h -o %A 2>/dev/null || true)
+  if [ -n "$jobs" ]; then
+    # shellcheck disable=SC2086
+    SLURM_CONF=$dir/slurm.conf scancel $jobs 2>/dev/null || true
+    for i in $(seq 1 400); do # 40 s: SIGTERM, SIGKILL after KillWait (30 s)
+      [ -z "$(SLURM_CONF=$dir/slurm.conf squeue -h -o %A 2>/dev/null)" ] && break
+      sleep 0.1
+    done
+  fi
   for name in slurmd slurmctld munge/munged; do
     [ -f "$dir/$name.pid" ] || continue
     pid=$(cat "$dir/$name.pid")
