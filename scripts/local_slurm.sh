@@ -69,13 +69,13 @@ start_munge() {
   if [ -S /run/munge/munge.socket.2 ] && munge -n </dev/null | unmunge >/dev/null 2>&1; then
     return 0 # already running (this script's or the system's): not ours to stop
   fi
+  # munged's own default folders: the munge user must reach them (a test's temporary folder,
+  # private to root, will not do)
   mkdir -p /run/munge /var/log/munge /var/lib/munge
   chown munge:munge /run/munge /var/log/munge /var/lib/munge
   chmod 0755 /run/munge
-  mkdir -p "$1/munge"
-  chown munge:munge "$1/munge"
-  chmod 0700 "$1/munge"
-  runuser -u munge -- munged --pid-file="$1/munge/munged.pid" --log-file="$1/munge/munged.log"
+  runuser -u munge -- munged
+  cp /run/munge/munged.pid "$1/munged.pid" # ours: stop stops it
 }
 
 start() {
@@ -113,7 +113,7 @@ stop() {
       sleep 0.1
     done
   fi
-  for name in slurmd slurmctld munge/munged; do
+  for name in slurmd slurmctld munged; do
     [ -f "$dir/$name.pid" ] || continue
     pid=$(cat "$dir/$name.pid")
     kill "$pid" 2>/dev/null || continue
