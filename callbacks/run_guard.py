@@ -62,6 +62,7 @@ from dapo_lightning.checkpoint import (
     CheckpointDiskFullError,
     NonFiniteCheckpointError,
     apply_optimizer_settings,
+    as_batch_end_state,
     newest_checkpoint,
     optimizer_settings,
 )
@@ -204,6 +205,12 @@ class RunGuard(DAPOCallback):
         else:
             self._save(trainer, checkpoint, why)
         self._requeue_if_asked(trainer, self._stopping)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        as_batch_end_state(checkpoint)  # a save between two steps resumes its step count
 
     @override
     def on_exception(

@@ -213,3 +213,19 @@ def test_a_killed_rank_ends_the_run_within_60_s_naming_it(quickstart_model, tmp_
     code, text = finish(resumed)
     assert code == 0, text[-4000:]
     assert re.search(rf"resum\w* .*update {EVERY}\b", text, re.I), text[-3000:]
+
+
+def test_every_two_rank_line_of_the_readme_is_run_here():
+    """The README's command lines that start 2 ranks are COMMANDS' (so a changed line is run
+    long here, not only shown)."""
+    shown = []
+    for line in (REPO / "README.md").read_text().splitlines():
+        line = line.split("#")[0].split()
+        two_ranks = "--trainer.devices" in line and line[line.index("--trainer.devices") + 1] == "2"
+        if "fit" in line and (two_ranks or any("2ranks" in a for a in line)):
+            start_at = line.index("configs/quickstart.yaml") + 1
+            shown.append(line[start_at:])
+    assert shown, "the README shows no 2-rank line"
+    runs = [[a.removeprefix(str(REPO) + "/") for a in args] for args in COMMANDS.values()]
+    for args in shown:
+        assert args in runs, args

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 import torch
-from dapo_lightning.callbacks import RunDirLockedError, RunGuard
+from dapo_lightning.callbacks import DAPOCallback, RunDirLockedError, RunGuard
 from dapo_lightning.callbacks.step_checkpoint import StepCheckpoint, skipped_a_save
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -859,3 +859,46 @@ def test_sigterm_during_a_validation_saves_the_update_and_resumes(tmp_path):
     assert re.search(r"Resuming from \S*/run/checkpoints/last\.ckpt at update 1", proc.stderr)
     assert [v for _, v in series(metrics(tmp_path / "run", version=1), "rollout/step")] == [2.0]
     assert step_of(last) == 2
+
+
+class _StopAfterUpdate(DAPOCallback):
+    """Records a stop request (what the SIGTERM handler does) right after update ``at``, the
+    last of its rollout step: the guard sees it at that step's end."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_dapo_update(self, trainer: Trainer, pl_module: Any, metrics: dict) -> None:
+        if trainer.global_step == self.at:
+            request_stop("SIGTERM")
+
+
+def test_a_stop_between_steps_is_saved_in_lightnings_end_of_batch_form(tmp_path, tiny_checkpoint):
+    """Issue 53: a save between two rollout steps (a stop, the end of the fit) has every batch
+    counter equal, which Lightning resumes one batch ahead (validation then came one rollout
+    step early for the rest of the run); the guard writes it as a periodic save has it."""
+    from dapo_lightning.interrupt import clear_stop_request
+
+    try:
+        _fit(tmp_path, tiny_checkpoint, _StopAfterUpdate(4), steps=8, mini_batch_size=2)
+    finally:
+        clear_stop_request()
+    saved = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=False)
+    progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+    assert saved["global_step"] == 4  # 2 rollout steps of 2 updates
+    assert progress == {"ready": 2, "started": 2, "processed": 2, "completed": 1}
+
+
+def test_as_batch_end_state_leaves_other_forms_alone():
+    from dapo_lightning.checkpoint import as_batch_end_state
+
+    def state(ready, completed, last=False):
+        counts = {"ready": ready, "started": ready, "processed": ready, "completed": completed}
+        progress = {"total": dict(counts), "current": dict(counts), "is_last_batch": last}
+        return {"loops": {"fit_loop": {"epoch_loop.batch_progress": progress}}}
+
+    periodic, epoch_end, between = state(10, 9), state(10, 10, last=True), state(16, 16)
+    assert not as_batch_end_state(periodic) and not as_batch_end_state(epoch_end)
+    assert as_batch_end_state(between)
+    assert between == state(16, 15)
+    assert not as_batch_end_state({})  # no loop state (a weights-only file)
