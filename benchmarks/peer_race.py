@@ -450,11 +450,25 @@ def run_trl(run_dir: Path, model_dir: Path, seed: int, args: argparse.Namespace)
         callbacks=[Clock()],
         optimizers=(optimizer, schedule),
     )
+    check_same_prompt_ids(trainer, train)
     trainer._generate = timed("generation_s", trainer._generate, count=True)
     trainer._calculate_rewards = timed("scoring_s", trainer._calculate_rewards)
     trainer.train()
     phases["update_s"] = phases.pop("step_s") - phases["generation_s"] - phases["scoring_s"]
     (run_dir / "trl_phases.json").write_text(json.dumps(phases))
+
+
+def check_same_prompt_ids(trainer: Any, rows: list[dict[str, Any]]) -> None:
+    """TRL's prompt tokens (its own ``_tokenize_prompts``) must be the data module's
+    (:func:`~dapo_lightning.prompts.encode_prompt` with the chat template)."""
+    from dapo_lightning.prompts import encode_prompt
+
+    theirs, *_ = trainer._tokenize_prompts([r["prompt"] for r in rows])
+    ours = [encode_prompt(trainer.processing_class, r["prompt"], True) for r in rows]
+    differ = [k for k, (a, b) in enumerate(zip(theirs, ours)) if list(a) != b]
+    if differ:
+        raise SystemExit(f"TRL's prompt tokens differ from ours on {len(differ)} rows, e.g. row "
+                         f"{differ[0]}: {list(theirs[differ[0]])} vs {ours[differ[0]]}")  # fmt: skip
 
 
 # ============================================================================ evaluation
@@ -720,6 +734,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser.add_argument("--keep-snapshots", action="store_true")
     parser.add_argument("--quick", action="store_true",
                         help="smoke: tiny random model, HF, 2 updates a side, first seed")  # fmt: skip
+    parser.add_argument("--name", help="output folder and PNG under benchmarks/out (default: "
+                        "peer_race, PNG docs/img/peer_race.png)")  # fmt: skip
     parser.add_argument("--report", action="store_true", help="tables + PNG of runs on disk")
     parser.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)  # the TRL process
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
@@ -727,11 +743,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     if args.side == "trl":
         run_trl(args.run_dir, args.model_dir, args.seeds[0], args)
         return []
-    name = "peer_race_quick" if args.quick else "peer_race"
+    name = args.name or ("peer_race_quick" if args.quick else "peer_race")
     root = out_dir() / name
-    png = out_dir() / f"{name}.png" if args.quick else REPO_ROOT / "docs" / "img" / "peer_race.png"
+    png = (
+        REPO_ROOT / "docs" / "img" / "peer_race.png"
+        if name == "peer_race"
+        else out_dir() / f"{name}.png"
+    )
     if args.quick:
-        args.seeds, args.engine, args.max_updates = args.seeds[:1], "hf", 2
+        args.seeds, args.engine, args.max_updates, args.at_once = args.seeds[:1], "hf", 2, True
         args.budget_min, args.every_min = 60.0, 1e-3  # a snapshot after every update
     if args.report:
         found = [root / s / f"seed{k}" / "result.json" for k in args.seeds for s in SIDES]

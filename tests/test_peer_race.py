@@ -1,0 +1,77 @@
+"""benchmarks/peer_race.py (issue 57): both sides train for 2 updates on the tiny model through
+their real paths (``dapo-lightning fit``; TRL's ``GRPOTrainer`` with HF generate), the one
+evaluator scores every snapshot, and the table and PNG come out; TRL gets the recipe's
+settings."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "out"
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("trl") is None or importlib.util.find_spec("reasoning_gym") is None,
+    reason="needs trl (dev extra) and reasoning-gym (tasks extra)",
+)
+
+
+@pytest.mark.timeout(180)
+def test_peer_race_quick_runs_both_sides_and_evaluates_their_snapshots() -> None:
+    png, table = OUT / "peer_race_quick.png", OUT / "peer_race_quick.json"
+    png.unlink(missing_ok=True)
+    table.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="250")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.peer_race", "--quick"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=170, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "Peer race, reasoning-gym" in proc.stdout and "hf generate" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    ours, trl = json.loads(table.read_text())
+    assert (ours["side"], trl["side"]) == ("ours", "trl")
+    assert ours["start"] == trl["start"]  # one evaluation of the untrained model for both
+    for r in (ours, trl):
+        updates = [p[0] for p in r["curve"]]
+        assert updates[0] == 0 and updates[-1] == r["updates"] == 2
+        assert all(0.0 <= p[1] <= 1.0 for p in r["curve"])
+        cpu, samples = [p[3] for p in r["curve"]], [p[4] for p in r["curve"]]
+        assert cpu == sorted(cpu) and cpu[-1] > 0 and samples[-1] == r["samples"] > 0
+        assert r["generation_s"] > 0 and r["update_s"] > 0 and r["peak_rss_gib"] > 0.1
+    assert [p[0] for p in trl["curve"]] == [0, 1, 2]  # a snapshot after each update (quick)
+    # TRL generates one batch of 8 groups of 8 for its 4 updates; ours' unfiltered step the same
+    assert trl["samples"] == ours["samples"] == 64
+
+
+def test_trl_gets_the_recipes_settings() -> None:
+    """The recipe's numbers reach TRL: 8 groups of 8 per generation, 2 groups per update, the
+    learning rate and schedule, clip, length, temperature; TRL's DAPO settings."""
+    from benchmarks.peer_race import RECIPE, Recipe, trl_config
+
+    recipe, cfg = Recipe.load(), yaml.safe_load((ROOT / RECIPE).read_text())
+    ds = cfg["data"]["init_args"]["dynamic_sampling"]
+    assert (recipe.group_size, recipe.groups_per_step) == (ds["n"], ds["train_batch_size"])
+    assert recipe.lr == cfg["model"]["init_args"]["optimizer"]["init_args"]["lr"]
+    assert (
+        recipe.total_iters == cfg["model"]["init_args"]["lr_scheduler"]["init_args"]["total_iters"]
+    )
+    args = argparse.Namespace(trl_generation="hf", max_updates=None)
+    trl = trl_config(recipe, Path("/tmp/unused"), 3, args)
+    assert trl.num_generations == ds["n"]
+    per_update = recipe.groups_per_update * ds["n"]
+    assert (trl.per_device_train_batch_size, trl.gradient_accumulation_steps) == (per_update, 1)
+    assert trl.steps_per_generation * per_update == ds["n"] * ds["train_batch_size"]
+    assert (trl.loss_type, trl.epsilon, trl.epsilon_high, trl.beta) == ("dapo", 0.2, 0.28, 0.0)
+    assert trl.mask_truncated_completions and not trl.gradient_checkpointing and not trl.use_vllm
+    assert trl.max_completion_length == cfg["data"]["init_args"]["sampling"]["max_tokens"]
+    assert (trl.temperature, trl.top_p, trl.top_k, trl.seed) == (1.0, 1.0, 0, 3)
