@@ -51,7 +51,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from dapo_lightning.callbacks.step_checkpoint import save_stepped_over_multiples
+from dapo_lightning.callbacks.step_checkpoint import (
+    as_batch_end_state,
+    save_stepped_over_multiples,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -62,7 +65,6 @@ from dapo_lightning.checkpoint import (
     CheckpointDiskFullError,
     NonFiniteCheckpointError,
     apply_optimizer_settings,
-    as_batch_end_state,
     newest_checkpoint,
     optimizer_settings,
 )

@@ -444,31 +444,6 @@ def restore_rng_states(state: dict[str, Any]) -> None:
 _SHARDED_MARKERS = ("meta.pt", ".metadata", "latest", "checkpoint")
 
 
-def as_batch_end_state(checkpoint: dict[str, Any]) -> bool:
-    """Write the fit loop's batch counters of ``checkpoint`` as Lightning's own end-of-batch
-    saves have them (the last batch not yet counted completed) when it was saved between two
-    rollout steps (every counter equal: a stop or the end of the fit); returns whether it did.
-
-    Lightning reads equal counters as "saved at the end of an epoch" and resumes one batch
-    ahead: ``val_check_interval`` then validates one rollout step early for the rest of the
-    run, and EarlyStopping ends it elsewhere than an uninterrupted run (issue 53). A
-    checkpoint of the end-of-batch form resumes with the same batch count, as periodic saves
-    do. An epoch's real last batch is left alone."""
-    loop = checkpoint.get("loops", {}).get("fit_loop", {})
-    progress = loop.get("epoch_loop.batch_progress")
-    if not progress or progress.get("is_last_batch"):
-        return False
-    total, current = progress["total"], progress["current"]
-    if total["completed"] < 1 or len({total[k] for k in total}) != 1:
-        return False
-    total["completed"] -= 1
-    current["completed"] = max(0, current["completed"] - 1)
-    state = loop.get("epoch_loop.state_dict", {})
-    if "_batches_that_stepped" in state:
-        state["_batches_that_stepped"] -= 1  # Lightning adds it back on such a resume
-    return True
-
-
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True for a folder holding a sharded checkpoint (one of :data:`_SHARDED_MARKERS`)."""
     folder = Path(path)

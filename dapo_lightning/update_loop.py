@@ -203,24 +203,17 @@ class UpdateLoop:
     def step_tensors(self, batch: RolloutBatch) -> StepTensors:
         """Advantages, old log-probs (skipped when the only update's forward gives them) and
         the stale-sample correction of this rollout step."""
-        stale = batch.sample_version < self.policy_version
         demonstrated = batch.demonstrated  # no engine sampled them
-        # decided over all ranks: a rank-local decision runs other collectives (the old
-        # log-probs' forward) and adds other metrics (the correction's) on each rank
-        any_stale, any_demonstrated = self.ranks.any_ranks(
-            [bool((stale & ~demonstrated).any()), bool(demonstrated.any())]
-        )
-        exact_old = (
-            len(self.mini_batches(batch.num_groups)) > 1
-            or self.batching.ppo_epochs > 1
-            or any_stale
-            or any_demonstrated
-            or has_dropout(self.policy)
-        )
-        old = self.old_log_probs(batch) if exact_old else None
-        if old is not None and self.loss.rollout_correction.stale_old == "engine":
-            engine_old = stale & ~demonstrated
-            old = torch.where(engine_old[:, None], batch.rollout_log_probs.to(old.dtype), old)
+        stale = (batch.sample_version < self.policy_version) & ~demonstrated
+        # over all ranks: a rank-local choice runs other collectives and metrics on each rank
+        any_stale, any_demonstrated = self.ranks.any_ranks([stale.any(), demonstrated.any()])
+        exact_old = len(self.mini_batches(batch.num_groups)) > 1 or self.batching.ppo_epochs > 1
+        if exact_old or any_stale or any_demonstrated or has_dropout(self.policy):
+            old = self.old_log_probs(batch)
+            if self.loss.rollout_correction.stale_old == "engine":
+                old = torch.where(stale[:, None], batch.rollout_log_probs.to(old.dtype), old)
+        else:
+            old = None
         return StepTensors(
             advantages=self.advantages(batch),
             old_log_probs=old,
