@@ -201,12 +201,12 @@ class RunGuard(DAPOCallback):
         checkpoint = _model_checkpoint(trainer)
         why = f"stopped ({self._stopping})" if self._stopping else "final"
         if checkpoint is None or trainer.global_step == 0:
-            return  # checkpointing is off, or nothing was trained
-        if self._already_saved(trainer, checkpoint):
+            pass  # checkpointing is off, or nothing was trained
+        elif self._already_saved(trainer, checkpoint):
             self._report(trainer, _last_path(checkpoint), why)
         else:
             self._save(trainer, checkpoint, why)
-        self._requeue_if_asked(trainer, self._stopping)
+        self._requeue_if_asked(trainer, self._stopping)  # also with nothing saved: a fresh start
 
     @override
     def on_save_checkpoint(
