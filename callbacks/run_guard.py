@@ -200,12 +200,11 @@ class RunGuard(DAPOCallback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         checkpoint = _model_checkpoint(trainer)
         why = f"stopped ({self._stopping})" if self._stopping else "final"
-        if checkpoint is None or trainer.global_step == 0:
-            pass  # checkpointing is off, or nothing was trained
-        elif self._already_saved(trainer, checkpoint):
-            self._report(trainer, _last_path(checkpoint), why)
-        else:
-            self._save(trainer, checkpoint, why)
+        if checkpoint is not None and trainer.global_step > 0:  # checkpointing on, trained
+            if self._already_saved(trainer, checkpoint):
+                self._report(trainer, _last_path(checkpoint), why)
+            else:
+                self._save(trainer, checkpoint, why)
         self._requeue_if_asked(trainer, self._stopping)  # also with nothing saved: a fresh start
 
     @override
