@@ -78,25 +78,32 @@ class StepCheckpoint(ModelCheckpoint):
 
 def as_batch_end_state(checkpoint: dict[str, Any]) -> bool:
     """Write the fit loop's batch counters of ``checkpoint`` as Lightning's own end-of-batch
-    saves have them (the last batch not yet counted completed) when it was saved between two
-    rollout steps (every counter equal: a stop or the end of the fit); returns whether it did.
+    saves have them (``n`` batches ready, started and processed, ``n - 1`` completed: the last
+    one's end not yet counted), ``n`` the rollout steps done; returns whether it changed them.
 
-    Lightning reads equal counters as "saved at the end of an epoch" and resumes one batch
-    ahead: ``val_check_interval`` then validates one rollout step early for the rest of the
-    run, and EarlyStopping ends it elsewhere than an uninterrupted run (issue 53). A
-    checkpoint of the end-of-batch form resumes with the same batch count, as periodic saves
-    do. An epoch's real last batch is left alone."""
+    The guard saves a stop or the end of the fit between two rollout steps (every counter
+    equal) or inside a step it undid (that batch counted ready and started). Lightning resumes
+    the first as "the end of an epoch" and the second with its total count one batch ahead
+    (it winds back only the current epoch's counters): either way ``val_check_interval`` then
+    validates one rollout step early for the rest of the run and EarlyStopping ends it
+    elsewhere than an uninterrupted run (issue 53). Periodic saves, already of this form,
+    resume right; so does any save once written so. An epoch's real last batch is left
+    alone."""
     loop = checkpoint.get("loops", {}).get("fit_loop", {})
     progress = loop.get("epoch_loop.batch_progress")
     if not progress or progress.get("is_last_batch"):
         return False
-    total, current = progress["total"], progress["current"]
-    if total["completed"] < 1 or len({total[k] for k in total}) != 1:
+    total = progress["total"]
+    done = total["processed"]
+    batch_end = total["ready"] == total["started"] == done == total["completed"] + 1
+    if done < 1 or batch_end:
         return False
-    total["completed"] -= 1
-    current["completed"] = max(0, current["completed"] - 1)
+    all_equal = len(set(total.values())) == 1
+    for counts in (total, progress["current"]):
+        n = counts["processed"]
+        counts.update(ready=n, started=n, completed=max(0, n - 1))
     state = loop.get("epoch_loop.state_dict", {})
-    if "_batches_that_stepped" in state:
+    if all_equal and "_batches_that_stepped" in state:
         state["_batches_that_stepped"] -= 1  # Lightning adds it back on such a resume
     return True
 

@@ -902,3 +902,11 @@ def test_as_batch_end_state_leaves_other_forms_alone():
     assert as_batch_end_state(between)
     assert between == state(16, 15)
     assert not as_batch_end_state({})  # no loop state (a weights-only file)
+    # a stop inside step 17, undone: 17 ready and started, 16 processed and completed
+    undone = state(17, 16)
+    for counts in (
+        undone["loops"]["fit_loop"]["epoch_loop.batch_progress"][k] for k in ("total", "current")
+    ):
+        counts["processed"] = 16
+    assert as_batch_end_state(undone)
+    assert undone == state(16, 15)
