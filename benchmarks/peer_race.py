@@ -62,6 +62,7 @@ Usage::
     .venv/bin/python -m benchmarks.peer_race --seeds 0 1 2          # 20 CPU-min each, in turn
     .venv/bin/python -m benchmarks.peer_race --seeds 0 --budget-min 10 --at-once  # 1 core each
     .venv/bin/python -m benchmarks.peer_race --quick   # smoke: tiny model, HF, 2 updates a side
+                                                       # (at once), benchmarks/out/peer_race_quick.png
     .venv/bin/python -m benchmarks.peer_race --report --seeds 0      # tables + PNG from disk
 """
 
@@ -671,8 +672,8 @@ def report(results: list[dict[str, Any]], png: Path) -> None:
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
-    """Accuracy against CPU-minutes, wall minutes and samples generated; ours solid, TRL
-    dashed, one colour per seed."""
+    """Accuracy against CPU-minutes, wall minutes and samples generated; ours blue, TRL red,
+    one line style per seed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -683,8 +684,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
           (4, 1, "samples generated"))  # fmt: skip
     seeds = sorted({r["seed"] for r in results})
     for r in results:
-        style = "-" if r["side"] == "ours" else "--"
-        color = f"C{seeds.index(r['seed'])}"
+        color = "C0" if r["side"] == "ours" else "C3"
+        style = ("-", "--", ":", "-.")[seeds.index(r["seed"]) % 4]
         label = f"{'dapo-lightning' if r['side'] == 'ours' else 'TRL GRPOTrainer'} seed {r['seed']}"
         for ax, (col, scale, _) in zip(axes, xs):
             ax.plot([p[col] / scale for p in r["curve"]], [p[1] for p in r["curve"]],
