@@ -219,7 +219,7 @@ def run_in_process(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]
     ("args", "key"),
     [
         (["--model.init_args.loss.clip_ratio_hihg", "0.3"], "clip_ratio_hihg"),
-        (["--data.init_args.n", "many"], "many"),
+        (["--data.init_args.n", "many"], "data.init_args.n"),  # n is dynamic_sampling's
         (["--trainer.max_stepz", "3"], "trainer.max_stepz"),
     ],
 )

@@ -187,8 +187,8 @@ def test_every_update_trains_on_one_step_old_groups_with_the_independent_tis_wei
     seen: list[dict] = []
     real = update_loop.behaviour_log_probs
 
-    def spy(batch, old, stale, correction):
-        out = real(batch, old, stale, correction)
+    def spy(batch, old, stale, correction, **kwargs):
+        out = real(batch, old, stale, correction, **kwargs)
         seen.append({"batch": batch, "old": old, "stale": stale.clone(), "out": out})
         return out
 
