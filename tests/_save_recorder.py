@@ -14,9 +14,14 @@ from lightning.pytorch import Callback
 
 
 class SaveRecorder(Callback):
-    """Appends ``trainer.global_step`` to ``$DAPO_TEST_SAVES`` each time a checkpoint is made."""
+    """Records ``trainer.global_step`` each time a checkpoint is made: in :attr:`updates`, and
+    appended to ``$DAPO_TEST_SAVES`` when set (a fit in another process)."""
+
+    def __init__(self) -> None:
+        self.updates: list[int] = []
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        self.updates.append(trainer.global_step)
         path = os.environ.get("DAPO_TEST_SAVES")
         if path and trainer.is_global_zero:
             with open(path, "a") as out:

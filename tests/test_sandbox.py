@@ -35,11 +35,9 @@ from dapo_lightning.sandbox import (
 )
 from dapo_lightning.sandbox.command import UID_BASE, UID_SPAN
 from dapo_lightning.sandbox.seccomp import seccomp_program
+from tests._harness import needs_bwrap
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None and os.environ.get("DAPO_REQUIRE_BWRAP") != "1",
-    reason="bwrap missing: bash scripts/setup.sh installs it (CI sets DAPO_REQUIRE_BWRAP=1)",
-)
+pytestmark = needs_bwrap
 
 #: The catalogue's limits: short, so the whole file stays fast.
 LIMITS = SandboxConfig(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,11 +37,9 @@ from dapo_lightning.rewards.code_tests import (
     parse_tests,
 )
 from dapo_lightning.sandbox import SandboxResult
+from tests._harness import needs_bwrap
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None and os.environ.get("DAPO_REQUIRE_BWRAP") != "1",
-    reason="bwrap missing: bash scripts/setup.sh installs it (CI sets DAPO_REQUIRE_BWRAP=1)",
-)
+pytestmark = needs_bwrap
 
 FAST = {"timeout_s": 2.0, "pool_size": 1}
 

@@ -3,11 +3,8 @@ of ``every_n_train_steps`` when rollout steps make uneven numbers of updates (is
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from dapo_lightning.callbacks import RunGuard
-from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -15,6 +12,7 @@ from dapo_lightning.module import DAPOModule
 from dapo_lightning.update import BatchingConfig
 from tests._harness import fit
 from tests._module_harness import FixedBatches, fixed_batch, sgd
+from tests._save_recorder import SaveRecorder
 
 EVERY = 4
 STEPS = 8
@@ -36,20 +34,12 @@ class UnevenBatches(FixedBatches):
         return DataLoader(batches, batch_size=None)
 
 
-class Saves(Callback):
-    def __init__(self) -> None:
-        self.updates: list[int] = []
-
-    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
-        self.updates.append(trainer.global_step)
-
-
 class PlainModelCheckpoint(ModelCheckpoint):
     """Lightning's class as it is (a subclass: the guard leaves it alone), for the control."""
 
 
-def uneven_fit(root, model, checkpoint_class: type[ModelCheckpoint]) -> Saves:
-    saves = Saves()
+def uneven_fit(root, model, checkpoint_class: type[ModelCheckpoint]) -> SaveRecorder:
+    saves = SaveRecorder()
     module = DAPOModule(
         str(model),
         optimizer=sgd,
