@@ -74,20 +74,37 @@ def test_negative_control_per_micro_batch_mean_differs(tiny_checkpoint, one_micr
     assert max_rel_diff(one_micro_batch, delta) > 1e-3
 
 
-def two_rank_update(checkpoint, tmp_path, micro, strategy="ddp", **module_kwargs):
-    """The parameter update of 2 real gloo ranks (torch.distributed.run) on the fixed batch."""
+def run_two_ranks(checkpoint, tmp_path, micro, strategy="ddp", **module_kwargs):
+    """2 real gloo ranks (torch.distributed.run) fitting the fixed batch (the finished process)."""
     import json
 
-    out = tmp_path / "delta.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HARNESS.parent.parent))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(free_port()), str(HARNESS), str(checkpoint), str(out), str(micro),
-        strategy, json.dumps(module_kwargs),
+        "--master_port", str(free_port()), str(HARNESS), str(checkpoint),
+        str(tmp_path / "delta.pt"), str(micro), strategy, json.dumps(module_kwargs),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
+
+
+def two_rank_update(checkpoint, tmp_path, micro, strategy="ddp", **module_kwargs):
+    """The parameter update of 2 real gloo ranks on the fixed batch."""
+    proc = run_two_ranks(checkpoint, tmp_path, micro, strategy, **module_kwargs)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out)
+    return torch.load(tmp_path / "delta.pt")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_metric_one_rank_adds_alone_fails_the_fit_naming_it(tiny_checkpoint, tmp_path):
+    """Issue 53: an objective whose metric rank 0 alone adds fails both ranks with the
+    metric's name and the rank that lacks it, not a gloo abort of mismatched sizes."""
+    objective = "tests._user_objective.rank_zero_metric"
+    proc = run_two_ranks(tiny_checkpoint, tmp_path, 3, loss={"objective": objective})
+    assert proc.returncode != 0
+    named = "metric 'rank0_only' (op mean) was added on rank(s) [0] but not on rank(s) [1]"
+    assert proc.stderr.count(named) >= 2, proc.stderr[-3000:]  # both ranks say it
+    assert "Received data size doesn't match" not in proc.stderr
 
 
 @pytest.mark.distributed
