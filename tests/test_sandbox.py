@@ -52,28 +52,49 @@ LIMITS = SandboxConfig(
 )
 
 
+#: The uids this file's sandboxes ran as (as root each interpreter gets its own): the leftover
+#: checks look for these, not for the sandboxes another test file runs on the other xdist worker.
+ISSUED_UIDS: set[int] = set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _record_issued_uids():
+    from dapo_lightning.sandbox import runner
+
+    real = runner.sandbox_uid
+
+    def issue() -> int:
+        uid = real()
+        ISSUED_UIDS.add(uid)
+        return uid
+
+    runner.sandbox_uid = issue
+    yield
+    runner.sandbox_uid = real
+
+
 @pytest.fixture(scope="module")
-def sandbox():
+def sandbox(_record_issued_uids):
     with Sandbox(LIMITS) as box:
         yield box
 
 
 def sandbox_processes(since: float) -> list[psutil.Process]:
-    """Processes started since ``since`` that are this test's sandboxes: descendants of this
-    process, or processes of a sandbox uid (what a process that got out of the pid namespace
-    would still have)."""
+    """Processes started since ``since`` that are this file's sandboxes: descendants of this
+    process, or processes of a uid one of them ran as (what a process that got out of the pid
+    namespace would still have)."""
     found = {p.pid: p for p in psutil.Process().children(recursive=True)}
     for p in psutil.process_iter(["uids", "create_time"]):
         uids = p.info["uids"]
-        if uids and UID_BASE <= uids.real < UID_BASE + UID_SPAN:
+        if uids and uids.real in ISSUED_UIDS:
             if p.info["create_time"] >= since - 1:
                 found[p.pid] = p
     return [p for p in found.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def files_of_sandbox_uids() -> list[str]:
-    """Files at the top of the host's /tmp, $HOME, /etc and the working folder owned by a
-    sandbox uid (what a write that got out would leave)."""
+    """Files at the top of the host's /tmp, $HOME, /etc and the working folder owned by a uid
+    this file's sandboxes ran as (what a write that got out would leave)."""
     found = []
     for folder in (Path("/tmp"), Path.home(), Path("/etc"), Path.cwd()):
         for path in folder.iterdir():
@@ -81,7 +102,7 @@ def files_of_sandbox_uids() -> list[str]:
                 uid = path.lstat().st_uid
             except OSError:
                 continue
-            if UID_BASE <= uid < UID_BASE + UID_SPAN:
+            if uid in ISSUED_UIDS:
                 found.append(str(path))
     return found
 
