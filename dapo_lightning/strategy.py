@@ -222,9 +222,7 @@ class StrategyAdapter:
 
     def any_rank(self, decision: bool) -> bool:
         """True when ``decision`` is True on any rank."""
-        if self.world_size == 1:
-            return bool(decision)
-        return bool(self.strategy.reduce_boolean_decision(bool(decision), all=False))
+        return self.any_ranks([decision])[0]
 
     def any_ranks(self, decisions: list[bool]) -> list[bool]:
         """Each of ``decisions`` True when it is True on any rank (one collective for all)."""
