@@ -14,9 +14,9 @@ On the first ``--prompts`` training problems of a reasoning-gym setting (``--set
   tools), its instructions as the system message;
 * ``nudge``: the same, a turn without a call is asked once to check with the calculator;
 * ``demo``: the same, the prompt starting with one worked example as chat turns (a question,
-  a tool call, its result, the answer: :meth:`ToolEnvironment.demonstration`);
+  a tool call, its result, the answer: :meth:`ToolEnvironment.prompt_example`);
 * ``perfect``: a scripted policy, the environment's own demonstrations
-  (:meth:`CalculatorEnvironment.demonstrate`: a call on the question's expression, then its
+  (:meth:`CalculatorEnvironment.solution_turns`: a call on the question's expression, then its
   value; the arithmetic one's: a call per operation) replayed by :class:`~dapo_lightning.envs.replay.ReplayEngine`: the task's ceiling with the tool,
   through the same environment and scorer (one episode per problem: it is deterministic).
 
@@ -102,7 +102,7 @@ def run_variant(
         if variant == "perfect":  # the calculator's own demonstrations, replayed
             env = make_env()
             engine = ReplayEngine(
-                tokenizer, {tuple(r.prompt_ids): env.demonstrate(r) for r in records}
+                tokenizer, {tuple(r.prompt_ids): env.solution_turns(r) for r in records}
             )
         runner = EpisodeRunner(
             engine, config, make_env=make_env, formatter=ObservationFormatter(tokenizer),

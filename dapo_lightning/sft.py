@@ -3,7 +3,7 @@
 A small model that never calls a tool gives RL no tool use to reinforce (SmolLM2-135M-Instruct
 made 0 calls in 3,500 episodes with the calculator's instructions). Peers start agent RL from a
 model fine-tuned on tool-use traces (verl's ReTool recipe). Here the traces are written by the
-environment itself: :meth:`~dapo_lightning.envs.ToolEnvironment.demonstrate` gives the
+environment itself: :meth:`~dapo_lightning.envs.ToolEnvironment.solution_turns` gives the
 assistant turns of a correct episode on a prompt record, and those turns are played through the
 same :class:`~dapo_lightning.envs.runner.EpisodeRunner` that runs RL episodes (by
 :class:`~dapo_lightning.envs.replay.ReplayEngine`), so a demonstration has exactly the token layout and the loss mask of an
@@ -107,7 +107,7 @@ def demonstration_rollouts(
     if not kept:
         raise ConfigError(
             f"environment {environment.name!r} wrote no complete demonstration for "
-            f"{len(records)} prompts: give it demonstrate(record) (ToolEnvironment), prompts "
+            f"{len(records)} prompts: give it solution_turns(record) (ToolEnvironment), prompts "
             "it can solve, or more sampling.max_tokens / max_episode_tokens."
         )
     n = len(kept)

@@ -88,15 +88,15 @@ def test_tools_answer_and_a_chain_of_two_calls_reads_each_result():
 
 def test_demonstrations_are_one_call_per_turn_then_the_answer():
     env = ArithmeticEnvironment()
-    assert env.demonstrate(record("Solve the following multiplication: 15 * 43 * 75.")) == [
+    assert env.solution_turns(record("Solve the following multiplication: 15 * 43 * 75.")) == [
         call("multiply", 15, 43), call("multiply", 645, 75), "The answer is 48375.",
     ]  # fmt: skip
-    assert env.demonstrate(record("Calculate 7 - 3.")) == [
+    assert env.solution_turns(record("Calculate 7 - 3.")) == [
         call("subtract", 7, 3),
         "The answer is 4.",
     ]
-    assert env.demonstrate(record("What is the answer?")) is None
-    assert env.demonstrate(record("Calculate 12.")) is None  # no operation: nothing to call
+    assert env.solution_turns(record("What is the answer?")) is None
+    assert env.solution_turns(record("Calculate 12.")) is None  # no operation: nothing to call
 
 
 def test_instructions_name_the_tools_and_the_hint_is_optional():

@@ -185,3 +185,13 @@ def test_a_template_that_renders_tools_gets_the_schemas_not_the_instructions(tin
     assert records[0].prompt == "How much are 3 pears?"  # the template tells of the tools
     assert introduce_tools(records, Shop(), tokenizer, False) is None
     assert records[0].prompt == f"{Shop().instructions()}\n\nHow much are 3 pears?"
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("demonstration", "prompt_example"), ("demonstrate", "solution_turns")]
+)
+def test_an_environment_with_an_old_method_name_is_told_the_new_one(old, new):
+    """A subclass written for an earlier release (demonstration(), demonstrate(record)) fails
+    at class creation naming the method to rename to, not silently without demonstrations."""
+    with pytest.raises(TypeError, match=rf"Old\.{old} is not read any more: rename it to {new}"):
+        type("Old", (ToolEnvironment,), {old: lambda self, *a: None})

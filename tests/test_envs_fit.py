@@ -291,4 +291,4 @@ def test_demonstrations_of_an_environment_that_writes_none_are_a_config_error(
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "environment.demonstrate_unsolved" in errors[0], errors
-    assert "demonstrate(record)" in errors[0]
+    assert "solution_turns(record)" in errors[0]

@@ -127,7 +127,7 @@ def test_bad_settings_are_named():
 class _Demonstrated(PythonToolEnvironment):
     """The python environment with a scripted episode: the call in the prompt, then an answer."""
 
-    def demonstrate(self, record: PromptRecord) -> list[str]:
+    def solution_turns(self, record: PromptRecord) -> list[str]:
         return [call(record.meta["code"]), "The answer is 60536."]
 
 

@@ -48,7 +48,7 @@ def test_masked_nll_is_the_token_mean_of_the_masked_negative_log_likelihoods():
 
 def test_the_calculator_demonstrates_a_call_on_the_question_and_its_value():
     def demo(text):
-        return CalculatorEnvironment().demonstrate(
+        return CalculatorEnvironment().solution_turns(
             PromptRecord("u", [{"role": "user", "content": text}], "0")
         )
 

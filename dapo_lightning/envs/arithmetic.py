@@ -9,7 +9,7 @@ call does one operation::
 so ``23 * 47 * 56`` is ``multiply(23, 47)`` -> 1081, then ``multiply(1081, 56)`` -> 60536: the
 policy has to carry a tool's result into its next call. :func:`plan_calls` gives the calls
 that evaluate an expression of whole numbers and ``+ - *`` with the usual precedence
-(``*`` first, then ``+`` and ``-`` left to right); :meth:`ArithmeticEnvironment.demonstrate`
+(``*`` first, then ``+`` and ``-`` left to right); :meth:`ArithmeticEnvironment.solution_turns`
 writes them as one call per turn (the cold start's traces, :mod:`dapo_lightning.sft`).
 """
 
@@ -114,7 +114,7 @@ class ArithmeticEnvironment(ToolEnvironment):
         """
         return a * b
 
-    def demonstrate(self, record: PromptRecord) -> list[str] | None:
+    def solution_turns(self, record: PromptRecord) -> list[str] | None:
         """One call per turn on the longest expression of the prompt's last message
         (:func:`plan_calls`), then "The answer is N."; None when there is none."""
         for expression in question_expressions(record):

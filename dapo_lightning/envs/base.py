@@ -168,7 +168,7 @@ class EnvironmentConfig:
         add_instructions: Put the environment's ``instructions()`` in front of every prompt
             as a system message (a text prefix without a chat template).
         demonstrate_unsolved: In a training group with no right episode, replace its first
-            episode by the environment's demonstration (``demonstrate(record)``, played through
+            episode by the environment's demonstration (``solution_turns(record)``, played through
             the same runner and scored by the same reward; ToolExpander's demonstration
             replacement), so the group has a right answer to learn from. The demonstration was
             not sampled (its ``finish_reason`` is ``"demonstration"``) and is its own behaviour policy (its

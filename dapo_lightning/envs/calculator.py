@@ -174,7 +174,7 @@ class CalculatorEnvironment(ToolEnvironment):
             (e.g. ``"Check it with the calculator first."``), so a model that never tries the
             tool is asked to once; None (default): such a turn is the final answer.
         example: Start every prompt with one worked example as chat turns (:data:`EXAMPLE`:
-            a product, the call, its result, the answer; :meth:`demonstration`).
+            a product, the call, its result, the answer; :meth:`prompt_example`).
     """
 
     def __init__(self, nudge: str | None = None, example: bool = False) -> None:
@@ -189,11 +189,11 @@ class CalculatorEnvironment(ToolEnvironment):
         self.example = example
         self.called = False
 
-    def demonstration(self) -> list[dict[str, str]] | None:
+    def prompt_example(self) -> list[dict[str, str]] | None:
         """:data:`EXAMPLE` when ``example`` is on, else None."""
         return [dict(m) for m in EXAMPLE] if self.example else None
 
-    def demonstrate(self, record: PromptRecord) -> list[str] | None:
+    def solution_turns(self, record: PromptRecord) -> list[str] | None:
         """A call on the longest expression in the prompt's last message that evaluates,
         then its value as the answer ("The answer is 4959."); None when there is none."""
         for expression in question_expressions(record):

@@ -1,7 +1,7 @@
 """Demonstrations played as episodes: an environment's scripted turns through the same
 :class:`~dapo_lightning.envs.runner.EpisodeRunner` that runs RL episodes.
 
-:meth:`~dapo_lightning.envs.ToolEnvironment.demonstrate` gives the assistant turns of a correct
+:meth:`~dapo_lightning.envs.ToolEnvironment.solution_turns` gives the assistant turns of a correct
 episode on a prompt record; :class:`ReplayEngine` writes those turns instead of sampling them,
 so a played demonstration has exactly an RL episode's tokens (the observation messages between
 the turns) and loss mask. The supervised cold start trains on them (:mod:`dapo_lightning.sft`);
@@ -68,14 +68,14 @@ def play_demonstrations(
     max_tokens: int,
     max_episode_tokens: int,
 ) -> list[Episode | None]:
-    """Each record's demonstration (``make_env().demonstrate(record)``) played as an episode;
+    """Each record's demonstration (``make_env().solution_turns(record)``) played as an episode;
     None where the environment writes none. Records with the same prompt share one episode.
     An episode may end unfinished (cut by ``max_tokens`` / ``max_episode_tokens``, or a failed
     environment): :func:`complete_episode` tells."""
     turns: dict[tuple[int, ...], list[str]] = {}
     for r in records:
-        demonstrate = getattr(make_env(), "demonstrate", None)
-        script = demonstrate(r) if callable(demonstrate) else None
+        solution_turns = getattr(make_env(), "solution_turns", None)
+        script = solution_turns(r) if callable(solution_turns) else None
         if script:
             turns.setdefault(tuple(r.prompt_ids or ()), list(script))
     if not turns:
@@ -97,8 +97,8 @@ def play_demonstrations(
 def writes_demonstrations(env: Any) -> bool:
     """True when ``env``'s class has a ``demonstrate`` of its own (not
     :class:`~dapo_lightning.envs.tools.ToolEnvironment`'s default, which writes none)."""
-    demonstrate = getattr(type(env), "demonstrate", None)
-    return callable(demonstrate) and demonstrate is not ToolEnvironment.demonstrate
+    solution_turns = getattr(type(env), "solution_turns", None)
+    return callable(solution_turns) and solution_turns is not ToolEnvironment.solution_turns
 
 
 def complete_episode(episode: Completion | None) -> bool:

@@ -54,7 +54,7 @@ class EpisodeSession(EngineSession):
             raise ConfigError(
                 f"data.init_args.environment.demonstrate_unsolved: environment "
                 f"{environment.name!r} writes no demonstrations: give its class a "
-                "demonstrate(record) method (ToolEnvironment.demonstrate), or set it to false."
+                "solution_turns(record) method (ToolEnvironment.solution_turns), or set it to false."
             )
         super().__init__(engine, **session_kwargs)
         self.environment = environment
@@ -127,9 +127,9 @@ def introduce_tools(
     """Tell the prompts about ``env``'s tools (:func:`prompt_tools`): put its instructions in
     front of every record's prompt, in place, or return the schemas the chat template renders
     (``tools=`` of :func:`~dapo_lightning.prompts.encode_prompt`); then its worked example,
-    if it has one (``demonstration()``; its ``"tool"`` messages take ``observation_role``)."""
-    demonstration = getattr(env, "demonstration", None)
-    messages = demonstration() if callable(demonstration) else None
+    if it has one (``prompt_example()``; its ``"tool"`` messages take ``observation_role``)."""
+    example = getattr(env, "prompt_example", None)
+    messages = example() if callable(example) else None
     if messages:
         messages = [{**m, "role": observation_role} if m["role"] == "tool" else m for m in messages]
     with_demonstration(records, messages)  # first: the instructions go in front of it

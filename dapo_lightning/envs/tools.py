@@ -195,6 +195,19 @@ class ToolEnvironment:
     #: Names of the ``StepResult.metrics`` this environment reports (``env/<name>``).
     metric_names: tuple[str, ...] = ()
 
+    #: Names of earlier releases, each with the method that replaced it.
+    RENAMED = {"demonstration": "prompt_example", "demonstrate": "solution_turns"}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for old, new in cls.RENAMED.items():
+            if old in vars(cls):
+                raise TypeError(
+                    f"{cls.__name__}.{old} is not read any more: rename it to {new} "
+                    "(the worked example in the prompt is prompt_example(), the assistant "
+                    "turns of a correct episode are solution_turns(record))."
+                )
+
     def __init__(self) -> None:
         self.record: PromptRecord | None = None
 
@@ -207,13 +220,13 @@ class ToolEnvironment:
         reward function scores it."""
         return None
 
-    def demonstration(self) -> list[dict[str, str]] | None:
+    def prompt_example(self) -> list[dict[str, str]] | None:
         """A worked example as chat messages (a question, a tool call, its result, the
         answer), put in front of every prompt after the instructions (``add_instructions``):
         a small model copies the call format from it. None (this default): no example."""
         return None
 
-    def demonstrate(self, record: PromptRecord) -> list[str] | None:
+    def solution_turns(self, record: PromptRecord) -> list[str] | None:
         """The assistant turns of a correct episode on ``record`` (tool calls in the tag
         format, then the answer), the traces of the supervised cold start
         (:mod:`dapo_lightning.sft`); None (this default): none for this record."""
