@@ -43,6 +43,8 @@ Usage::
         # agent RL (configs/smollm2_tool_use.yaml) from a cold start (dapo-lightning sft), target 0.6
     .venv/bin/python benchmarks/smollm2_curve.py --recipe arithmetic --model-dir SFT_DIR --budget-min 27
         # chained calls (configs/smollm2_arithmetic.yaml) from its cold start, target 0.6
+    .venv/bin/python benchmarks/smollm2_curve.py --recipe python_tool --model-dir SFT_DIR --budget-min 24
+        # a sandboxed Python tool (configs/smollm2_python_tool.yaml) from its cold start, target 0.8
 
 Extra arguments go to every ``dapo-lightning fit`` (e.g. ``--trainer.val_check_interval 10``).
 """
@@ -81,6 +83,7 @@ RECIPES = {
     "reasoning_gym": "configs/smollm2_reasoning_gym.yaml",
     "tool_use": "configs/smollm2_tool_use.yaml",  # agent RL: products with the calculator
     "arithmetic": "configs/smollm2_arithmetic.yaml",  # agent RL: chained calls of binary tools
+    "python_tool": "configs/smollm2_python_tool.yaml",  # agent RL: a sandboxed Python tool
 }
 #: The word-problem recipe (the default ``--recipe``).
 RECIPE = RECIPES["word_problems"]
@@ -123,6 +126,7 @@ TARGETS = {
     "reasoning_gym": ("gain", 0.35),
     "tool_use": ("acc", 0.6),
     "arithmetic": ("acc", 0.6),
+    "python_tool": ("acc", 0.8),
 }
 #: Line style of each method in the PNG.
 STYLES = {
@@ -460,6 +464,7 @@ def plot(results: list[dict[str, Any]], path: Path, budget_min: float, clock: st
         "word_problems": "word problems",
         "tool_use": "products with a calculator",
         "arithmetic": "3-factor products with binary tools",
+        "python_tool": "3-factor products with a Python tool",
     }.get(recipe, "reasoning-gym arithmetic")
     names = " vs ".join(dict.fromkeys(r["method"].upper() for r in results))
     fig.suptitle(f"SmolLM2-135M-Instruct {task} on CPU: {names}, equal training budget")

@@ -158,6 +158,70 @@ def test_an_episode_through_the_runner_shows_the_output_and_counts_per_episode(t
     assert slow.failure is None  # the code's timeout is an observation, not a failed episode
 
 
+def question(text: str, answer: str = "0") -> PromptRecord:
+    return PromptRecord(text, [{"role": "user", "content": text}], answer)
+
+
+def test_solution_turns_print_the_questions_whole_number_expression_then_answer_it(env):
+    product = question("Solve the following multiplication: 15 * 43 * 75.", "48375")
+    assert env.solution_turns(product) == [
+        '<tool_call>{"name": "python", "arguments": {"code": "print(15 * 43 * 75)"}}</tool_call>',
+        "The answer is 48375.",
+    ]
+    assert env.solution_turns(question("Calculate 8 - 9.")) == [
+        call("print(8 - 9)"), "The answer is -1.",
+    ]  # fmt: skip
+    assert env.solution_turns(question("What is (2 + 3) * 4?"))[-1] == "The answer is 20."
+    # no expression; only a division (Python prints a float): no demonstration
+    assert env.solution_turns(question("Name a prime.")) is None
+    assert env.solution_turns(question("What is 7 / 2?")) is None
+
+
+def test_a_demonstration_played_in_the_sandbox_prints_its_answer(tiny_checkpoint):
+    """The solution turns played by the real runner on the real sandbox: the observation is
+    the number the final turn answers."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    record = question("Solve the following multiplication: 15 * 43 * 75.", "48375")
+    record.prompt_ids = encode_prompt(tokenizer, record.prompt, True)
+    config = EnvironmentConfig(name="python", kwargs={"sandbox": FAST})
+    (episode,) = play_demonstrations(
+        [record], environment_factory(config), config, ObservationFormatter(tokenizer, "tool", True),
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        max_tokens=400, max_episode_tokens=2000,
+    )  # fmt: skip
+    assert (episode.turns, episode.tool_calls, episode.tool_errors) == (2, 1, 0)
+    text = tokenizer.decode(episode.token_ids, skip_special_tokens=True)
+    assert text.index("48375") < text.index("The answer is 48375.")
+
+
+def test_the_python_tool_recipes_cold_start_matches_its_fit_config():
+    """configs/sft/smollm2_python_tool.yaml: its episodes are the fit recipe's (environment but
+    the RL-only demonstrations of unsolved groups, assistant tokens), its model the fit's, on
+    easier problems than the fit's (two one-digit terms against three 2-digit factors)."""
+    import dataclasses
+
+    from dapo_lightning.sft import sft_main
+
+    repo = Path(__file__).resolve().parent.parent
+    seen = []
+    sft_main(["--config", str(repo / "configs/sft/smollm2_python_tool.yaml")], run=seen.append)
+    (config,) = seen
+    fit = yaml.safe_load((repo / "configs/smollm2_python_tool.yaml").read_text())
+    data = fit["data"]["init_args"]
+    environment = EnvironmentConfig(**data["environment"])
+    assert environment.name == "python" and environment.demonstrate_unsolved
+    assert config.environment == dataclasses.replace(environment, demonstrate_unsolved=False)
+    assert config.max_tokens == data["sampling"]["max_tokens"]
+    assert config.output_dir == fit["model"]["init_args"]["model_name_or_path"]
+    warm, task = config.prompts.task_kwargs, data["prompts"]["task_kwargs"]
+    assert (warm["dataset"], warm["config"]["max_terms"], warm["config"]["max_digits"]) == (
+        "basic_arithmetic", 2, 1,
+    )  # fmt: skip
+    assert (task["dataset"], task["config"]["min_terms"], task["config"]["min_digits"]) == (
+        "products", 3, 2,
+    )  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- code_tests
 def test_extract_code_and_parse_tests():
     assert extract_code("Here:\n```python\ndef f(): pass\n```\nor\n```py\nx = 2\n```") == "x = 2"

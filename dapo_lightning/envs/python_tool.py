@@ -9,20 +9,36 @@ sandboxed interpreter: nothing carries over between calls. Sandbox timeouts and 
 exit status other than 0: an exception, a crash, a limit) are counted per episode as
 ``env/sandbox_timeouts`` and ``env/sandbox_errors``; they are the code's failures, not the
 tool's, so the episode goes on.
+
+:meth:`PythonToolEnvironment.solution_turns` writes a correct episode for a question with a
+whole-number expression (``print(15 * 43 * 75)``, then "The answer is 48375."): the traces of
+the cold start (:mod:`dapo_lightning.sft`) and of ``environment.demonstrate_unsolved``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from dapo_lightning.envs.base import StepResult, register_environment
+from dapo_lightning.envs.calculator import CalculatorError, evaluate, question_expressions
 from dapo_lightning.envs.tools import ToolEnvironment
+from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rewards.code_tests import extract_code
 from dapo_lightning.sandbox import SandboxConfig, SandboxResult, as_sandbox_config, shared_sandbox
 
 #: What the policy sees when the code printed nothing and ended well.
 NO_OUTPUT = "(no output)"
+
+#: An expression whose Python value is its exact value: whole numbers, ``+ - *`` and brackets.
+_WHOLE_RE = re.compile(r"[\d\s+\-*()]+")
+
+
+def call_text(code: str) -> str:
+    """A call of the ``python`` tool on ``code`` in the tag format: ``<tool_call>{"name":
+    "python", "arguments": {"code": "print(2 * 3)"}}</tool_call>``."""
+    return f"<tool_call>{json.dumps({'name': 'python', 'arguments': {'code': code}})}</tool_call>"
 
 
 def observation_text(result: SandboxResult, max_chars: int) -> str:
@@ -93,11 +109,28 @@ class PythonToolEnvironment(ToolEnvironment):
         result.metrics = {name: float(n) for name, n in self._counts.items()}
         return result
 
+    def solution_turns(self, record: PromptRecord) -> list[str] | None:
+        """A call that prints the longest expression of whole numbers, ``+ - *`` and brackets
+        in the prompt's last message, then its value as the answer::
+
+            ["<tool_call>{... "code": "print(15 * 43 * 75)"}}</tool_call>", "The answer is 48375."]
+
+        None when there is no such expression (one with ``/`` or decimals prints a float that
+        Python and the question may write differently, so it gets no demonstration)."""
+        for expression in question_expressions(record):
+            if not _WHOLE_RE.fullmatch(expression):
+                continue
+            try:
+                value = evaluate(expression)
+            except CalculatorError:
+                continue
+            return [call_text(f"print({expression})"), f"The answer is {value.numerator}."]
+        return None
+
     def instructions(self) -> str:
-        call = {"name": "python", "arguments": {"code": "print(23 * 47 * 56)"}}
         return (
             "You can run Python code. To run it, reply with only "
-            f"<tool_call>{json.dumps(call)}</tool_call>; what the code prints comes back in "
+            f"{call_text('print(23 * 47 * 56)')}; what the code prints comes back in "
             "the next message (each call starts afresh; the standard library only, no "
             "network). When you know the answer, reply without a tool call."
         )
