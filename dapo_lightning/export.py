@@ -165,33 +165,40 @@ def export_pretrained(
         export_pretrained(module.policy, AutoTokenizer.from_pretrained(base), "out/model")
         export_pretrained(module.policy, tokenizer, "out/adapter", adapter=True)  # LoRA run
     """
-    if is_peft_model(policy):
-        if adapter:
-            if not hasattr(tokenizer, "save_pretrained"):
-                raise TypeError(
-                    "export_pretrained needs a transformers tokenizer, got "
-                    f"{type(tokenizer).__name__}."
-                )
-            out = Path(out_dir)
-            with atomic_folder(out) as tmp:
-                policy.save_pretrained(tmp, safe_serialization=True)
-                tokenizer.save_pretrained(tmp)
-            return out
+    if is_peft_model(policy) and not adapter:
         policy = merged_model(policy)
-    elif adapter:
+    elif adapter and not is_peft_model(policy):
         raise ValueError(
             f"adapter=True (--adapter) needs a LoRA policy, but {type(policy).__name__} has no "
             "peft adapters (the run trained every weight): export without --adapter."
         )
+    if not adapter:
+        _check_transformers_model(policy)
+    if not hasattr(tokenizer, "save_pretrained"):
+        raise TypeError(
+            f"export_pretrained needs a transformers tokenizer, got {type(tokenizer).__name__}."
+        )
+    if not adapter:
+        _set_generation_token_ids(policy, tokenizer)
+    out = Path(out_dir)
+    with atomic_folder(out) as tmp:
+        policy.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    return out
+
+
+def _check_transformers_model(policy: nn.Module) -> None:
+    """Raise a TypeError unless ``policy`` has ``save_pretrained`` and a ``config``."""
     if not hasattr(policy, "save_pretrained") or not hasattr(policy, "config"):
         raise TypeError(
             f"export_pretrained needs a transformers model (with save_pretrained and config), "
             f"got {type(policy).__name__}: unwrap it first (e.g. module.policy)."
         )
-    if not hasattr(tokenizer, "save_pretrained"):
-        raise TypeError(
-            f"export_pretrained needs a transformers tokenizer, got {type(tokenizer).__name__}."
-        )
+
+
+def _set_generation_token_ids(policy: nn.Module, tokenizer: Any) -> None:
+    """Fill ``policy.generation_config``'s missing ids: EOS from the tokenizer, pad = the
+    tokenizer's pad token, else EOS (a policy without a generation config is left as it is)."""
     gen = getattr(policy, "generation_config", None)
     eos, pad = _token_id(tokenizer, "eos"), _token_id(tokenizer, "pad")
     if gen is not None:
@@ -199,11 +206,6 @@ def export_pretrained(
             gen.eos_token_id = eos
         if gen.pad_token_id is None:
             gen.pad_token_id = pad if pad is not None else eos
-    out = Path(out_dir)
-    with atomic_folder(out) as tmp:
-        policy.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-    return out
 
 
 def _load_checkpoint(ckpt_path: Path) -> dict[str, Any]:
@@ -307,12 +309,32 @@ def export_checkpoint(
 
         export_checkpoint("runs/quickstart/checkpoints/last.ckpt", "runs/quickstart/final")
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     check_new_folder(out_dir)
     ckpt = Path(ckpt_path)
     checkpoint = _load_checkpoint(ckpt)
     weights = policy_state_dict(checkpoint, where=f"checkpoint {ckpt}")
+    folder, config, tokenizer = _load_model_folder(checkpoint, ckpt, model_name_or_path)
+    lora = (checkpoint.get("dapo") or {}).get("lora")
+    if lora is not None:
+        model = _lora_policy(checkpoint, lora, weights, folder, adapter, ckpt)
+        return export_pretrained(model.eval(), tokenizer, out_dir, adapter=adapter)
+    if adapter:
+        raise ValueError(
+            f"--adapter: checkpoint {ckpt} holds a full policy (the run had no model.lora): "
+            "export it without --adapter."
+        )
+    model = _full_policy(folder, config, weights, ckpt)
+    return export_pretrained(model.eval(), tokenizer, out_dir)
+
+
+def _load_model_folder(
+    checkpoint: dict[str, Any], ckpt: Path, model_name_or_path: str | os.PathLike[str] | None
+) -> tuple[str | os.PathLike[str], Any, Any]:
+    """``(folder, config, tokenizer)`` of the model folder to build on: ``model_name_or_path``,
+    else the checkpoint's ``hyper_parameters["model_name_or_path"]`` (an error names where the
+    folder came from when it is missing or does not load)."""
+    from transformers import AutoConfig, AutoTokenizer
+
     source = "--model_name_or_path"
     if model_name_or_path is None:
         model_name_or_path = (checkpoint.get("hyper_parameters") or {}).get("model_name_or_path")
@@ -331,21 +353,22 @@ def export_checkpoint(
             "Pass --model_name_or_path DIR (model_name_or_path= in Python) with a folder of the "
             "same architecture and tokenizer, e.g. a copy of the base model."
         ) from err
-    lora = (checkpoint.get("dapo") or {}).get("lora")
-    if lora is not None:
-        model = _lora_policy(checkpoint, lora, weights, model_name_or_path, adapter, ckpt)
-        return export_pretrained(model.eval(), tokenizer, out_dir, adapter=adapter)
-    if adapter:
-        raise ValueError(
-            f"--adapter: checkpoint {ckpt} holds a full policy (the run had no model.lora): "
-            "export it without --adapter."
-        )
+    return model_name_or_path, config, tokenizer
+
+
+def _full_policy(
+    model_name_or_path: str | os.PathLike[str], config: Any, weights: dict[str, Any], ckpt: Path
+) -> nn.Module:
+    """The architecture ``config`` in the weights' dtype, with the generation config of
+    ``model_name_or_path`` when it has one and the checkpoint's full-policy ``weights`` loaded."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     dtype = next(iter(weights.values())).dtype
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with contextlib.suppress(OSError):  # a folder without generation_config.json keeps the default
         model.generation_config = GenerationConfig.from_pretrained(model_name_or_path)
     _load_weights(model, weights, where=f"checkpoint {ckpt}")
-    return export_pretrained(model.eval(), tokenizer, out_dir)
+    return model
 
 
 def _lora_policy(

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -380,6 +381,61 @@ def _from_logits(
     return logp, entropy
 
 
+def _response_forward(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_width: int
+) -> Any:
+    """One forward of ``model`` over the rows (left padding ignored by the positions) that
+    keeps only the last ``response_width + 1`` positions' logits."""
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=response_width + 1,
+    )
+
+
+def _fusable_head(model: nn.Module) -> nn.Linear | None:
+    """``model``'s output head for the fused path, or None: no ``nn.Linear`` head, or one whose
+    ``forward`` is an instance attribute (e.g. accelerate's offload hook: kept as it is)."""
+    head = output_head(model)
+    return None if head is not None and "forward" in vars(head) else head
+
+
+def _fused_forward(
+    run: Callable[[], Any],
+    head: nn.Linear,
+    targets: Tensor,
+    temperature: float,
+    chunk_size: int,
+    *,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """``run()`` under :func:`_fused_head`: ``(the output's logits, the packed [B, T, 2]
+    statistics)``; the packed tensor is None when the head fell back to its own forward."""
+    state: dict[str, Tensor] = {}
+    with _fused_head(
+        head,
+        targets,
+        state,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    ):
+        logits = run().logits
+    return logits, state.get("packed")
+
+
+def _packed_entropy(packed: Tensor, with_entropy: bool, entropy_grad: bool) -> Tensor | None:
+    """The entropy half of the fused path's ``[B, T, 2]``: None without ``with_entropy``,
+    detached without ``entropy_grad``."""
+    if not with_entropy:
+        return None
+    return packed[..., 1] if entropy_grad else packed[..., 1].detach()
+
+
 def response_log_probs(
     model: nn.Module,
     input_ids: Tensor,
@@ -412,36 +468,23 @@ def response_log_probs(
         ``(logp [B, T], entropy [B, T] or None)``, float32.
     """
     targets = input_ids[:, input_ids.shape[1] - response_width :]
-    head = output_head(model) if chunk_size is not None else None
-    if head is not None and "forward" in vars(head):  # e.g. accelerate's offload hook: keep it
-        head = None
-
-    def run() -> Any:
-        return model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-            logits_to_keep=response_width + 1,
-        )
-
-    if head is None:
-        return _from_logits(run().logits, targets, temperature, with_entropy, entropy_grad)
-    rows = auto_chunk_rows(head.out_features) if chunk_size == "auto" else int(chunk_size)
-    state: dict[str, Tensor] = {}
-    with _fused_head(
-        head,
-        targets,
-        state,
+    run = partial(_response_forward, model, input_ids, attention_mask, response_width)
+    naive = partial(
+        _from_logits,
+        targets=targets,
         temperature=temperature,
-        chunk_size=rows,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
-    ):
-        logits = run().logits
-    packed = state.get("packed")
+    )
+    head = _fusable_head(model) if chunk_size is not None else None
+    if head is None:
+        return naive(run().logits)
+    rows = auto_chunk_rows(head.out_features) if chunk_size == "auto" else int(chunk_size)
+    logits, packed = _fused_forward(
+        run, head, targets, temperature, rows, with_entropy=with_entropy, entropy_grad=entropy_grad
+    )
     if packed is None:  # the head fell back to its own forward: these are logits
-        return _from_logits(logits, targets, temperature, with_entropy, entropy_grad)
+        return naive(logits)
     if logits is not packed:  # the model post-processes its head's output
         warnings.warn(
             f"{type(model).__name__} transforms its output head's result (e.g. logit "
@@ -449,7 +492,5 @@ def response_log_probs(
             "fused attempt.",
             stacklevel=2,
         )
-        return _from_logits(run().logits, targets, temperature, with_entropy, entropy_grad)
-    if not with_entropy:
-        return packed[..., 0], None
-    return packed[..., 0], packed[..., 1] if entropy_grad else packed[..., 1].detach()
+        return naive(run().logits)
+    return packed[..., 0], _packed_entropy(packed, with_entropy, entropy_grad)

@@ -98,6 +98,32 @@ def _normaliser(count: Count | None, default: Tensor, like: Tensor, name: str) -
     return value.clamp(min=1.0)
 
 
+def _check_per_token_shapes(values: Tensor, mask: Tensor) -> None:
+    """Raise unless ``values`` and ``mask`` are both ``[B, T]`` of the same shape."""
+    if values.dim() != 2 or values.shape != mask.shape:
+        raise ValueError(
+            f"values and mask must both be [B, T]; got values {tuple(values.shape)} and "
+            f"mask {tuple(mask.shape)}."
+        )
+
+
+def _dr_grpo_share(
+    masked: Tensor, global_seq_count: Count | None, max_response_length: int | None
+) -> Tensor:
+    """Dr. GRPO's ``seq-mean-token-sum-norm``: ``sum_bt(v * m) / (S' * L)`` with the masked
+    values ``masked [B, T]``, ``S' = global_seq_count`` or ``B`` (floored at 1) and
+    ``L = max_response_length`` (required, > 0)."""
+    if max_response_length is None or max_response_length <= 0:
+        raise ValueError(
+            "loss_agg_mode='seq-mean-token-sum-norm' (Dr. GRPO) needs max_response_length, the "
+            f"constant response length it divides by (got {max_response_length!r}); pass the "
+            "sampling max_tokens."
+        )
+    rows = torch.tensor(float(masked.shape[0]))
+    seqs = _normaliser(global_seq_count, rows, masked, "global_seq_count")
+    return masked.sum() / (seqs * max_response_length)
+
+
 def aggregate_loss(
     values: Tensor,
     mask: Tensor,
@@ -138,26 +164,14 @@ def aggregate_loss(
             ``seq-mean-token-sum-norm``; usually the sampling ``max_tokens``).
     """
     check_loss_agg_mode(mode)
-    if values.dim() != 2 or values.shape != mask.shape:
-        raise ValueError(
-            f"values and mask must both be [B, T]; got values {tuple(values.shape)} and "
-            f"mask {tuple(mask.shape)}."
-        )
+    _check_per_token_shapes(values, mask)
     m = mask.to(values.dtype)
     masked = torch.where(m != 0, values * m, torch.zeros_like(values))
     if mode == "token-mean":
         return masked.sum() / _normaliser(global_token_count, m.sum(), values, "global_token_count")
-    row_tokens = m.sum(-1)
     if mode == "seq-mean-token-sum-norm":
-        if max_response_length is None or max_response_length <= 0:
-            raise ValueError(
-                "loss_agg_mode='seq-mean-token-sum-norm' (Dr. GRPO) needs max_response_length, the "
-                f"constant response length it divides by (got {max_response_length!r}); pass the "
-                "sampling max_tokens."
-            )
-        rows = torch.tensor(float(values.shape[0]))
-        seqs = _normaliser(global_seq_count, rows, values, "global_seq_count")
-        return masked.sum() / (seqs * max_response_length)
+        return _dr_grpo_share(masked, global_seq_count, max_response_length)
+    row_tokens = m.sum(-1)
     seqs = _normaliser(global_seq_count, (row_tokens > 0).sum(), values, "global_seq_count")
     row_sums = masked.sum(-1)
     if mode == "seq-mean-token-mean":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 
@@ -115,13 +116,41 @@ class PromptSampler:
         self.pending = self.pending[k:]
         self.last_given_back, self.last_reviews = len(out), 0
         taken = set(out) if distinct else None
+        turn = partial(self._turn, eligible=eligible, skip=skip, review=review, taken=taken)
+        self._ask_deferred(k, out, epochs, turn)
+        self._scan_epochs(
+            k, out, epochs, turn, max_empty_epochs=max_empty_epochs, distinct=distinct
+        )
+        self.last_epochs = epochs
+        return out
+
+    def _ask_deferred(
+        self, k: int, out: list[int], epochs: list[int], turn: Callable[[int, int], str | None]
+    ) -> None:
+        """Ask the repeats the last draw deferred, in their epochs, while ``out`` holds fewer
+        than ``k``; the rest stay deferred. Taken ones are appended to ``out`` / ``epochs``."""
         deferred, self.deferred = self.deferred, []
         for idx, epoch in deferred:
             if len(out) >= k:
                 self.deferred.append((idx, epoch))
-            elif self._turn(idx, epoch, eligible, skip, review, taken) in ("take", "review"):
+            elif turn(idx, epoch) in ("take", "review"):
                 out.append(idx)
                 epochs.append(epoch)
+
+    def _scan_epochs(
+        self,
+        k: int,
+        out: list[int],
+        epochs: list[int],
+        turn: Callable[[int, int], str | None],
+        *,
+        max_empty_epochs: int,
+        distinct: bool,
+    ) -> None:
+        """Walk the shards from the cursor, epoch after epoch, appending the prompts taken to
+        ``out`` / ``epochs`` until ``out`` holds ``k``, or (``distinct``) the first epoch
+        scanned from its start ends with ``out`` non-empty. Raises :class:`PromptsExhausted`
+        after ``max_empty_epochs`` epochs in a row without an eligible prompt."""
         empty_epochs = 0
         found_this_epoch = self.cursor > 0
         whole_epoch = self.cursor == 0  # this draw scans the current epoch from its start
@@ -144,15 +173,13 @@ class PromptSampler:
                 continue
             idx = shard[self.cursor]
             self.cursor += 1
-            turn = self._turn(idx, self.epoch, eligible, skip, review, taken)
-            if turn is not None and turn != "review":
+            turn_taken = turn(idx, self.epoch)
+            if turn_taken is not None and turn_taken != "review":
                 found_this_epoch = True
                 empty_epochs = 0
-            if turn in ("take", "review"):
+            if turn_taken in ("take", "review"):
                 out.append(idx)
                 epochs.append(self.epoch)
-        self.last_epochs = epochs
-        return out
 
     def _turn(
         self,

@@ -178,6 +178,52 @@ def _check_fractions(noise: int, exact_frac: float, hedge_frac: float) -> None:
         )
 
 
+#: A warm-up stage: the answer strings and their weights per problem, and its number of steps.
+WarmupStage = tuple[list[list[tuple[str, float]]], int]
+
+
+def _warmup_stages(
+    truths: list[int],
+    sums_steps: int,
+    steps: int,
+    *,
+    noise: int,
+    exact_frac: float,
+    hedge_frac: float,
+) -> list[WarmupStage]:
+    """The two stages (module docstring): each problem's exact answer (weight 1) for
+    ``sums_steps``, then its :func:`quickstart_answer_distribution` for ``steps``."""
+    nonneg = all(t >= 0 for t in truths)
+    dists = [
+        quickstart_answer_distribution(
+            t, noise=noise, exact_frac=exact_frac, hedge_frac=hedge_frac, nonneg=nonneg
+        )
+        for t in truths
+    ]
+    return [([[(str(t), 1.0)] for t in truths], sums_steps), (dists, steps)]
+
+
+def _warm_up(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    stages: list[WarmupStage],
+    *,
+    lr: float,
+    seed: int,
+    report: Callable[[str], None] | None,
+) -> None:
+    """Fit ``model`` (in train mode) to each stage in turn with :func:`_fit_expected_nll`,
+    under a forked torch RNG seeded with ``seed`` (the caller's RNG is left as it was)."""
+    model.train()
+    progress = WarmupProgress(sum(max(num_steps, 0) for _, num_steps in stages), report)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for targets, num_steps in stages:
+            batch = _answer_batch(tokenizer, prompts, targets)
+            _fit_expected_nll(model, batch, len(prompts), num_steps, lr, progress)
+
+
 def make_quickstart_checkpoint(
     path: str | Path,
     *,
@@ -224,26 +270,16 @@ def make_quickstart_checkpoint(
     _check_fractions(noise, exact_frac, hedge_frac)
     path = make_tiny_checkpoint(path, seed=seed, **config_overrides)
     tokenizer = make_tiny_tokenizer()
-    model = AutoModelForCausalLM.from_pretrained(path)
-    model.train()
     task_seed = seed if task_seed is None else task_seed
     rows = make_arithmetic_rows(
         num_prompts, level=level, seed=task_seed, operand_range=operand_range, ops=ops
     )
     prompts = [encode_prompt(tokenizer, r["prompt"], apply_chat_template) for r in rows]
     truths = [int(r["answer"]) for r in rows]
-    nonneg = all(t >= 0 for t in truths)
-    dists = [
-        quickstart_answer_distribution(
-            t, noise=noise, exact_frac=exact_frac, hedge_frac=hedge_frac, nonneg=nonneg
-        )
-        for t in truths
-    ]
-    progress = WarmupProgress(max(sums_steps, 0) + max(steps, 0), report)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for targets, num_steps in (([[(str(t), 1.0)] for t in truths], sums_steps), (dists, steps)):
-            batch = _answer_batch(tokenizer, prompts, targets)
-            _fit_expected_nll(model, batch, len(prompts), num_steps, lr, progress)
+    stages = _warmup_stages(
+        truths, sums_steps, steps, noise=noise, exact_frac=exact_frac, hedge_frac=hedge_frac
+    )
+    model = AutoModelForCausalLM.from_pretrained(path)
+    _warm_up(model, tokenizer, prompts, stages, lr=lr, seed=seed, report=report)
     model.save_pretrained(path)
     return path

@@ -349,24 +349,36 @@ def make_reasoning_gym_rows(
         dataset=dataset, config=config, datasets=datasets, size=size, val_size=val_size
     )
     mix = _parse_mix(dataset, config, datasets)
-    weights = [w for *_, w in mix]
     val_seed = seed + VAL_SEED_OFFSET if val_seed is None else int(val_seed)
     seen: dict[str, set[str]] = {name: set() for name, *_ in mix}
     rows: list[dict[str, Any]] = []
     for split, split_seed, total in (("train", seed, size), ("val", val_seed, val_size)):
-        parts = [
-            [
-                _row(name, cfg, split_seed, e, split, instruction)
-                for e in _draw(name, cfg, seed=split_seed, count=n, seen=seen[name])
-            ]
-            for (name, cfg, _), n in zip(mix, split_counts(total, weights))
-        ]
-        # interleaved in proportion: row i of n_k at position (i + 0.5) / n_k
-        spread = [
-            ((i + 0.5) / len(p), k, row) for k, p in enumerate(parts) for i, row in enumerate(p)
-        ]
-        rows.extend(row for *_, row in sorted(spread, key=lambda t: t[:2]))
+        rows.extend(_split_rows(mix, split, split_seed, total, instruction, seen))
     return rows
+
+
+def _split_rows(
+    mix: list[tuple[str, dict[str, Any], float]],
+    split: str,
+    split_seed: int,
+    total: int,
+    instruction: str,
+    seen: dict[str, set[str]],
+) -> list[dict[str, Any]]:
+    """``total`` rows of one split: each dataset of ``mix`` draws its share
+    (:func:`split_counts` of the weights) of questions not in ``seen[name]`` (which grows), and
+    the shares are interleaved in proportion: row ``i`` of ``n_k`` at position ``(i + 0.5) / n_k``.
+    """
+    weights = [w for *_, w in mix]
+    parts = [
+        [
+            _row(name, cfg, split_seed, e, split, instruction)
+            for e in _draw(name, cfg, seed=split_seed, count=n, seen=seen[name])
+        ]
+        for (name, cfg, _), n in zip(mix, split_counts(total, weights))
+    ]
+    spread = [((i + 0.5) / len(p), k, row) for k, p in enumerate(parts) for i, row in enumerate(p)]
+    return [row for *_, row in sorted(spread, key=lambda t: t[:2])]
 
 
 @register_reward("reasoning_gym")
