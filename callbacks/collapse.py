@@ -47,6 +47,7 @@ from typing_extensions import override
 from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.checks import ConfigError, check_count
 from dapo_lightning.hooks import DAPOCallback
+from dapo_lightning.policy_state import HoldsPolicyState
 
 __all__ = [
     "BAD_WHEN",
@@ -86,7 +87,9 @@ class CollapseDetector(DAPOCallback):
     * ``rollback``: restore the last healthy :class:`~.snapshot.TrainingSnapshot` (policy,
       optimizer and scheduler state, bit-exactly), scale the learning rate by
       ``rollback_lr_scale`` (the rescaled state becomes the snapshot: scales compound) and
-      bump ``pl_module.policy_version`` (so the restored weights reach the rollout engine).
+      bump the module's policy version (``PolicyState.bump_version``, so the restored weights
+      reach the rollout engine; a module without a
+      :class:`~dapo_lightning.policy_state.PolicyState` has no engine to reach: not bumped).
       After ``max_rollbacks`` rollbacks, or with no snapshot, it stops training instead.
 
     Snapshots are taken at train start, then after every ``snapshot_every`` healthy updates
@@ -282,7 +285,8 @@ class CollapseDetector(DAPOCallback):
 
     def rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Restore the snapshot bit-exactly, scale the learning rate by ``rollback_lr_scale``,
-        bump ``pl_module.policy_version`` and clear every streak.
+        bump the module's policy version (where it holds a
+        :class:`~dapo_lightning.policy_state.PolicyState`) and clear every streak.
 
         Raises:
             RuntimeError: No snapshot has been taken yet.
@@ -292,8 +296,8 @@ class CollapseDetector(DAPOCallback):
         optimizer, scheduler = _optimizer_and_scheduler(trainer)
         self.snapshot.restore(pl_module.policy, optimizer, scheduler, self.rollback_lr_scale)
         self.rollbacks += 1
-        if hasattr(pl_module, "policy_version"):
-            pl_module.policy_version += 1  # new weights: pushed to the engine before sampling
+        if isinstance(pl_module, HoldsPolicyState):
+            pl_module.policy_state.bump_version()  # new weights: to the engine before sampling
         self.states = {n: replace(s, streak=0) for n, s in self.states.items()}
         if self.rollback_lr_scale != 1.0:
             self.take_snapshot(trainer, pl_module)  # the rescaled state: scales compound

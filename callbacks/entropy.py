@@ -1,6 +1,7 @@
 """Entropy-bonus coefficient schedules: fixed decays and an adaptive controller.
 
-The DAPO loss may carry an entropy bonus ``- entropy_coef * H`` (``pl_module.entropy_coef``).
+The DAPO loss may carry an entropy bonus ``- entropy_coef * H`` (the module's
+``policy_state.entropy_coef``).
 :class:`EntropyScheduler` sets that coefficient before every optimizer update, either from
 a fixed schedule over the update count (:func:`schedule_value`) or adaptively from the
 measured token entropy (:func:`adaptive_coef`).
@@ -16,6 +17,7 @@ from typing_extensions import override
 
 from dapo_lightning.checks import ConfigError, check_count, check_finite
 from dapo_lightning.hooks import DAPOCallback
+from dapo_lightning.policy_state import policy_state_of
 
 Schedule = Literal["constant", "linear", "cosine", "exponential", "adaptive"]
 _FIXED = ("constant", "linear", "cosine", "exponential")
@@ -143,7 +145,9 @@ def adaptive_coef(
 
 
 class EntropyScheduler(DAPOCallback):
-    """Sets ``pl_module.entropy_coef`` before every optimizer update.
+    """Sets the entropy weight of every optimizer update (``PolicyState.set_entropy_coef`` of
+    the module's :class:`~dapo_lightning.policy_state.PolicyState`; a module without one, no
+    DAPOModule, raises ``TypeError`` at train start).
 
     The coefficient for the first update is set in ``on_train_start``; after each update the
     custom ``on_dapo_update`` hook (called by ``DAPOModule`` after every optimizer update)
@@ -262,7 +266,7 @@ class EntropyScheduler(DAPOCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.coef = self._coef_for(self.updates)
-        pl_module.entropy_coef = self.coef
+        policy_state_of(pl_module, "EntropyScheduler").set_entropy_coef(self.coef)
 
     @override
     def on_dapo_update(
@@ -282,7 +286,7 @@ class EntropyScheduler(DAPOCallback):
                 coef_max=self.coef_max,
             )
         self.coef = self._coef_for(self.updates)
-        pl_module.entropy_coef = self.coef
+        policy_state_of(pl_module, "EntropyScheduler").set_entropy_coef(self.coef)
         pl_module.log("entropy/coef", self.coef, on_step=True, on_epoch=False, batch_size=1)
 
     @override

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.seed import isolate_rng
 from typing_extensions import override
 
+from dapo_lightning.lightning_internals import run_validation_loop
 from dapo_lightning.log_step import set_logging_step
 
 
@@ -40,16 +40,9 @@ class ValidateAtStart(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step > 0 or not trainer.enable_validation:
             return
-        loop = trainer.fit_loop.epoch_loop
-        # what the training loop does around a periodic validation
-        first_loop_iter = trainer._logger_connector._first_loop_iter
-        trainer.validating = True
-        call._call_lightning_module_hook(trainer, "on_validation_model_zero_grad")
         set_logging_step(trainer, -1)  # see the module docstring
         try:
             with isolate_rng():
-                loop.val_loop.run()
+                run_validation_loop(trainer)  # as the training loop runs a periodic one
         finally:
             set_logging_step(trainer, 0)
-        trainer.training = True
-        trainer._logger_connector._first_loop_iter = first_loop_iter

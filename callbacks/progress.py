@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from dapo_lightning.checks import check_count
 from dapo_lightning.interrupt import AbortRequested, StopRequested, stop_requested
+from dapo_lightning.policy_state import HoldsPolicyState
 from dapo_lightning.ranks import lost_rank
 
 #: What the bar and the plain lines show: (label, metric name, format).
@@ -108,6 +109,12 @@ def stop_reason(trainer: pl.Trainer, exception: BaseException | None = None) -> 
     return "the training data ran out"
 
 
+def rollout_steps_done(module: object) -> int | None:
+    """The rollout steps ``module`` has done (its
+    :class:`~dapo_lightning.policy_state.PolicyState`), or None for a module without one."""
+    return module.policy_state.rollout_step if isinstance(module, HoldsPolicyState) else None
+
+
 def plot_dir(trainer: pl.Trainer) -> Path | None:
     """The run folder ``dapo-lightning plot`` takes: the CSVLogger's ``save_dir/name`` (all its
     ``version_*`` folders, so resumed runs plot whole); None without a CSVLogger."""
@@ -132,7 +139,7 @@ def run_summary(
         exception: What ended the fit, if it raised.
     """
     took = f" in {seconds:.0f} s" if seconds is not None else ""
-    rollout = getattr(trainer.lightning_module, "rollout_step", None)
+    rollout = rollout_steps_done(trainer.lightning_module)
     rollout_text = f" ({rollout} rollout steps)" if rollout is not None else ""
     lines = [
         "DAPO fit summary",
@@ -284,7 +291,8 @@ class DAPOProgressBar(RichProgressBar):
             self._initialize_train_progress_bar_id()
         self._update(self.train_progress_bar_id, trainer.global_step)  # updates, not batches
         self._update_metrics(trainer, pl_module)
-        step = getattr(pl_module, "rollout_step", trainer.global_step)
+        step = rollout_steps_done(pl_module)
+        step = step if step is not None else trainer.global_step
         if self.plain and step % self.plain_every_n_steps == 0:
             fields = step_fields(trainer.callback_metrics)
             self.say(" | ".join([updates_text(trainer), *(f"{k} {v}" for k, v in fields.items())]))

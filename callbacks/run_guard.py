@@ -51,10 +51,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from dapo_lightning.callbacks.step_checkpoint import (
-    as_batch_end_state,
-    save_stepped_over_multiples,
-)
+from dapo_lightning.callbacks.step_checkpoint import save_stepped_over_multiples
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -78,6 +75,12 @@ from dapo_lightning.interrupt import (
     reassert_stop_handlers,
     request_stop,
     stop_requested,
+)
+from dapo_lightning.lightning_internals import (
+    as_batch_end_state,
+    last_saved_step,
+    monitor_candidates,
+    save_last_as_model_checkpoint,
 )
 from dapo_lightning.ranks import lost_rank
 from dapo_lightning.run_lock import RunDirLockedError, RunLock, check_run_dirs_writable
@@ -279,11 +282,7 @@ class RunGuard(DAPOCallback):
     @staticmethod
     def _write_last(trainer: pl.Trainer, checkpoint: ModelCheckpoint) -> None:
         if checkpoint.save_last:
-            candidates = checkpoint._monitor_candidates(trainer)
-            if checkpoint.save_last == "link" and checkpoint.save_top_k != 0:
-                # "link" points last.ckpt at the newest top-k file: write one of this update
-                checkpoint._save_checkpoint(trainer, checkpoint.format_checkpoint_name(candidates))
-            checkpoint._save_last_checkpoint(trainer, candidates)
+            save_last_as_model_checkpoint(checkpoint, trainer)
         else:
             trainer.save_checkpoint(_last_path(checkpoint))
 
@@ -302,7 +301,7 @@ class RunGuard(DAPOCallback):
         (which writes ``last`` whenever it saves, with ``save_last``)."""
         by_checkpoint = (
             bool(checkpoint.save_last)
-            and checkpoint._last_global_step_saved == trainer.global_step
+            and last_saved_step(checkpoint) == trainer.global_step
             and bool(checkpoint.last_model_path)
         )
         return self._saved_step == trainer.global_step or by_checkpoint
@@ -371,7 +370,7 @@ def _continue_last(trainer: pl.Trainer) -> None:
         if resumed_in not in here:
             continue
         last = checkpoint.format_checkpoint_name(
-            checkpoint._monitor_candidates(trainer), checkpoint.CHECKPOINT_NAME_LAST
+            monitor_candidates(checkpoint, trainer), checkpoint.CHECKPOINT_NAME_LAST
         )
         if checkpoint.last_model_path != last and os.path.exists(last):
             checkpoint.last_model_path = last

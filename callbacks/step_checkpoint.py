@@ -13,9 +13,10 @@ plain ``ModelCheckpoint`` of a fit one (:func:`save_stepped_over_multiples`), so
 Lightning's class gets it; its checkpoint state keeps ``ModelCheckpoint``'s key.
 
 A save between two rollout steps (a stop at a step's end, the end of the fit) is written in the
-batch-counter form of these end-of-batch saves (:func:`as_batch_end_state`, applied by the
-guard), so that a resume from it counts rollout steps, and validates, as a resume from a
-periodic save does.
+batch-counter form of these end-of-batch saves
+(:func:`~dapo_lightning.lightning_internals.as_batch_end_state`, applied by the guard), so
+that a resume from it counts rollout steps, and validates, as a resume from a periodic save
+does.
 """
 
 from __future__ import annotations
@@ -74,38 +75,6 @@ class StepCheckpoint(ModelCheckpoint):
             return
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
-
-
-def as_batch_end_state(checkpoint: dict[str, Any]) -> bool:
-    """Write the fit loop's batch counters of ``checkpoint`` as Lightning's own end-of-batch
-    saves have them (``n`` batches ready, started and processed, ``n - 1`` completed: the last
-    one's end not yet counted), ``n`` the rollout steps done; returns whether it changed them.
-
-    The guard saves a stop or the end of the fit between two rollout steps (every counter
-    equal) or inside a step it undid (that batch counted ready and started). Lightning resumes
-    the first as "the end of an epoch" and the second with its total count one batch ahead
-    (it winds back only the current epoch's counters): either way ``val_check_interval`` then
-    validates one rollout step early for the rest of the run and EarlyStopping ends it
-    elsewhere than an uninterrupted run (issue 53). Periodic saves, already of this form,
-    resume right; so does any save once written so. An epoch's real last batch is left
-    alone."""
-    loop = checkpoint.get("loops", {}).get("fit_loop", {})
-    progress = loop.get("epoch_loop.batch_progress")
-    if not progress or progress.get("is_last_batch"):
-        return False
-    total = progress["total"]
-    done = total["processed"]
-    batch_end = total["ready"] == total["started"] == done == total["completed"] + 1
-    if done < 1 or batch_end:
-        return False
-    all_equal = len(set(total.values())) == 1
-    for counts in (total, progress["current"]):
-        n = counts["processed"]
-        counts.update(ready=n, started=n, completed=max(0, n - 1))
-    state = loop.get("epoch_loop.state_dict", {})
-    if all_equal and "_batches_that_stepped" in state:
-        state["_batches_that_stepped"] -= 1  # Lightning adds it back on such a resume
-    return True
 
 
 def save_stepped_over_multiples(trainer: pl.Trainer) -> None:

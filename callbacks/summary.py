@@ -14,14 +14,18 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.callbacks.model_summary import log as lightning_summary_log
-from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.model_summary.model_summary import (
-    _format_summary_table,
     get_formatted_model_size,
     get_human_readable_count,
 )
 
-if _RICH_AVAILABLE:  # an optional dependency, as in Lightning's own rich callbacks
+from dapo_lightning.lightning_internals import (
+    RICH_AVAILABLE,
+    format_summary_table,
+    summary_settings,
+)
+
+if RICH_AVAILABLE:  # an optional dependency, as in Lightning's own rich callbacks
     from rich import get_console
     from rich.table import Table
 
@@ -48,7 +52,7 @@ class DAPOModelSummary(ModelSummary):
 
     def __init__(self, max_depth: int = 1, rich: bool = True, **summarize_kwargs: Any) -> None:
         super().__init__(max_depth, **summarize_kwargs)
-        self.rich = rich and bool(_RICH_AVAILABLE)
+        self.rich = rich and RICH_AVAILABLE
 
     def summarize(  # type: ignore[override]  # Lightning's is a staticmethod called on self
         self,
@@ -66,7 +70,7 @@ class DAPOModelSummary(ModelSummary):
         if self.rich:
             _print_rich(columns, *counts, summarize_kwargs.get("header_style", "bold magenta"))
             return
-        table = _format_summary_table(*counts[:3], total_training_modes, total_flops, *columns)
+        table = format_summary_table(*counts[:3], total_training_modes, total_flops, *columns)
         lines = table.splitlines()
         lightning_summary_log.info("\n" + "\n".join(lines[:-1]))  # the last: "Total Flops"
 
@@ -109,8 +113,7 @@ def replace_default_summary(trainer: pl.Trainer) -> None:
     callback of another class is left alone."""
     for i, callback in enumerate(trainer.callbacks):
         if type(callback) in (ModelSummary, RichModelSummary):
+            max_depth, summarize_kwargs = summary_settings(callback)
             trainer.callbacks[i] = DAPOModelSummary(
-                callback._max_depth,
-                rich=isinstance(callback, RichModelSummary),
-                **callback._summarize_kwargs,
+                max_depth, rich=isinstance(callback, RichModelSummary), **summarize_kwargs
             )

@@ -37,20 +37,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import random
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from dapo_lightning.checks import ConfigError
+from dapo_lightning.lightning_internals import attached_trainer, last_checkpoint_paths
 from dapo_lightning.step_guard import all_finite
 from dapo_lightning.weights import shape_mismatches
 
@@ -103,7 +101,7 @@ def previous_path(path: str | os.PathLike[str]) -> Path:
     return path.with_name(f"{path.stem}-previous{path.suffix}")
 
 
-def _is_local(path: _PATH) -> bool:
+def _is_local(path: str | os.PathLike[str]) -> bool:
     return "://" not in str(path) or str(path).startswith("file://")
 
 
@@ -221,7 +219,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.keep_previous = keep_previous
 
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+        self,
+        checkpoint: dict[str, Any],
+        path: str | os.PathLike[str],
+        storage_options: Any | None = None,
     ) -> None:
         if storage_options is not None:
             raise TypeError(
@@ -237,7 +238,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         local = str(path)[len("file://") :] if str(path).startswith("file://") else path
         atomic_torch_save(checkpoint, local, keep_previous=self.keep_previous)
 
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove ``path`` and the previous checkpoint kept beside it."""
         super().remove_checkpoint(path)
         if _is_local(path):
@@ -300,7 +301,7 @@ def resume_candidates(trainer: Any) -> list[str]:
     found: set[str] = set()
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
-            found |= callback._find_last_checkpoints(trainer)
+            found |= last_checkpoint_paths(callback, trainer)
     root = Path(trainer.default_root_dir)
     if root.is_dir():
         found |= {str(p) for p in root.iterdir() if _HPC_CKPT.fullmatch(p.name)}
@@ -408,37 +409,6 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def collect_rng_states() -> dict[str, Any]:
-    """The global RNG states (Python ``random``, NumPy, torch CPU and CUDA) as plain objects
-    (tensors, lists, tuples, numbers, strings), so a checkpoint holding them still loads with
-    ``torch.load(..., weights_only=True)``."""
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-    }
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_states(state: dict[str, Any]) -> None:
-    """Restore what :func:`collect_rng_states` returned (missing entries are left alone)."""
-    if "python" in state:
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        states = state["cuda"]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
-
-
 #: Files that mark a folder as a sharded checkpoint: Lightning's FSDP (``meta.pt``), torch
 #: distributed checkpoint (``.metadata``), DeepSpeed (``latest``, ``checkpoint/``).
 _SHARDED_MARKERS = ("meta.pt", ".metadata", "latest", "checkpoint")
@@ -454,7 +424,10 @@ def check_checkpoint_fits(module: Any, checkpoint: dict[str, Any]) -> None:
     """Raise :class:`~dapo_lightning.checks.ConfigError` when ``checkpoint`` (before it loads
     into ``module``, a DAPOModule) has a parameter of another shape: one line naming the file,
     the parameter, both shapes and the fix (not ~30 lines of ``size mismatch``)."""
-    path, model = getattr(module._trainer, "ckpt_path", None), module.hparams.model_name_or_path
+    path, model = (
+        getattr(attached_trainer(module), "ckpt_path", None),
+        module.hparams.model_name_or_path,
+    )
     found = shape_mismatches(checkpoint.get("state_dict", {}), module.state_dict())
     if not found:
         return

@@ -6,7 +6,8 @@ stepped batches. A DAPO batch is a rollout step of several optimizer updates, wh
 moves that counter to "updates done - 1" (the convention "updates done = step + 1" of every
 logged row): after each rollout step (``DAPOModule``), for the validation before any update
 (``ValidateAtStart``: -1) and for a ``validate`` of a checkpoint (the CLI). Lightning keeps the
-counter in a private attribute; :func:`set_logging_step` is the only code that writes it.
+counter in a private attribute; :func:`set_logging_step` is the only code that moves it
+(through :func:`~dapo_lightning.lightning_internals.set_batches_that_stepped`).
 
 A rollout step's own values (``rollout/*``, ``data/*``, ``time/*``: about 50 names) do not go
 through ``self.log``: Lightning's bookkeeping costs about 0.3 ms a name (a ``_ResultMetric`` per
@@ -23,10 +24,12 @@ from typing import Any
 
 import torch
 
+from dapo_lightning.lightning_internals import set_batches_that_stepped
+
 
 def set_logging_step(trainer: Any, step: int) -> None:
     """Make Lightning log the next ``self.log`` values (and validations) at ``step``."""
-    trainer.fit_loop.epoch_loop._batches_that_stepped = step
+    set_batches_that_stepped(trainer, step)
 
 
 def log_rollout_step(trainer: Any, values: Mapping[str, float], step: int) -> None:

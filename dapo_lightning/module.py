@@ -11,9 +11,12 @@ published after each rollout step; the data's spec and rewind).
 
 Steps: Lightning's ``global_step`` counts optimizer updates; ``policy_version`` counts weight
 changes (updates applied, plus rollbacks), the version every rollout is stamped with;
-``rollout_step`` counts training steps. ``update/*`` metrics are written after every update at
-``step = global_step``; per-rollout-step metrics (``rollout/*``, ``time/*``, ``data/*``,
-``reward/*``, ``parity/*``) once per ``training_step``.
+``rollout_step`` counts training steps. Both live in the loop's
+:class:`~dapo_lightning.policy_state.PolicyState` (``policy_state``, with the skipped updates
+and the entropy weight), their one owner; callbacks change it only through its declared
+calls. ``update/*`` metrics are written after every update at ``step = global_step``;
+per-rollout-step metrics (``rollout/*``, ``time/*``, ``data/*``, ``reward/*``, ``parity/*``)
+once per ``training_step``.
 
 Stops: a stop request inside a rollout step undoes it (the loop's ``honour_stop``) and the step
 is generated again on resume (docs/design.md, "Stopping and resuming").
@@ -24,7 +27,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict
-from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -34,15 +36,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
-from dapo_lightning.checkpoint import (
-    check_checkpoint_fits,
-    collect_rng_states,
-    restore_rng_states,
-)
+from dapo_lightning.checkpoint import check_checkpoint_fits
 from dapo_lightning.checks import check_optimizer_settings, optimizer_error
 from dapo_lightning.contract import PolicyHandle, RolloutChannel, rollout_channel
 from dapo_lightning.data.metrics import ValidationMetrics, rollout_step_metrics
 from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
+from dapo_lightning.lightning_internals import optimizer_step_progress
 from dapo_lightning.log_step import log_rollout_step, set_logging_step
 from dapo_lightning.lora import (
     LoraSettings,
@@ -57,6 +56,8 @@ from dapo_lightning.lora import (
     with_adapters,
 )
 from dapo_lightning.loss import PolicyLossConfig
+from dapo_lightning.policy_state import PolicyState
+from dapo_lightning.rng_state import GLOBAL_RNGS, collect_rng_states, restore_rng_states
 from dapo_lightning.schedules import WarmupConstantLR
 from dapo_lightning.step_guard import NonFiniteGuard, StepStart
 from dapo_lightning.strategy import ShardingConfig, StrategyAdapter
@@ -210,12 +211,10 @@ class DAPOModule(LightningModule):
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.adapter = StrategyAdapter(self)
-        #: The updates of each rollout step (Lightning-free); it holds the weight counters.
+        #: The updates of each rollout step (Lightning-free); it owns the run state.
         self.updater = UpdateLoop(self.loss, self.batching, self.adapter, self.step_config)
         #: The data side (:class:`~dapo_lightning.contract.RolloutChannel`), found in ``setup``.
         self.channel: RolloutChannel | None = None
-        #: Rollout steps (training steps) done so far.
-        self.rollout_step = 0
         #: Why training stopped, when the module ended it (nothing left to train on).
         self.stop_reason: str | None = None
         #: val/acc, val/pass@k, val/response_length (torchmetrics, logged per validation).
@@ -224,27 +223,26 @@ class DAPOModule(LightningModule):
         self.step_start = StepStart()
 
     @property
+    def policy_state(self) -> PolicyState:
+        """The run state (version, skipped updates, entropy weight, rollout steps), owned by
+        the update loop; callbacks change it through its declared calls
+        (:mod:`~dapo_lightning.policy_state`)."""
+        return self.updater.state
+
+    @property
     def policy_version(self) -> int:
         """Weight changes so far (the version stamped on rollouts sampled after them)."""
-        return self.updater.policy_version
+        return self.updater.state.version
 
-    @policy_version.setter
-    def policy_version(self, value: int) -> None:
-        self.updater.policy_version = value
+    @property
+    def rollout_step(self) -> int:
+        """Rollout steps (training steps) done so far."""
+        return self.updater.state.rollout_step
 
     @property
     def skipped_updates(self) -> int:
         """Updates skipped for a non-finite gradient norm."""
-        return self.updater.skipped_updates
-
-    @property
-    def entropy_coef(self) -> float:
-        """Weight of the entropy bonus; callbacks (EntropyScheduler) change it between updates."""
-        return self.updater.entropy_coef
-
-    @entropy_coef.setter
-    def entropy_coef(self, value: float) -> None:
-        self.updater.entropy_coef = value
+        return self.updater.state.skipped_updates
 
     @property
     def nonfinite_guard(self) -> NonFiniteGuard:
@@ -267,7 +265,6 @@ class DAPOModule(LightningModule):
         if self.loss.kl_coef > 0 and self.ref_policy is None:
             # Kept outside the module tree: it is neither trained nor checkpointed.
             object.__setattr__(self, "ref_policy", reference_policy(self.policy))
-        self.updater.bind(self.policy, ref_policy=self.ref_policy)
 
     def setup(self, stage: str) -> None:
         """Find the data side's :class:`~dapo_lightning.contract.RolloutChannel` (None for a
@@ -316,7 +313,10 @@ class DAPOModule(LightningModule):
         if self.channel is not None:
             self.channel.publish_policy(PolicyHandle(self.policy, self.policy_version))
 
-    def on_train_start(self) -> None:  # the start handle (after any checkpoint is restored)
+    def on_train_start(self) -> None:
+        """Bind the policy, its optimizer and scheduler to the loop (once per fit, after any
+        checkpoint is restored) and publish the start handle."""
+        self.updater.bind(self.policy, self.optimizers(), self.lr_schedulers(), self.ref_policy)
         self.publish_policy()
 
     def on_validation_start(self) -> None:  # also for `validate`, which has no train start
@@ -333,9 +333,7 @@ class DAPOModule(LightningModule):
             return
         t_start, version = time.perf_counter(), self.policy_version  # the version it was drawn for
         batch = batch.trim()
-        self.updater.bind(self.policy, self.optimizers(), self.lr_schedulers(), self.ref_policy)
-        step = self.updater.run(batch, self._step_context())
-        self.rollout_step += 1
+        step = self.updater.run(batch, self._step_context())  # counts the rollout step
         values = rollout_step_values(batch, step, version, time.perf_counter() - t_start, self)
         # Lightning logs self.log() values (callbacks', the validation after this step) at its
         # batch counter, which counts rollout steps: with several updates per step, put it at
@@ -352,18 +350,17 @@ class DAPOModule(LightningModule):
             on_update=self._on_update,
             take_step_start=self._take_step_start,
             rewind=channel.rewind_rollout_batch if channel else StepContext.rewind,
+            cores=channel.core_share() if channel else None,
         )
 
     def _take_step_start(self) -> StepStart:
         """Copy the rollout step's start (:class:`~dapo_lightning.step_guard.StepStart`): the
         optimizer's parameters and state, and everything an update advances."""
         scheduler = self.lr_schedulers()
-        counters = SimpleNamespace(
-            state_dict=self._dapo_state, load_state_dict=self._load_dapo_state
-        )
         stateful = [
-            counters,
-            self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress,
+            self.policy_state,
+            GLOBAL_RNGS,
+            optimizer_step_progress(self.trainer),
             *([scheduler] if scheduler is not None else []),
             *self.trainer.callbacks,
         ]
@@ -390,33 +387,20 @@ class DAPOModule(LightningModule):
         metrics = self.val_metrics.update(batch, batch_idx)  # torchmetrics: synced when computed
         self.log_dict(metrics, on_epoch=True, batch_size=len(batch))
 
-    def _dapo_state(self) -> dict[str, Any]:
-        """The module's counters and the global RNGs (a checkpoint's ``"dapo"`` entry)."""
-        return {
-            "policy_version": self.policy_version,
-            "rollout_step": self.rollout_step,
-            "skipped_updates": self.skipped_updates,
-            "entropy_coef": self.entropy_coef,
-            "rng": collect_rng_states(),  # global RNGs (the engine's is in the data module)
-        }
-
-    def _load_dapo_state(self, state: dict[str, Any]) -> None:
-        self.policy_version = int(state.get("policy_version", 0))
-        self.rollout_step = int(state.get("rollout_step", 0))
-        self.updater.skipped_updates = int(state.get("skipped_updates", 0))
-        self.entropy_coef = float(state.get("entropy_coef", self.entropy_coef))
-        if "rng" in state:
-            restore_rng_states(state["rng"])
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["dapo"] = self._dapo_state()
+        """A checkpoint's ``"dapo"`` entry: the :class:`~dapo_lightning.policy_state.PolicyState`
+        keys and ``rng``, the global RNGs (the engine's is in the data module's entry)."""
+        checkpoint["dapo"] = {**self.policy_state.state_dict(), "rng": collect_rng_states()}
         if is_peft_model(self.policy):
             keep_adapters_only(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_checkpoint_fits(self, checkpoint)  # another shape: one error line, not 30
         restore_adapter_checkpoint(self, checkpoint)
-        self._load_dapo_state(checkpoint.get("dapo", {}))
+        state = checkpoint.get("dapo", {})
+        self.policy_state.load_state_dict(state)
+        if "rng" in state:
+            restore_rng_states(state["rng"])
 
     def save_pretrained(self, path: str) -> None:
         """Write the policy in Hugging Face format (loadable with ``from_pretrained``); with

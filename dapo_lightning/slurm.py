@@ -27,15 +27,16 @@ import subprocess
 import sys
 from typing import Any
 
-from lightning.fabric.plugins.environments.slurm import SLURMEnvironment, _is_srun_used
+from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 
 from dapo_lightning.checks import ConfigError
+from dapo_lightning.lightning_internals import cluster_environment, replace_srun_check, srun_used
 
 
 def requeue_signal(trainer: Any) -> signal.Signals | None:
     """The signal on which Lightning would save and requeue this fit (SIGUSR1 by default), or
     None when the fit does not run under ``srun`` with ``auto_requeue``."""
-    environment = trainer._accelerator_connector.cluster_environment
+    environment = cluster_environment(trainer)
     if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
         return environment.requeue_signal
     return None
@@ -73,7 +74,7 @@ def check_task_count(devices: Any, num_nodes: Any) -> None:
     Only counts are checked (``auto``, ``-1`` and device lists are Lightning's to resolve).
     Task 0 raises the error; the other tasks exit 2 without a word (one line per job)."""
     devices, num_nodes = _count(devices), _count(num_nodes)
-    if not _is_srun_used() or devices is None or num_nodes is None:
+    if not srun_used() or devices is None or num_nodes is None:
         return
     tasks = int(os.environ["SLURM_NTASKS"])
     if devices * num_nodes != tasks:
@@ -107,7 +108,7 @@ def array_task_run(root: str | None) -> tuple[int, str] | None:
 def replace_srun_hint() -> None:
     """Replace Lightning's srun hint (see the module docstring): nothing outside a SLURM job,
     one line inside a job that did not start the process with ``srun``."""
-    SLURMEnvironment._validate_srun_used = staticmethod(_srun_hint)  # type: ignore[method-assign]
+    replace_srun_check(_srun_hint)
 
 
 _hinted = False
@@ -115,7 +116,7 @@ _hinted = False
 
 def _srun_hint() -> None:
     global _hinted
-    if _hinted or "SLURM_JOB_ID" not in os.environ or _is_srun_used():
+    if _hinted or "SLURM_JOB_ID" not in os.environ or srun_used():
         return
     _hinted = True
     print(

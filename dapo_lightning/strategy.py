@@ -45,6 +45,7 @@ from lightning.pytorch.strategies import (
 from torch import Tensor
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from dapo_lightning.lightning_internals import attached_trainer
 from dapo_lightning.ranks import reduce_over_ranks
 from dapo_lightning.weights import is_sharded
 
@@ -181,12 +182,13 @@ class StrategyAdapter:
         self.module = module
 
     @property
-    def _trainer(self) -> Any:
-        return self.module._trainer if self.module is not None else None
+    def trainer(self) -> Any:
+        """The trainer the module is attached to; None without one."""
+        return attached_trainer(self.module) if self.module is not None else None
 
     @property
     def strategy(self) -> Strategy | None:
-        return self._trainer.strategy if self._trainer is not None else None
+        return self.trainer.strategy if self.trainer is not None else None
 
     @property
     def kind(self) -> StrategyKind:
@@ -195,7 +197,7 @@ class StrategyAdapter:
     @property
     def world_size(self) -> int:
         """Data-parallel ranks (the ranks that see different data)."""
-        return self._trainer.world_size if self._trainer is not None else 1
+        return self.trainer.world_size if self.trainer is not None else 1
 
     @property
     def grad_average_factor(self) -> float:
@@ -231,7 +233,7 @@ class StrategyAdapter:
 
     def backward(self, loss: Tensor, last: bool) -> None:
         """Backward of one micro-batch; gradients sync on the ``last`` one where allowed."""
-        if self._trainer is None:
+        if self.trainer is None:
             loss.backward()
             return
         kind = self.kind
@@ -247,7 +249,7 @@ class StrategyAdapter:
         it. Under a trainer, Lightning's optimizer runs the precision plugin, which unscales the
         gradients and calls the module's ``on_before_optimizer_step``; the module calls
         ``before_step`` there. Without one, this calls it, then steps."""
-        if self._trainer is None:
+        if self.trainer is None:
             before_step(optimizer)
         optimizer.step()
 

@@ -12,14 +12,14 @@
             (no gradient sync until the last micro-batch where the strategy allows it)
         before the step: gradient norm, clip, non-finite checks (a bad one drops the gradients)
         optimizer.step -> a step that left non-finite weights is undone
-        lr_scheduler.step, policy_version += 1 -> metrics -> on_update
+        lr_scheduler.step, state.version += 1 -> metrics -> on_update
 
 so the gradient of an update is exactly that of the token-mean loss over the whole mini-batch,
 however it is split over micro-batches and ranks (docs/design.md, invariant 1). Everything the
 distributed set-up decides goes through ``ranks`` (:class:`~dapo_lightning.strategy.StrategyAdapter`:
 ``StrategyAdapter(None)`` is one process without a trainer); everything the caller wires in
-(the max-steps limit, logging, the step's start copy, the data's rewind) comes in a
-:class:`StepContext`. ``DAPOModule`` is the Lightning caller.
+(the max-steps limit, logging, the step's start copy, the data's rewind, the update's share
+of the cores) comes in a :class:`StepContext`. ``DAPOModule`` is the Lightning caller.
 
 Stops: a stop request is checked between micro-batches and before each update after a step's
 first; it undoes the rollout step under way (its completed updates included:
@@ -44,12 +44,13 @@ from dapo_lightning.advantages import (
     std_from_moments,
 )
 from dapo_lightning.batch import RolloutBatch
+from dapo_lightning.contract import CoreShare
 from dapo_lightning.interrupt import raise_stop, request_stop, should_stop, stop_requested
 from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.loss import LossInputs, PolicyLossConfig
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.policy_loss import policy_loss
-from dapo_lightning.shared_cores import fit_update_threads
+from dapo_lightning.policy_state import PolicyState
 from dapo_lightning.step_guard import NonFiniteGuard, StepStart, all_finite, nonfinite_step_input
 from dapo_lightning.strategy import StrategyAdapter
 from dapo_lightning.trace import phase
@@ -96,6 +97,9 @@ class StepContext:
         take_step_start: Copies the step's start (:class:`~dapo_lightning.step_guard.StepStart`)
             and returns it; called only for steps of more than one update.
         rewind: Puts the data side back to before this step's rollouts (on a stop).
+        cores: The update's share of the cores while the data side generates beside it (the
+            data's :meth:`~dapo_lightning.contract.RolloutChannel.core_share`, one-step-off);
+            None: the update keeps its threads.
     """
 
     train_batch_size: int | None = None
@@ -103,6 +107,13 @@ class StepContext:
     on_update: Callable[[dict[str, float]], None] = _ignore
     take_step_start: Callable[[], StepStart | None] = _no_start
     rewind: Callable[[], None] = _nothing
+    cores: CoreShare | None = None
+
+    def fit_threads(self) -> None:
+        """Before each micro-batch: the update's threads for now (:attr:`cores`; nothing
+        without a share)."""
+        if self.cores is not None:
+            self.cores.fit_update()
 
 
 def batch_log_probs(
@@ -146,13 +157,9 @@ class UpdateLoop:
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.ref_policy: nn.Module | None = None
-        #: Weight of the entropy bonus; callbacks (EntropyScheduler) change it between updates.
-        self.entropy_coef = loss.entropy_coef
-        #: Weight changes so far (updates applied, plus rollbacks): the version rollouts
-        #: sampled after them are stamped with.
-        self.policy_version = 0
-        #: Updates skipped for a non-finite gradient norm.
-        self.skipped_updates = 0
+        #: The run state it advances (version, skipped updates, rollout steps) and the entropy
+        #: weight it trains with (callbacks set it between updates): its one owner.
+        self.state = PolicyState(entropy_coef=loss.entropy_coef)
         #: Counts non-finite updates, holds the pre-step snapshot (:mod:`~dapo_lightning.step_guard`).
         self.nonfinite_guard = NonFiniteGuard()
         #: This step's start copy (None: not taken, the step finishes on a stop) and updates.
@@ -176,7 +183,8 @@ class UpdateLoop:
     # ------------------------------------------------------------------ one rollout step
     @phase("update")
     def run(self, batch: RolloutBatch, context: StepContext | None = None) -> StepTensors:
-        """All updates of one rollout step on ``batch`` (trimmed); returns what they shared."""
+        """All updates of one rollout step on ``batch`` (trimmed), then one more rollout step
+        counted in :attr:`state`; returns what the updates shared."""
         self.context = context if context is not None else StepContext()
         self.step_updates = 0
         step = self.step_tensors(batch)
@@ -191,6 +199,7 @@ class UpdateLoop:
                     self.honour_stop()
                 metrics = self.update(batch, rows_of_groups(groups, batch.group_size), step)
                 self.context.on_update(metrics)
+        self.state.rollout_step += 1
         return step
 
     def mini_batches(self, num_local_groups: int) -> list[range]:
@@ -204,7 +213,7 @@ class UpdateLoop:
         """Advantages, old log-probs (skipped when the only update's forward gives them) and
         the stale-sample correction of this rollout step."""
         demonstrated = batch.demonstrated  # no engine sampled them
-        stale = (batch.sample_version < self.policy_version) & ~demonstrated
+        stale = (batch.sample_version < self.state.version) & ~demonstrated
         # over all ranks: a rank-local choice runs other collectives and metrics on each rank
         any_stale, any_demonstrated = self.ranks.any_ranks([stale.any(), demonstrated.any()])
         exact_old = len(self.mini_batches(batch.num_groups)) > 1 or self.batching.ppo_epochs > 1
@@ -247,7 +256,7 @@ class UpdateLoop:
         out = torch.zeros_like(batch.rollout_log_probs, dtype=self.logp_dtype())
         with eval_mode(self.policy):
             for rows in self.micro_batches(batch, list(range(batch.batch_size))):
-                fit_update_threads()
+                self.context.fit_threads()
                 micro = micro_batch(batch, rows)
                 logp, _ = batch_log_probs(self.policy, micro)
                 if rows:
@@ -280,7 +289,7 @@ class UpdateLoop:
         acc.add("micro_batches", float(len(micro_batches)), op="max")
         acc.add("empty_micro_batches", float(sum(not m for m in micro_batches)), op="sum")
         for i, idx in enumerate(micro_batches):
-            fit_update_threads()  # the rollout thread's cores, once it is idle (one-step-off)
+            self.context.fit_threads()  # the rollout thread's cores once it is idle (one-step-off)
             loss, m = self.micro_loss(batch, idx, step, tokens, seqs)
             last = i == len(micro_batches) - 1
             self.ranks.backward(loss * self.ranks.grad_average_factor, last=last)
@@ -296,10 +305,10 @@ class UpdateLoop:
         if self.step_config.skip_nonfinite:
             self.nonfinite_guard.record(skipped, self.nonfinite_guard.last_reason)
         if skipped:
-            self.skipped_updates += 1
+            self.state.skipped_updates += 1
         else:
             self.scheduler.step()
-            self.policy_version += 1
+            self.state.version += 1
         self.step_updates += 1
         return self.finish_update(acc, tokens, stepped=not skipped, grad_norm=grad_norm)
 
@@ -311,7 +320,7 @@ class UpdateLoop:
         micro = micro_batch(batch, idx)
         width = micro.response_width
         logp, entropy = batch_log_probs(
-            self.policy, micro, with_entropy=True, entropy_grad=self.entropy_coef != 0
+            self.policy, micro, with_entropy=True, entropy_grad=self.state.entropy_coef != 0
         )
 
         def rows_of(t: Tensor) -> Tensor:
@@ -327,7 +336,7 @@ class UpdateLoop:
         if self.loss.kl_coef > 0 and self.ref_policy is not None:
             with torch.no_grad():
                 ref_logp, _ = batch_log_probs(self.ref_policy, micro)
-        config = replace(self.loss, entropy_coef=self.entropy_coef)
+        config = replace(self.loss, entropy_coef=self.state.entropy_coef)
         if step.behaviour is not None:
             config = replace(config, rollout_correction=step.behaviour[1])
         inputs = LossInputs.build(
@@ -413,7 +422,7 @@ class UpdateLoop:
         metrics.pop("token_count", None)  # == tokens
         metrics.update(
             grad_norm=float(after if after is not None else grad_norm),
-            entropy_coef=float(self.entropy_coef),
+            entropy_coef=float(self.state.entropy_coef),
             tokens=float(tokens),
             skipped_nonfinite=float(not stepped and not skipped_empty),
             skipped_empty=float(skipped_empty),

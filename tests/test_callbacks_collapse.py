@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader
 
 from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.hooks import call_dapo_hook
+from dapo_lightning.policy_state import PolicyState
 from dapo_lightning.rollout.base import SamplingConfig
 from tests._harness import fit
 
@@ -491,11 +492,27 @@ def test_scale_lr_scales_optimizer_and_scheduler_for_good() -> None:
 def test_rollback_bumps_policy_version_so_the_engine_gets_the_weights() -> None:
     policy, opt, sched = _tiny_setup()
     module, trainer = RecordingModule(policy), make_trainer(opt, sched)
-    module.policy_version = 7
+    module.policy_state = PolicyState(version=7)
     cb = CollapseDetector([Detector("nonfinite", threshold=0.5, action="rollback")])
     cb.on_train_start(trainer, module)
     drive(cb, trainer, module, updates("skipped_nonfinite", [1.0]))
-    assert cb.rollbacks == 1 and module.policy_version == 8
+    assert cb.rollbacks == 1 and module.policy_state.version == 8
+
+
+def test_rollback_of_a_module_without_a_policy_state_restores_the_weights_only() -> None:
+    """A module that is no DAPOModule (no ``policy_state``, no engine to push to): the
+    rollback restores the snapshot and bumps nothing (the documented no-op)."""
+    policy, opt, sched = _tiny_setup()
+    module, trainer = RecordingModule(policy), make_trainer(opt, sched)
+    cb = CollapseDetector([Detector("nonfinite", threshold=0.5, action="rollback")])
+    cb.on_train_start(trainer, module)
+    start = [p.detach().clone() for p in policy.parameters()]
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1.0)
+    drive(cb, trainer, module, updates("skipped_nonfinite", [1.0]))
+    assert cb.rollbacks == 1 and not hasattr(module, "policy_state")
+    assert all(torch.equal(p, s) for p, s in zip(policy.parameters(), start))
 
 
 def test_rollback_without_snapshot_stops() -> None:

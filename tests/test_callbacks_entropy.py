@@ -12,15 +12,17 @@ from dapo_lightning.callbacks.entropy import EntropyScheduler, adaptive_coef, sc
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from dapo_lightning.policy_state import PolicyState
 from tests._harness import fit
 
 
 class RecordingModule:
-    """Stand-in for the LightningModule in unit tests: the hooks only set ``entropy_coef``
-    and call ``log`` (Lightning refuses ``log`` outside a running loop, so this records it)."""
+    """Stand-in for the LightningModule in unit tests: the hooks only set the entropy weight
+    of its ``policy_state`` and call ``log`` (Lightning refuses ``log`` outside a running loop,
+    so this records it)."""
 
     def __init__(self) -> None:
-        self.entropy_coef = -1.0
+        self.policy_state = PolicyState(entropy_coef=-1.0)
         self.logged: dict[str, list[float]] = {}
 
     def log(self, name: str, value: float, **kwargs) -> None:
@@ -89,10 +91,10 @@ def test_callback_sets_the_coefficient_for_every_update() -> None:
     cb = EntropyScheduler("linear", start=0.1, end=0.0, warmup_updates=2, total_updates=12)
     module = RecordingModule()
     cb.on_train_start(None, module)
-    applied = [module.entropy_coef]
+    applied = [module.policy_state.entropy_coef]
     for k in range(1, 15):
         cb.on_dapo_update(None, module, {"update": float(k), "entropy": 0.5})
-        applied.append(module.entropy_coef)
+        applied.append(module.policy_state.entropy_coef)
     expected = [
         schedule_value(k, schedule="linear", start=0.1, end=0.0, total_updates=12, warmup_updates=2)
         for k in range(15)
@@ -128,15 +130,25 @@ def test_adaptive_stays_in_bounds_and_respects_the_rate_limit() -> None:
     g = torch.Generator().manual_seed(0)
     # entropy far below the band for 40 updates, then far above, then noisy
     entropies = [0.01] * 40 + [3.0] * 80 + (torch.rand(60, generator=g) * 2).tolist()
-    coefs = [module.entropy_coef]
+    coefs = [module.policy_state.entropy_coef]
     for k, h in enumerate(entropies, start=1):
         cb.on_dapo_update(None, module, {"update": float(k), "entropy": h})
-        coefs.append(module.entropy_coef)
+        coefs.append(module.policy_state.entropy_coef)
     assert all(ADAPTIVE["coef_min"] <= c <= ADAPTIVE["coef_max"] for c in coefs)
     rel = [abs(b / a - 1) for a, b in zip(coefs, coefs[1:])]
     assert max(rel) <= ADAPTIVE["max_rel_change"] + 1e-12
     assert max(coefs[:41]) == pytest.approx(ADAPTIVE["coef_max"])  # rose to the cap
     assert coefs[120] == pytest.approx(ADAPTIVE["coef_min"])  # fell to the floor
+
+
+def test_a_module_without_a_policy_state_gets_a_clear_error() -> None:
+    """A LightningModule that is no DAPOModule has no entropy weight to set: a TypeError that
+    names the callback and what it needs, not an AttributeError."""
+    with pytest.raises(
+        TypeError,
+        match=r"^EntropyScheduler needs a LightningModule with a `policy_state`.*LightningModule has none",
+    ):
+        EntropyScheduler("constant", start=0.1).on_train_start(None, pl.LightningModule())
 
 
 def test_state_round_trip_continues_identically() -> None:
@@ -148,24 +160,25 @@ def test_state_round_trip_continues_identically() -> None:
     b, mb = EntropyScheduler(**kwargs), RecordingModule()
     b.load_state_dict(a.state_dict())
     b.on_train_start(None, mb)  # a resumed run calls on_train_start again
-    assert mb.entropy_coef == ma.entropy_coef
+    assert mb.policy_state.entropy_coef == ma.policy_state.entropy_coef
     for k in range(8, 20):
         h = 0.1 if k < 14 else 2.0
         a.on_dapo_update(None, ma, {"update": float(k), "entropy": h})
         b.on_dapo_update(None, mb, {"update": float(k), "entropy": h})
-        assert mb.entropy_coef == ma.entropy_coef
+        assert mb.policy_state.entropy_coef == ma.policy_state.entropy_coef
     assert b.state_dict() == a.state_dict()
 
 
 class TinyDAPOLike(pl.LightningModule):
     """Trivial module following the DAPOModule contract: manual optimization, two optimizer
-    updates per training_step, ``entropy_coef`` in the loss, ``on_dapo_update`` after each."""
+    updates per training_step, ``policy_state.entropy_coef`` in the loss, ``on_dapo_update``
+    after each."""
 
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.policy = torch.nn.Linear(4, 3)
-        self.entropy_coef = 0.0
+        self.policy_state = PolicyState()
         self.updates = 0
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -173,7 +186,7 @@ class TinyDAPOLike(pl.LightningModule):
         for half in batch.chunk(2):
             logits = self.policy(half)
             entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
-            loss = logits.pow(2).mean() - self.entropy_coef * entropy
+            loss = logits.pow(2).mean() - self.policy_state.entropy_coef * entropy
             opt.zero_grad()
             self.manual_backward(loss)
             opt.step()

@@ -348,6 +348,7 @@ def test_old_log_probs_are_taken_in_eval_mode(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "dropout", attention_dropout=0.3)
     module = DAPOModule(str(ckpt))
     module.configure_model()
+    module.updater.bind(module.policy)  # a fit binds it at train start
     batch = make_random_rollout_batch(num_groups=2, group_size=2)
     old = module.updater.old_log_probs(batch)
     assert module.policy.training

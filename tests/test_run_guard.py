@@ -890,7 +890,7 @@ def test_a_stop_between_steps_is_saved_in_lightnings_end_of_batch_form(tmp_path,
 
 
 def test_as_batch_end_state_leaves_other_forms_alone():
-    from dapo_lightning.callbacks.step_checkpoint import as_batch_end_state
+    from dapo_lightning.lightning_internals import as_batch_end_state
 
     def state(ready, completed, last=False):
         counts = {"ready": ready, "started": ready, "processed": ready, "completed": completed}

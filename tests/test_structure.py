@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import configparser
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -716,3 +717,175 @@ def test_checker_finds_size_offenders_and_trainer_reads(tmp_path):
     for fragment in ("file big.py", "class big.py:C", "function big.py:f: 61", "__init__ big.py"):
         assert fragment.replace("big.py", "pkg/big.py") in offenders, offenders
     assert trainer_reads(found, "pkg/data/", "lightning_module") == ["pkg/data/dm.py:2"]
+
+
+# ----------------------------------------------------------------------------- Lightning internals
+#: The one file that reads or writes Lightning's internals (docs/design.md, "Layout").
+LIGHTNING_ADAPTER = "dapo_lightning/lightning_internals.py"
+#: Attributes that are Lightning's loop internals, whatever object they are read on.
+LOOP_ATTRIBUTES = frozenset({"fit_loop", "epoch_loop"})
+#: Lightning modules that are internals as a whole (``trainer.call``: its hook callers).
+INTERNAL_MODULES = (
+    "lightning.pytorch.trainer.call",
+    "lightning.pytorch.loops",
+    "lightning.pytorch.trainer.connectors",
+)
+
+
+def underscore_names(tree: ast.AST) -> set[str]:
+    """The single-underscore names a module defines: its functions and classes, the names it
+    assigns, the attributes it assigns on ``self``."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names.add(node.attr)
+    return {n for n in names if len(n) > 1 and n.startswith("_") and not n.startswith("__")}
+
+
+@functools.cache
+def lightning_private_names() -> frozenset[str]:
+    """Every single-underscore name Lightning defines (``lightning.pytorch`` and
+    ``lightning.fabric``, read from the installed sources)."""
+    import lightning
+
+    base = Path(lightning.__file__).parent
+    names: set[str] = set()
+    for path in [*(base / "pytorch").rglob("*.py"), *(base / "fabric").rglob("*.py")]:
+        names |= underscore_names(ast.parse(path.read_text(), filename=str(path)))
+    return frozenset(names)
+
+
+def _on_self(node: ast.Attribute) -> bool:
+    """``self.x`` / ``cls.x`` / ``super().x``: a subclass using its Lightning base's members."""
+    value = node.value
+    if isinstance(value, ast.Name):
+        return value.id in ("self", "cls")
+    return (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id == "super"
+    )
+
+
+def lightning_internal_uses(tree: ast.Module, private: frozenset[str]) -> list[tuple[int, str]]:
+    """``(line, what)`` of each Lightning internal ``tree`` touches: an attribute ``x._name``
+    (read or written) whose name Lightning defines (``private``) and this file does not, on
+    anything but ``self``/``super()``; ``x.fit_loop`` / ``x.epoch_loop``; the key
+    ``"fit_loop"`` or ``"epoch_loop..."`` of a checkpoint's loop state, or a Lightning underscore
+    name as a string; an import of a Lightning underscore name or of :data:`INTERNAL_MODULES`."""
+    mine = underscore_names(tree)
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if node.attr in LOOP_ATTRIBUTES or (
+                node.attr in private and node.attr not in mine and not _on_self(node)
+            ):
+                found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+            if text == "fit_loop" or text.startswith("epoch_loop.") or text in private - mine:
+                found.append((node.lineno, repr(text)))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if alias.name in private or full.startswith(INTERNAL_MODULES):
+                    found.append((node.lineno, f"import {full}"))
+            if node.module.startswith(INTERNAL_MODULES):
+                found.append((node.lineno, f"import {node.module}"))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(INTERNAL_MODULES):
+                    found.append((node.lineno, f"import {alias.name}"))
+    return sorted(found)
+
+
+def reflective_module_reads(tree: ast.Module) -> list[int]:
+    """Lines of ``getattr``/``hasattr``/``setattr``/``delattr`` on ``pl_module`` or on
+    ``<x>.lightning_module`` (a callback reaches the module through declared calls)."""
+    lines = []
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and node.args
+        ):
+            continue
+        target = node.args[0]
+        on_module = isinstance(target, ast.Name) and target.id == "pl_module"
+        if on_module or (isinstance(target, ast.Attribute) and target.attr == "lightning_module"):
+            lines.append(node.lineno)
+    return lines
+
+
+PLANTED_INTERNALS = """\
+from lightning.pytorch.trainer import call
+from lightning.fabric.plugins.environments.slurm import SLURMEnvironment, _is_srun_used
+
+
+class Own:
+    def __init__(self):
+        self._lock = None
+
+    def use(self, trainer, module, other, checkpoint):
+        trainer.fit_loop.epoch_loop._batches_that_stepped = 3
+        SLURMEnvironment._validate_srun_used = staticmethod(print)
+        self._monitor_candidates(trainer)  # a subclass extends its base: not counted
+        super()._set_seed()  # the same
+        other._lock.acquire()  # a name this file defines: not counted
+        return module._trainer, checkpoint["loops"]["fit_loop"]["epoch_loop.state_dict"]
+"""
+
+PLANTED_REFLECTION = """\
+def on_train_batch_end(self, trainer, pl_module):
+    step = getattr(pl_module, "rollout_step", 0)
+    if hasattr(trainer.lightning_module, "policy_version"):
+        return getattr(trainer, "optimizers", None)  # the trainer itself: not counted
+"""
+
+
+def test_checker_finds_planted_lightning_internals():
+    uses = lightning_internal_uses(ast.parse(PLANTED_INTERNALS), lightning_private_names())
+    assert uses == [
+        (1, "import lightning.pytorch.trainer.call"),
+        (2, "import lightning.fabric.plugins.environments.slurm._is_srun_used"),
+        (10, "._batches_that_stepped"),
+        (10, ".epoch_loop"),
+        (10, ".fit_loop"),
+        (11, "._validate_srun_used"),
+        (15, "'epoch_loop.state_dict'"),
+        (15, "'fit_loop'"),
+        (15, "._trainer"),
+    ]
+
+
+def test_lightning_internals_only_in_the_adapter(sources):
+    private = lightning_private_names()
+    outside = {
+        f"{s.rel}:{line}: {what}"
+        for s in sources
+        if s.rel != LIGHTNING_ADAPTER
+        for line, what in lightning_internal_uses(s.tree, private)
+    }
+    assert not outside, f"Lightning internals outside {LIGHTNING_ADAPTER}: {sorted(outside)}"
+    adapter = next(s for s in sources if s.rel == LIGHTNING_ADAPTER)
+    assert lightning_internal_uses(adapter.tree, private)  # the checker sees the adapter's
+
+
+def test_checker_finds_planted_reflection_on_the_module():
+    assert reflective_module_reads(ast.parse(PLANTED_REFLECTION)) == [2, 3]
+
+
+def test_callbacks_reach_the_module_without_getattr_or_hasattr(sources):
+    found = [
+        f"{s.rel}:{line}"
+        for s in sources
+        if s.rel.startswith("callbacks/")
+        for line in reflective_module_reads(s.tree)
+    ]
+    assert not found, f"getattr/hasattr on the LightningModule in callbacks: {found}"

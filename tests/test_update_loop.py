@@ -48,7 +48,8 @@ def test_the_loop_alone_equals_sgd_on_the_token_mean_objective(
     ours = {k: v.detach() for k, v in policy.named_parameters()}
     ref = reference_updates(str(tiny_checkpoint), fixed_batch(), groups_per_update)
     assert rel_diff(ours, ref, start) < 1e-5
-    assert len(updates) == 4 // groups_per_update == loop.policy_version
+    assert len(updates) == 4 // groups_per_update == loop.state.version
+    assert loop.state.rollout_step == 1
     assert all(u["skipped_nonfinite"] == 0.0 and u["tokens"] > 0 for u in updates)
 
 
@@ -69,6 +70,9 @@ class _Channel:
 
     def rewind_rollout_batch(self) -> None:
         self.rewinds += 1
+
+    def core_share(self) -> None:
+        return None  # no rollout thread beside the update
 
 
 def test_a_stop_after_an_update_undoes_the_step_and_rewinds_the_data(tiny_checkpoint):

@@ -18,6 +18,7 @@ from dapo_lightning import plot
 from dapo_lightning.checkpoint import find_resume_checkpoint
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.pipeline import check_pipeline
+from dapo_lightning.lightning_internals import restore_fit_loop
 from dapo_lightning.log_step import set_logging_step
 from dapo_lightning.shared_cores import SharedCores
 from dapo_lightning.testing import tiny_num_parameters
@@ -187,9 +188,7 @@ def continue_update_count(trainer: Trainer, ckpt_path: str | os.PathLike[str]) -
     logs at step 169, where the fit logged its validation after update 170 (ValidateAtStart's
     "updates done = step + 1"). Returns the update."""
     state = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
-    loops = state.get("loops", {}).get("fit_loop")
-    if loops is not None:
-        trainer.fit_loop.load_state_dict(loops)
+    restore_fit_loop(trainer, state)
     update = int(state.get("global_step", 0))
     set_logging_step(trainer, update - 1)
     return update
