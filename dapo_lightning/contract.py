@@ -14,8 +14,11 @@ The module and the data module never read each other's attributes. What passes b
   update, or after ``start_after_updates`` of its updates (:mod:`dapo_lightning.data.pipeline`);
   the contract is the same.
 * data -> module: a :class:`RolloutSpec` (group size, batch size, prompt and response lengths:
-  what every batch will be), read once before any rollout is generated, and
-  :meth:`RolloutChannel.rewind_rollout_batch`, called when a stop undoes the step under way.
+  what every batch will be), read once before any rollout is generated,
+  :meth:`RolloutChannel.rewind_rollout_batch`, called when a stop undoes the step under way,
+  and :meth:`RolloutChannel.core_share`, the update's share of the cores while rollouts are
+  generated beside it (a :class:`CoreShare`; None in ``sync`` mode), which the module hands
+  to each step's update.
 
 The trainer is the only object both sides know; :func:`rollout_channel` is the one place that
 looks the channel up on it (the module does so in its ``setup``).
@@ -62,6 +65,16 @@ class RolloutSpec:
     max_response_tokens: int
 
 
+class CoreShare(Protocol):
+    """The update's share of the process's cores while a rollout thread may generate beside
+    it (:class:`~dapo_lightning.shared_cores.SharedCores` implements it)."""
+
+    def fit_update(self) -> int:
+        """On the update's thread, before each micro-batch: set its intra-op threads to its
+        share now (fewer while the rollout thread generates); returns the count."""
+        ...
+
+
 @runtime_checkable
 class RolloutChannel(Protocol):
     """What the update asks of the rollout side (``DAPODataModule`` implements it)."""
@@ -76,6 +89,11 @@ class RolloutChannel(Protocol):
 
     def rewind_rollout_batch(self) -> None:
         """Undo the last batch's generation: the next one draws the same prompts and samples."""
+        ...
+
+    def core_share(self) -> CoreShare | None:
+        """The update's share of the cores for the step to come (rollouts generated beside
+        the update, one-step-off), or None: the update keeps its threads."""
         ...
 
 

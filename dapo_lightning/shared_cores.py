@@ -15,16 +15,19 @@ step, then waits for that batch when it is not ready::
 
 The update uses ``alone`` threads (the run's choice, :mod:`~dapo_lightning.threads`) while the
 rollout thread is idle and ``beside`` threads (:func:`split_threads`) while it generates,
-switching before its next micro-batch (:func:`fit_update_threads`); the rollout thread uses
+switching before its next micro-batch (:meth:`SharedCores.fit_update`); the rollout thread uses
 ``rollout_alone`` while the main thread waits for its batch and ``rollout`` otherwise, switching
-before its engine's next decode step (:func:`fit_rollout_threads`; the vLLM engine calls it).
+before its engine's next decode step (:meth:`SharedCores.fit_rollout`).
 The cores are never oversubscribed for longer than one micro-batch or decode step: the main
 thread drops to ``beside`` itself before it starts the rollout thread
 (:meth:`SharedCores.rollout_started`). Measured on 2 cores (benchmarks/RESULTS.md, "One-step-off
 rollouts").
 
-One :class:`SharedCores` is active per process (:func:`share_cores`, set by the one-step-off
-stream; none in ``sync`` mode, where both functions do nothing).
+The one-step-off stream builds one :class:`SharedCores` per run (none in ``sync`` mode) and
+hands it down explicitly: to the update through the data module's
+:meth:`~dapo_lightning.contract.RolloutChannel.core_share` (the module puts it in each step's
+:class:`~dapo_lightning.update_loop.StepContext`), to the engine through the engine session
+(the engine's ``fit_threads``, called before each decode step). Nothing here is process-wide.
 """
 
 from __future__ import annotations
@@ -131,26 +134,3 @@ def _use(threads: int) -> int:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
-
-
-_active: SharedCores | None = None
-
-
-def share_cores(cores: SharedCores | None) -> None:
-    """Make ``cores`` the process's sharing (None: none, the update keeps its threads)."""
-    global _active
-    _active = cores
-
-
-def fit_update_threads() -> None:
-    """Before each micro-batch of the update: :meth:`SharedCores.fit_update` of the active
-    sharing (nothing without one)."""
-    if _active is not None:
-        _active.fit_update()
-
-
-def fit_rollout_threads() -> None:
-    """Before each decode step of an engine: :meth:`SharedCores.fit_rollout` of the active
-    sharing (nothing without one, or off the rollout thread)."""
-    if _active is not None:
-        _active.fit_rollout()

@@ -168,7 +168,7 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
             dm = trainer.datamodule
             rec = {
                 "step": pl_module.rollout_step,
-                "uids": dm.producer.drawn_uids,
+                "uids": dm.stream.producer.drawn_uids,
                 "policy_version": pl_module.policy_version,
                 "sample_version": batch.policy_version,
                 "global_step": trainer.global_step,

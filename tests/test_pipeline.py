@@ -15,7 +15,14 @@ from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.data import DAPODataModule, DynamicSamplingConfig, OneStepOffConfig
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
-from dapo_lightning.data.pipeline import OneStepOffStream, check_pipeline
+from dapo_lightning.data.pipeline import (
+    Idle,
+    InFlight,
+    OneStepOffStream,
+    Pending,
+    Ready,
+    check_pipeline,
+)
 from dapo_lightning.rollout import SamplingConfig
 
 PIPELINED = dict(pipeline="one_step_off")
@@ -101,7 +108,9 @@ def test_version_stamps_lag_one_step(tiny_checkpoint, tmp_path):
     assert [s[1] for s in module.seen] == [0, 1, 2, 3, 4]  # the module's version at each step
     assert [s[0] for s in module.seen] == [0, 0, 1, 2, 3]  # the batch's: one step behind
     assert len(dm.drawn_log) == 5  # one entry per batch trained on, in step order
-    assert isinstance(dm.stream.ready[0], RolloutBatch)  # ... and kept, not thrown away
+    # the batch in flight at the end of fit: finished and kept, not thrown away
+    assert isinstance(dm.stream.state, Ready)
+    assert isinstance(dm.stream.state.produced.batch, RolloutBatch)
 
 
 def test_resume_trains_on_the_saved_batch_in_flight(tiny_checkpoint, tmp_path):
@@ -124,8 +133,9 @@ def test_rewind_hands_the_undone_batch_over_again(tiny_checkpoint, tmp_path):
     last = module.seen[-1]
     after = dm.stream.state_dict()["producer"]
     dm.rewind_rollout_batch()  # a stop undid step 3: its batch comes first again
-    assert isinstance(dm.stream.ready[0], RolloutBatch)
-    assert dm.stream.ready[0].sample_version.tolist() == last[2]
+    state = dm.stream.state
+    assert isinstance(state, Ready) and isinstance(state.produced.batch, RolloutBatch)
+    assert state.produced.batch.sample_version.tolist() == last[2]
     assert dm.stream.state_dict()["producer"] != after  # back to before the batch in flight
     batch = dm.next_rollout_batch()
     assert batch.policy_version == last[0] and batch.sample_version.tolist() == last[2]
@@ -336,3 +346,42 @@ def test_an_engine_device_needs_an_own_copy(tiny_checkpoint, tmp_path):
     shared = hf_dm(tiny_checkpoint, engine_kwargs={"device": "cpu"})
     with pytest.raises(ValueError, match=r"engine_kwargs.device=.*pipeline: one_step_off"):
         trainer(tmp_path / "shared", 2).fit(ToyModule(tiny_checkpoint), datamodule=shared)
+
+
+def test_the_next_batch_moves_through_named_states(tiny_checkpoint):
+    """Without a trainer, ``start_after_updates: 2``: Idle before the first batch; Pending
+    after the hand-over (a publish only takes the handle, ``state_dict`` refuses to save it);
+    InFlight from the second publish on; Ready once the data module's ``state_dict`` quiesced
+    it for the checkpoint; a rewind makes the handed batch Ready again, and the batch after it
+    is generated again the same (the producer back at its start)."""
+    from transformers import AutoModelForCausalLM
+
+    from dapo_lightning.contract import PolicyHandle
+
+    late = OneStepOffConfig(start_after_updates=2)
+    dm = scripted_dm(tiny_checkpoint, carry_over=False, one_step_off=late, **PIPELINED)
+    dm.setup("fit")
+    stream, policy = dm.stream, AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint))
+    assert isinstance(stream, OneStepOffStream) and isinstance(stream.state, Idle)
+    assert dm.core_share() is stream.cores is not None
+    try:
+        dm.publish_policy(PolicyHandle(policy, 0))
+        first = dm.next_rollout_batch()
+        assert stream.state == Pending(dropped_prompts=dm.dropped_prompts, handed_at=0)
+        with pytest.raises(RuntimeError, match=r"batch pending: call quiesce\(\) first"):
+            stream.state_dict()
+        dm.publish_policy(PolicyHandle(policy, 1))
+        assert isinstance(stream.state, Pending)  # one update of the two
+        dm.publish_policy(PolicyHandle(policy, 2))
+        assert isinstance(stream.state, InFlight)
+        saved = dm.state_dict()["ranks"][0]  # quiesced: the checkpoint holds the next batch
+        assert isinstance(stream.state, Ready) and saved["ready"]["policy_version"] == 2
+        nxt = stream.state.produced.batch
+        dm.rewind_rollout_batch()
+        assert stream.state == Ready(stream.state.produced) and stream.state.produced.batch is first
+        assert dm.next_rollout_batch() is first and len(dm.drawn_log) == 1
+        stream.quiesce()  # starts the pending batch with version 2 again
+        again = stream.state.produced.batch
+        assert torch.equal(again.input_ids, nxt.input_ids) and again.policy_version == 2
+    finally:
+        dm.teardown()

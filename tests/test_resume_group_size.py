@@ -85,7 +85,7 @@ def test_fit_resumed_from_a_checkpoint_with_another_n(tiny_checkpoint, tmp_path,
     first_dm = scripted_dm(tiny_checkpoint, n=4, **kw)
     t1 = trainer(tmp_path / "a", 2)
     t1.fit(ToyModule(tiny_checkpoint), datamodule=first_dm)
-    assert first_dm.producer.carried  # what makes the resume hard: groups of 4 carried
+    assert first_dm.stream.producer.carried  # what makes the resume hard: groups of 4 carried
     ckpt = tmp_path / "a" / "step2.ckpt"
     t1.save_checkpoint(ckpt)
 

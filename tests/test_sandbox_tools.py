@@ -270,6 +270,38 @@ def test_code_tests_scores_all_pass_plus_one_else_minus_one_with_the_pass_fracti
     assert [r.extra["sandbox_timeout"] for r in results] == [0.0] * 4
 
 
+def test_code_functions_rows_are_seeded_split_and_their_solutions_pass_their_tests(reward):
+    """The code_functions task: the same rows for a seed, held-out problems never a training
+    one, and in the sandbox every row's solution passes all its tests while a constant
+    function fails them."""
+    from dapo_lightning.tasks import get_task
+    from dapo_lightning.tasks.code_functions import TEMPLATES, make_code_function_rows
+
+    task = get_task("code_functions")
+    assert task.reward == "code_tests"
+    rows = task.make_rows(seed=1, size=40, val_size=20)
+    assert rows == make_code_function_rows(40, 20, seed=1)
+    train = {r["uid"] for r in rows if r["split"] == "train"}
+    val = {r["uid"] for r in rows if r["split"] == "val"}
+    assert (len(train), len(val), train & val) == (40, 20, set())
+    linear = make_code_function_rows(1, 0, seed=0, templates=["linear"])[0]
+    text = linear["prompt"][0]["content"]
+    a, b = (int(v) for v in linear["uid"].split("-")[2:])
+    assert text.startswith(f"Write a Python function f(x) that returns x times {a} plus {b}.")
+    assert json.loads(linear["answer"]) == [
+        f"assert f(0) == {b}", f"assert f(1) == {a + b}", f"assert f(-4) == {b - 4 * a}",
+        f"assert f(7) == {7 * a + b}",
+    ]  # fmt: skip
+    one_each = [make_code_function_rows(1, 0, seed=2, templates=[t.name])[0] for t in TEMPLATES]
+    every = rows + one_each
+    results = reward([r["solution"] for r in every], [r["answer"] for r in every])
+    assert [r.score for r in results] == [1.0] * len(every)
+    wrong = reward(["def f(x):\n    return 0"] * len(one_each), [r["answer"] for r in one_each])
+    assert all(r.score == -1.0 for r in wrong)
+    with pytest.raises(ValueError, match="unknown templates"):
+        make_code_function_rows(4, 0, templates=["sort"])
+
+
 def test_code_tests_holds_against_hostile_solutions(reward):
     token_guess = "@@" + "0" * 16 + "@@"
     responses = [

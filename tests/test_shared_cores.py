@@ -1,7 +1,9 @@
 """How the update and the one-step-off rollout thread share the cores
 (dapo_lightning/shared_cores.py): the split, each side's own torch thread count, the update
-taking the idle rollout thread's cores at its next micro-batch, and a real one-step-off fit of
-DAPOModule whose micro-batches use the counts the rule gives."""
+taking the idle rollout thread's cores at its next micro-batch, the share handed down
+explicitly (the data module's ``core_share()`` into each step's ``StepContext``, the engine
+session into its engine's ``fit_threads``; nothing process-wide), and a real one-step-off fit
+of DAPOModule whose micro-batches use the counts the rule gives."""
 
 from __future__ import annotations
 
@@ -11,20 +13,14 @@ import pytest
 import torch
 
 from dapo_lightning import shared_cores
-from dapo_lightning.shared_cores import (
-    SharedCores,
-    fit_rollout_threads,
-    fit_update_threads,
-    share_cores,
-    split_threads,
-)
+from dapo_lightning.shared_cores import SharedCores, split_threads
+from dapo_lightning.update_loop import StepContext
 
 
 @pytest.fixture(autouse=True)
 def _restore_threads():
     threads = torch.get_num_threads()
     yield
-    share_cores(None)
     torch.set_num_threads(threads)
 
 
@@ -66,9 +62,9 @@ def test_counts_and_line(update, cores, lend, counts, line):
 def test_each_side_sets_its_own_threads():
     torch.set_num_threads(2)
     share = SharedCores(2, 2)
-    share_cores(share)
+    context = StepContext(cores=share)  # the module hands the data's core_share() down
     seen: dict[str, object] = {}
-    fit_update_threads()
+    context.fit_threads()
     assert torch.get_num_threads() == 2  # the rollout thread is idle: the update has both
 
     share.rollout_started()  # on the main thread, before the rollout thread starts
@@ -84,14 +80,13 @@ def test_each_side_sets_its_own_threads():
     worker.join()
     assert seen["rollout"] == 1 and not share.generating
     assert torch.get_num_threads() == 1  # another thread's count is not this thread's
-    fit_update_threads()  # the update's next micro-batch
+    context.fit_threads()  # the update's next micro-batch
     assert torch.get_num_threads() == 2
 
 
 def test_the_rollout_thread_takes_the_cores_while_the_update_waits():
     torch.set_num_threads(2)
     share = SharedCores(2, 2)
-    share_cores(share)
     asked, answered = threading.Event(), threading.Event()
     seen: list[int | None] = []
 
@@ -112,27 +107,60 @@ def test_the_rollout_thread_takes_the_cores_while_the_update_waits():
         worker.join()
     assert seen == [1, 2, 2]
     assert share.fit_rollout() is None and torch.get_num_threads() == 1  # not the rollout thread
-    fit_rollout_threads()  # off the rollout thread: nothing
-    assert torch.get_num_threads() == 1
 
 
 def test_without_a_sharing_the_update_keeps_its_threads():
-    share_cores(None)
     torch.set_num_threads(2)
-    fit_update_threads()
-    fit_rollout_threads()
+    StepContext().fit_threads()  # sync mode: no share in the step's context
     assert torch.get_num_threads() == 2
-    assert shared_cores._active is None
+    assert not [n for n in vars(shared_cores) if n.startswith("_active") or n == "share_cores"]
 
 
 def test_fixed_split_never_lends():
     torch.set_num_threads(2)
     share = SharedCores(2, 2, lend=False)
-    share_cores(share)
     share.rollout_started()
     share.rollout_finished()
-    fit_update_threads()
+    StepContext(cores=share).fit_threads()
     assert torch.get_num_threads() == 1
+
+
+def test_the_share_reaches_the_engine_through_its_session(tiny_checkpoint):
+    """The engine session sets its engine's ``fit_threads`` to the rollout thread's share
+    (built by name or given); without a share it stays None and a decode step changes nothing."""
+    from test_producer import ScriptedEngine
+
+    from dapo_lightning.rollout.session import EngineSession
+
+    torch.set_num_threads(2)
+    share = SharedCores(2, 2)
+    given = EngineSession(ScriptedEngine(), cores=share)
+    assert given.engine.fit_threads == share.fit_rollout
+    policy = torch.nn.Linear(2, 2)
+    built = EngineSession("hf", tokenizer=_Tok(), cores=share)
+    built.attach(lambda: policy)
+    assert built.build_engine().fit_threads == share.fit_rollout
+    plain = EngineSession("hf", tokenizer=_Tok())
+    plain.attach(lambda: policy)
+    assert plain.build_engine().fit_threads is None
+    seen: list[int | None] = []
+
+    def rollout():
+        share.rollout_thread_starts()  # its share while the update runs: 1
+        built.engine._before_decode_step()  # the HF engine's next decode step
+        seen.append(torch.get_num_threads())
+
+    share.rollout_started()
+    worker = threading.Thread(target=rollout)
+    with share.update_waits():  # the update waits for the batch: the rollout thread takes both
+        worker.start()
+        worker.join()
+    assert seen == [share.rollout_alone] == [2]
+
+
+class _Tok:
+    eos_token_id = 0
+    pad_token_id = 0
 
 
 def test_one_step_off_fit_runs_each_micro_batch_on_the_rule_s_threads(

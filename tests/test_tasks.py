@@ -26,14 +26,20 @@ from dapo_lightning.tasks.word_problems import (
     make_word_problem_rows,
 )
 from dapo_lightning.testing import make_tiny_tokenizer
+from tests._harness import needs_bwrap
 
 FIELDS = FieldMap("prompt", "answer", "uid", None)
 #: How a task's prompt asks for the answer (default: the answer alone).
 ANSWER_FORMAT = {"reasoning_gym": "Answer: {}"}
+#: Tasks whose answer is not a response (code_functions: the tests): a right response's row field.
+RESPONSE_FIELD = {"code_functions": "solution"}
 
 
 # ----------------------------------------------------------------------------- the registry
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=needs_bwrap) if n == "code_functions" else n for n in sorted(TASKS)],
+)  # code_functions is scored in the sandbox
 def test_every_task_feeds_the_data_pipeline(name):
     """What the data module does with a task: make rows by seed, read them with the task
     FieldMap, tokenize with a chat template, and score with the task's reward by name."""
@@ -47,6 +53,8 @@ def test_every_task_feeds_the_data_pipeline(name):
     reward = get_reward(task.reward)
     kw = RewardRunner._kw([r.meta.get("reward_kwargs", {}) for r in records], list(range(8)))
     responses = [ANSWER_FORMAT.get(name, "{}").format(r.answer) for r in records[:8]]
+    if name in RESPONSE_FIELD:
+        responses = [row[RESPONSE_FIELD[name]] for row in rows[:8]]
     results = reward(responses, [r.answer for r in records[:8]], **kw)
     assert [r.score for r in results] == [1.0] * 8  # each answer scores right against itself
 

@@ -42,7 +42,7 @@ from dapo_lightning.data.loading import (
     tokenize_prompt_sets,
 )
 from dapo_lightning.data.one_step_off import OneStepOffConfig
-from dapo_lightning.data.pipeline import check_pipeline, make_stream, rollout_process_group
+from dapo_lightning.data.pipeline import build_stream, check_pipeline, rollout_process_group
 from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer
 from dapo_lightning.data.rank_layout import RankLayout
 from dapo_lightning.data.sources import PromptRecord
@@ -58,6 +58,7 @@ from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
 from dapo_lightning.ranks import gather_objects, sum_over_group, sum_over_ranks
 from dapo_lightning.rewards import RewardRunner
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
+from dapo_lightning.shared_cores import SharedCores
 from dapo_lightning.rollout.engines import check_engine, engine_capabilities
 from dapo_lightning.rollout.session import EngineSession
 
@@ -194,14 +195,14 @@ class DAPODataModule(pl.LightningDataModule):
         self.tokenizer: Any = None
         self.train_records: list[PromptRecord] = []
         self.val_records: list[PromptRecord] = []
-        self.session: EngineSession | None = None
-        self.producer: RolloutProducer | None = None
         self.reward_runner: RewardRunner | None = None
         self.dropped_prompts = 0
         #: uids drawn at each training step (this rank), for logging and tests.
         self.drawn_log: list[list[str]] = []
         self._pending_state: dict[str, Any] | None = None
-        #: This rank's rollouts (session, producer, published weights), built in ``setup``.
+        #: This rank's rollouts: the one object that holds the engine session, the producer
+        #: and the published weights (sync or one-step-off, :func:`build_stream`); None until
+        #: ``setup`` (:attr:`is_set_up`).
         self.stream: RolloutStream | None = None
         #: The one-step-off rollout thread's process group (None: the trainer's reduce).
         self._rollout_group: Any = None
@@ -216,12 +217,17 @@ class DAPODataModule(pl.LightningDataModule):
         """``seed``, else the run's ``seed_everything`` (``PL_GLOBAL_SEED``), else 0."""
         if self._seed is not None:
             return self._seed
+    @property
+    def is_set_up(self) -> bool:
+        """Whether ``setup`` built the rollout stream (before it, a checkpoint's state waits)."""
+        return self.stream is not None
+
         return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     @property
     def engine(self) -> RolloutEngine | None:
         """The rollout engine once built (None before the first generation)."""
-        return self.session._engine if self.session is not None else None
+        return self.stream.session.built_engine if self.stream is not None else None
 
     def _rank_world(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -230,8 +236,9 @@ class DAPODataModule(pl.LightningDataModule):
         return int(trainer.global_rank), int(trainer.world_size)
 
     def setup(self, stage: str | None = None) -> None:
-        """Load the tokenizer and prompts, build the reward runner, session and producer (once)."""
-        if self.producer is not None:
+        """Load the tokenizer and prompts, build the reward runner and the rollout stream
+        (once)."""
+        if self.is_set_up:
             return
         warn_undeclared_dapo_hooks(self.trainer)
         if self.tokenizer is None:
@@ -253,11 +260,21 @@ class DAPODataModule(pl.LightningDataModule):
             check_pipeline(self.trainer, self.engine_kwargs)
             self._rollout_group = rollout_process_group(world)
         self.reward_runner = make_reward_runner(self.reward, self.scoring)
-        self.session = self._make_session(rank)
+        self.stream = build_stream(
+            self.dynamic_sampling,
+            lambda cores: self._make_session(rank, cores),
+            lambda session: self._make_producer(session, rank, world),
+            self.drawn_log,
+        )
+        if self._pending_state is not None:
+            self.load_state_dict(self._pending_state)
+
+    def _make_producer(self, session: EngineSession, rank: int, world: int) -> RolloutProducer:
+        """The dynamic-sampling producer of this rank on ``session``."""
         pad = self.tokenizer.pad_token_id
         pad = pad if pad is not None else self.tokenizer.eos_token_id
-        self.producer = RolloutProducer(
-            self.session,
+        return RolloutProducer(
+            session,
             self.reward_runner,
             self.train_records,
             self.dynamic_sampling,
@@ -268,16 +285,13 @@ class DAPODataModule(pl.LightningDataModule):
             layout=RankLayout(rank, world, self._tp_size),
             sync=self._sum_over_ranks,
             on_scored=lambda rollouts: call_dapo_hook(self.trainer, "on_rollouts_scored", rollouts),
-            demonstrations=unsolved_demonstrations(self.session, self.sampling.max_tokens),
+            demonstrations=unsolved_demonstrations(session, self.sampling.max_tokens),
         )
-        self.stream = make_stream(
-            self.dynamic_sampling, self.session, self.producer, self.drawn_log
-        )
-        if self._pending_state is not None:
-            self.load_state_dict(self._pending_state)
 
-    def _make_session(self, rank: int) -> EngineSession:
-        """The engine session; with an environment, one whose engine runs episodes."""
+    def _make_session(self, rank: int, cores: SharedCores | None) -> EngineSession:
+        """The engine session (``cores``: the one-step-off split, handed to its engine); with
+            cores=cores,
+        an environment, one whose engine runs episodes."""
         kwargs: dict[str, Any] = dict(
             engine_kwargs=self.engine_kwargs,
             model_path=self.model_name_or_path,
@@ -303,7 +317,7 @@ class DAPODataModule(pl.LightningDataModule):
     def _sum_over_ranks(self, flags: list[int]) -> list[int]:
         if self._rollout_group is not None:  # the rollout thread's own collectives
             return sum_over_group(flags, self._rollout_group)
-        return sum_over_ranks(flags, self.trainer.strategy)
+        return sum_over_ranks(flags, getattr(self.trainer, "strategy", None))
 
     def teardown(self, stage: str | None = None) -> None:
         if self.stream is not None:
@@ -343,8 +357,17 @@ class DAPODataModule(pl.LightningDataModule):
 
     def publish_policy(self, handle: PolicyHandle) -> None:
         """Sample from now on with ``handle``'s weights, stamped with its version: the engine
-        session pushes them at the next generation (waking a sleep-mode engine first)."""
-        self._ready("publishing a policy").publish(handle)
+        session pushes them at the next generation (waking a sleep-mode engine first). Then a
+        one-step-off batch waiting for ``start_after_updates`` publishes starts if they are
+        done."""
+        stream = self._ready("publishing a policy")
+        stream.publish(handle)
+        stream.start_if_due()
+
+    def core_share(self) -> SharedCores | None:
+        """The update's share of the cores while the one-step-off rollout thread generates
+        beside it (None in sync mode, or before ``setup``)."""
+        return self.stream.cores if self.stream is not None else None
 
     def rewind_rollout_batch(self) -> None:
         """Put the producer and the engine's RNG back to before the last
@@ -390,9 +413,10 @@ class DAPODataModule(pl.LightningDataModule):
         """Every rank's prompt cursor, RNGs, per-prompt statistics, carried groups and engine
         RNG (ranks draw different prompts: each resumes its own). Collective: Lightning calls
         it on every rank when it saves."""
-        if self.producer is None:
+        if self.stream is None:
             return dict(self._pending_state or {})
-        return {"ranks": gather_objects(self._ready("saving").state_dict())}
+        self.stream.quiesce()  # the one-step-off batch in flight finishes: the checkpoint holds it
+        return {"ranks": gather_objects(self.stream.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore this rank's part of :meth:`state_dict`.
@@ -400,7 +424,7 @@ class DAPODataModule(pl.LightningDataModule):
         Raises:
             ValueError: the checkpoint was written by a different number of ranks.
         """
-        if self.producer is None:
+        if not self.is_set_up:
             self._pending_state = state_dict
             return
         self._pending_state = None

@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,16 +55,15 @@ import torch.distributed as dist
 
 from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.checks import ConfigError
-from dapo_lightning.contract import PolicyHandle
 from dapo_lightning.data.dynamic_sampling import DYNAMIC_SAMPLING_PATH, DynamicSamplingConfig
 from dapo_lightning.data.legacy_checkpoints import legacy_ready_batch
 from dapo_lightning.data.producer import RolloutProducer
 from dapo_lightning.data.sources import PromptRecord
 from dapo_lightning.data.step_stats import PIPELINE_STAT_OPS
-from dapo_lightning.data.stream import RolloutStream
+from dapo_lightning.data.stream import Produced, RolloutStream
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
-from dapo_lightning.shared_cores import SharedCores, fit_rollout_threads, share_cores
+from dapo_lightning.shared_cores import SharedCores
 from dapo_lightning.strategy import strategy_kind
 from dapo_lightning.threads import usable_cores
 from dapo_lightning.trace import phase
@@ -70,14 +71,76 @@ from dapo_lightning.trace import phase
 log = logging.getLogger(__name__)
 
 
+# ---------------------------------------------------------------------- where the next batch is
+@dataclass(frozen=True)
+class Idle:
+    """No batch waits, runs or is ready: the next hand-over generates one first (the start of
+    a run, after the end of training, after a batch that failed)."""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """The next batch, not started: it starts once ``start_after_updates`` versions were
+    published after the hand-over (:meth:`OneStepOffStream.start_if_due`), or at the next
+    hand-over, checkpoint or validation.
+
+    Args:
+        dropped_prompts: The data module's count of dropped prompts, stamped on the batch.
+        handed_at: The published version at the hand-over.
+    """
+
+    dropped_prompts: int
+    handed_at: int
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The rollout thread generates the next batch.
+
+    Args:
+        future: Its :class:`Ready` (or the producer's exception, the producer back at the
+            batch's start).
+    """
+
+    future: Future[Ready]
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A finished batch not handed over yet (after a checkpoint, validation, a resume or a
+    rewind).
+
+    Args:
+        produced: The batch and the uids it drew.
+        finished_at: When the rollout thread finished it (``time.perf_counter``; None: it was
+            not generated since the last hand-over, ``time/engine_idle_s`` is then 0).
+    """
+
+    produced: Produced
+    finished_at: float | None = None
+
+
+#: Where the one-step-off stream's next batch is.
+NextBatch = Idle | Pending | InFlight | Ready
+
+
 class OneStepOffStream(RolloutStream):
     """A :class:`RolloutStream` that generates batch ``k + 1`` on a rollout thread while batch
-    ``k`` updates (see the module docstring).
+    ``k`` updates (see the module docstring): a state machine over where the next batch is
+    (:attr:`state`)::
+
+        hand-over of batch k:  Ready, or InFlight waited for -> Pending (start_after > 0)
+                               or InFlight (started with the weights published now)
+        Pending -> InFlight:   start_if_due (start_after publishes), quiesce, the next hand-over
+        InFlight -> Ready:     quiesce (checkpoint, validation, the end of fit)
+        -> Ready:              rewind (batch k again), load_state_dict (the saved batch)
+        -> Idle:               the end of training, a failed batch (the next hand-over starts one)
 
     Args:
         session: The engine session; it must sample with its own copy of the weights
             (``EngineSession(own_copy=True)``: the HF engine would otherwise sample with the
-            module being updated).
+            module being updated), the rollout thread's share of the cores handed to its
+            engine (``EngineSession(cores=...)``).
         producer: The dynamic-sampling producer on ``session`` (under ``torch.distributed``
             its ``sync`` must use a process group of its own).
         drawn_log: Where the uids drawn at each step are appended (logging, tests).
@@ -97,17 +160,13 @@ class OneStepOffStream(RolloutStream):
     ) -> None:
         super().__init__(session, producer, drawn_log)
         self.cores, self.start_after = cores, start_after
-        #: The next batch, not started yet: (dropped prompts, the version at the hand-over).
-        self._pending: tuple[int, int] | None = None
+        #: Where the next batch is: :class:`Idle`, :class:`Pending`, :class:`InFlight`,
+        #: :class:`Ready`.
+        self.state: NextBatch = Idle()
+        #: The batch handed over last (a rewind makes it :class:`Ready` again); None after a
+        #: rewind or a resume.
+        self.handed: Produced | None = None
         self._executor: ThreadPoolExecutor | None = None
-        #: The batch in flight (None when none is).
-        self._future: Future | None = None
-        #: A finished batch not handed over yet and the uids it drew (after a checkpoint,
-        #: validation or a resume).
-        self.ready: tuple[RolloutBatch | EndOfTraining, list[str] | None] | None = None
-        #: The batch handed over last, its uids, the producer / engine state after it (rewind).
-        self._handed: tuple[RolloutBatch, list[str], dict[str, Any]] | None = None
-        self._finished_at: float | None = None
 
     def _init_thread(self) -> None:
         if self.cores is not None:
@@ -118,79 +177,85 @@ class OneStepOffStream(RolloutStream):
     # ------------------------------------------------------------------ the batches
     def next_batch(self, dropped_prompts: int) -> RolloutBatch | EndOfTraining:
         """The next batch (waiting for the one in flight; its uids appended to ``drawn_log``
-        now, in step order), then the start of the one after with the weights published now."""
+        now, in step order), then the next one :class:`Pending`, or started now with the
+        weights published now (``start_after`` 0)."""
         started = time.perf_counter()
-        self._start_pending()  # the step made fewer than start_after updates
-        if self.ready is None and self._future is None:
-            self._submit(dropped_prompts)  # the first batch (or the first after a stop)
-        finished_before = self._finished_at
-        batch, uids = self._take()
-        waited = time.perf_counter() - started
-        if isinstance(batch, EndOfTraining) or uids is None:
+        if isinstance(self.state, Pending):  # the step made fewer than start_after updates
+            self._start(self.state.dropped_prompts)
+        elif isinstance(self.state, Idle):  # the first batch (or the first after a failure)
+            self._start(dropped_prompts)
+        finished = self._finished_at()
+        produced = self._take()
+        batch, waited = produced.batch, time.perf_counter() - started
+        if isinstance(batch, EndOfTraining) or produced.uids is None:
             return batch
         batch.stats["time/trainer_wait_s"] = waited
         batch.stats["time/engine_idle_s"] = (
-            max(0.0, started - finished_before) if finished_before is not None else 0.0
+            max(0.0, started - finished) if finished is not None else 0.0
         )
-        self.drawn_log.append(uids)
-        self._handed = (batch, uids, super().state_dict())
+        self.drawn_log.append(produced.uids)
+        self.handed = produced
         if self.start_after:
-            self._pending = (dropped_prompts, self.version)  # started by publish()
+            self.state = Pending(dropped_prompts, self.version)
         else:
-            self._submit(dropped_prompts)
+            self._start(dropped_prompts)
         return batch
 
-    def publish(self, handle: PolicyHandle) -> None:
-        """Take ``handle``; start the pending batch once ``start_after`` versions were
-        published since the hand-over (on the main thread, between two updates)."""
-        super().publish(handle)
-        if self._pending is not None and handle.version - self._pending[1] >= self.start_after:
-            self._start_pending()
+    def start_if_due(self) -> None:
+        """Start the :class:`Pending` batch once ``start_after`` versions were published since
+        the hand-over (the data module calls it after each publish: on the main thread,
+        between two updates)."""
+        state = self.state
+        if isinstance(state, Pending) and self.version - state.handed_at >= self.start_after:
+            self._start(state.dropped_prompts)
 
-    def _start_pending(self) -> None:
-        """Start the batch that waits for ``start_after`` updates now (none waits: nothing)."""
-        if self._pending is not None:
-            self._submit(self._pending[0])
-
-    def _submit(self, dropped_prompts: int) -> None:
+    def _start(self, dropped_prompts: int) -> None:
         """Start the next batch with the weights published now, pushed from this thread (a
         collective when the policy is sharded; the rollout thread is idle)."""
-        self._pending = None
+        self.state = Idle()
         version = self.version
-        self.session.engine  # noqa: B018 - built here, on the main thread (vLLM's start-up)
+        self.session.build_engine()  # on the main thread (vLLM's start-up)
         self.session.sync(version)
-        self._finished_at = None
         if self.cores is not None:
             self.cores.rollout_started()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="dapo-rollout", initializer=self._init_thread
             )
-        self._future = self._executor.submit(self._generate, dropped_prompts, version)
+        self.state = InFlight(self._executor.submit(self._generate, dropped_prompts, version))
 
-    def _generate(
-        self, dropped_prompts: int, version: int
-    ) -> tuple[RolloutBatch | EndOfTraining, list[str] | None]:
-        fit_rollout_threads()  # back to its share if the last batch ended on all the cores
+    def _generate(self, dropped_prompts: int, version: int) -> Ready:
+        if self.cores is not None:  # back to its share if the last batch ended on all cores
+            self.cores.fit_rollout()
         try:
-            return self.produce(dropped_prompts, version)
+            produced = self.produce(dropped_prompts, version)
         finally:
-            self._finished_at = time.perf_counter()
+            finished_at = time.perf_counter()
             if self.cores is not None:
                 self.cores.rollout_finished()
+        return Ready(produced, finished_at)
 
-    def _take(self) -> tuple[RolloutBatch | EndOfTraining, list[str] | None]:
-        """The ready batch, else the one in flight (its exception raised here)."""
-        if self.ready is not None:
-            batch, self.ready = self.ready, None
-            return batch
-        future, self._future = self._future, None
-        if future is None:
+    def _finished_at(self) -> float | None:
+        """When the next batch finished, if it has (never waits)."""
+        state = self.state
+        if isinstance(state, InFlight):
+            future = state.future
+            done = future.done() and future.exception() is None
+            return future.result().finished_at if done else None
+        return state.finished_at if isinstance(state, Ready) else None
+
+    def _take(self) -> Produced:
+        """The :class:`Ready` batch, else the one :class:`InFlight`, waited for (its exception
+        raised here); the state is :class:`Idle` after."""
+        state, self.state = self.state, Idle()
+        if isinstance(state, Ready):
+            return state.produced
+        if not isinstance(state, InFlight):
             raise RuntimeError("OneStepOffStream: no batch is ready or in flight.")
         with phase("wait for batch"):
-            return self._wait(future)
+            return self._wait(state.future).produced
 
-    def _wait(self, future: Future) -> tuple[RolloutBatch | EndOfTraining, list[str] | None]:
+    def _wait(self, future: Future[Ready]) -> Ready:
         """The batch in flight, waited for (the rollout thread takes the cores meanwhile)."""
         if self.cores is None:
             return future.result()
@@ -198,31 +263,36 @@ class OneStepOffStream(RolloutStream):
             return future.result()
 
     def quiesce(self) -> None:
-        """Let the batch in flight finish and keep it as :attr:`ready` (before validation and
-        checkpoints: the engine is free, the producer's state is the one after it); a batch
-        not started yet starts now, with the weights published last."""
-        self._start_pending()
-        future, self._future = self._future, None
-        if future is not None:
-            self.ready = self._wait(future)  # raises: the producer is back at its start
+        """Let the batch in flight finish and keep it :class:`Ready` (before validation and
+        checkpoints: the engine is free, the producer's state is the one after it); a
+        :class:`Pending` batch starts now, with the weights published last."""
+        if isinstance(self.state, Pending):
+            self._start(self.state.dropped_prompts)
+        state = self.state
+        if isinstance(state, InFlight):
+            self.state = Idle()
+            self.state = self._wait(state.future)  # raises: the producer is back at its start
 
     def rewind(self) -> None:
-        """A stop undid the update of the batch handed over last: abandon the batch in flight
-        and hand the last batch over again, the producer back to the state after it."""
-        self._pending = None
-        future, self._future = self._future, None
-        if future is not None:
+        """A stop undid the update of the batch handed over last: abandon the next batch and
+        make the handed one :class:`Ready` again, the producer back to the start of the batch
+        it began after the hand-over (its ``batch_start``; none began while it was
+        :class:`Pending`)."""
+        state, self.state = self.state, Idle()
+        if isinstance(state, InFlight):
             try:
-                future.result()
+                state.future.result()
             except BaseException:  # noqa: BLE001 - a stop: the state is restored below
                 log.debug("the batch in flight when the step was undone failed", exc_info=True)
-        if self._handed is None:
+        handed, self.handed = self.handed, None
+        if handed is None:  # nothing handed over since the resume or the last rewind
+            self.state = state if isinstance(state, Ready) else Idle()
             return
-        batch, uids, state = self._handed
-        super().load_state_dict(state)
+        if isinstance(state, (InFlight, Ready)):
+            self.producer.rewind()
         for key in PIPELINE_STAT_OPS:
-            batch.stats.pop(key, None)
-        self.ready, self._handed = (batch, uids), None
+            handed.batch.stats.pop(key, None)
+        self.state = Ready(handed)
         if self.drawn_log:
             self.drawn_log.pop()
 
@@ -238,26 +308,38 @@ class OneStepOffStream(RolloutStream):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The stream's state after the batch in flight (waited for), and that batch."""
-        self.quiesce()
-        state = super().state_dict()
-        if self.ready is not None and isinstance(self.ready[0], RolloutBatch):
-            batch, uids = self.ready
-            state["ready"] = {k: getattr(batch, k) for k in batch.__dataclass_fields__}
-            state["ready_uids"] = uids
-        return state
+        """The stream's state and its :class:`Ready` batch; never waits (:meth:`quiesce`
+        first: the data module does before a checkpoint).
+
+        Raises:
+            RuntimeError: a batch is :class:`Pending` or :class:`InFlight` (the producer's
+                state is not the one after it yet).
+        """
+        state = self.state
+        if isinstance(state, (Pending, InFlight)):
+            raise RuntimeError(
+                f"OneStepOffStream.state_dict with a batch {type(state).__name__.lower()}: "
+                "call quiesce() first (the checkpoint holds that batch, finished)."
+            )
+        out = super().state_dict()
+        if isinstance(state, Ready) and isinstance(state.produced.batch, RolloutBatch):
+            batch = state.produced.batch
+            out["ready"] = {k: getattr(batch, k) for k in batch.__dataclass_fields__}
+            out["ready_uids"] = state.produced.uids
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the producer and engine; the checkpoint's finished batch is handed over
         first."""
         super().load_state_dict(state)
         ready = legacy_ready_batch(state.get("ready") or {})
-        self.ready = (RolloutBatch(**ready), list(state.get("ready_uids") or [])) if ready else None
-        self._handed = None
+        uids = list(state.get("ready_uids") or [])
+        self.state = Ready(Produced(RolloutBatch(**ready), uids)) if ready else Idle()
+        self.handed = None
 
     def close(self) -> None:
         """End the rollout thread once the batch in flight has finished; that batch stays
-        :attr:`ready` (a checkpoint saved after the run holds it; a later fit trains on it)."""
+        :class:`Ready` (a checkpoint saved after the run holds it; a later fit trains on it)."""
         try:
             self.quiesce()
         except BaseException:  # noqa: BLE001 - the producer is back at the batch's start
@@ -266,7 +348,6 @@ class OneStepOffStream(RolloutStream):
             self._executor.shutdown(wait=True)
             self._executor = None
         if self.cores is not None:
-            share_cores(None)
             torch.set_num_threads(self.cores.chosen)
 
 
@@ -303,24 +384,37 @@ def rollout_process_group(world_size: int) -> Any:
     return dist.new_group(backend="gloo")
 
 
-def make_stream(
-    sampling: DynamicSamplingConfig,
-    session: EngineSession,
-    producer: RolloutProducer,
-    drawn_log: list[list[str]],
-) -> RolloutStream:
-    """The rollout stream of ``sampling.pipeline``; one-step-off splits the cores between the
-    update and the rollout thread (:class:`~dapo_lightning.shared_cores.SharedCores`; the
-    update takes the idle rollout thread's cores with ``sampling.one_step_off.share_cores``)
-    and says so."""
+def split_cores(sampling: DynamicSamplingConfig) -> SharedCores | None:
+    """How the update and the one-step-off rollout thread share the cores
+    (:class:`~dapo_lightning.shared_cores.SharedCores`: the update takes the idle rollout
+    thread's cores with ``sampling.one_step_off.share_cores``), said in the log; None in sync
+    mode."""
     if sampling.pipeline != "one_step_off":
-        share_cores(None)
-        return RolloutStream(session, producer, drawn_log)
+        return None
     usable = usable_cores()
     settings = sampling.one_step_off
     cores = SharedCores(torch.get_num_threads(), usable, lend=settings.share_cores)
-    share_cores(cores)
     start = settings.start_after_updates
     later = f"; each batch starts after {start} updates of the step before" if start else ""
     log.info("pipeline one_step_off: %s (%d usable cores)%s", cores.line(), usable, later)
+    return cores
+
+
+def build_stream(
+    sampling: DynamicSamplingConfig,
+    make_session: Callable[[SharedCores | None], EngineSession],
+    make_producer: Callable[[EngineSession], RolloutProducer],
+    drawn_log: list[list[str]],
+) -> RolloutStream:
+    """The rollout stream of ``sampling.pipeline`` (the one object the data module holds),
+    built in order: the split of the cores (:func:`split_cores`; None in sync mode), the
+    engine session on it (``make_session(cores)``: it hands the rollout thread's share to its
+    engine), the producer on the session, then the sync :class:`RolloutStream` or the
+    :class:`OneStepOffStream` (whose ``cores`` the data module hands to the update)."""
+    cores = split_cores(sampling)
+    session = make_session(cores)
+    producer = make_producer(session)
+    if cores is None:
+        return RolloutStream(session, producer, drawn_log)
+    start = sampling.one_step_off.start_after_updates
     return OneStepOffStream(session, producer, drawn_log, cores=cores, start_after=start)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,6 +68,15 @@ from dapo_lightning.ranks import sum_over_ranks
 from dapo_lightning.rewards.base import RewardRunner
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
+
+
+@dataclass(frozen=True)
+class BatchStart:
+    """The state a batch started from: the producer's (:meth:`RolloutProducer.state_dict`) and
+    the engine's sampling RNG (the session's ``state_dict``)."""
+
+    producer: dict[str, Any]
+    engine: dict[str, Any]
 
 
 class RolloutProducer:
@@ -147,6 +157,9 @@ class RolloutProducer:
         #: Decayed (kept, generated) group counts over all ranks: the round-sizing estimate.
         self.kept_estimate = [0.0, 0.0]
         self.carry = CarryOver(config)
+        #: The state the last :meth:`next_batch` started from (None: none since the last
+        #: :meth:`rewind`); the one snapshot of a batch's start.
+        self.batch_start: BatchStart | None = None
 
     @property
     def carried(self) -> list[VersionedGroups]:
@@ -216,15 +229,30 @@ class RolloutProducer:
 
         Whatever it raises, the producer and the engine's sampling RNG are back in their state
         from before the call (prompt cursor, RNGs, statistics, carried groups), so a checkpoint
-        saved then resumes this step with the same prompts and samples.
+        saved then resumes this step with the same prompts and samples. That state is kept as
+        :attr:`batch_start` (:meth:`rewind`).
         """
-        start, engine_start = self.state_dict(), self.session.state_dict()
+        self.batch_start = BatchStart(self.state_dict(), self.session.state_dict())
         try:
             return self._next_batch(policy_version)
         except BaseException:
-            self.load_state_dict(start)
-            self.session.load_state_dict(engine_start)
+            self._restore(self.batch_start)
             raise
+
+    def rewind(self) -> bool:
+        """Put the producer and the engine's sampling RNG back to :attr:`batch_start`, the state
+        before the last :meth:`next_batch` (a stop dropped its update: the same rollouts are
+        generated again), and forget it; False when there is none (nothing since the last
+        rewind)."""
+        start, self.batch_start = self.batch_start, None
+        if start is None:
+            return False
+        self._restore(start)
+        return True
+
+    def _restore(self, start: BatchStart) -> None:
+        self.load_state_dict(start.producer)
+        self.session.load_state_dict(start.engine)
 
     def _next_batch(self, policy_version: int) -> RolloutBatch:
         stats = StepStats()  # the same names on every rank (reduced over ranks)
@@ -355,6 +383,7 @@ __all__ = [
     "DynamicSamplingConfig",
     "DynamicSamplingError",
     "LEGACY_SELECTION_KEYS",
+    "BatchStart",
     "RolloutProducer",
     "TrainingComplete",
     "concat_rollouts",

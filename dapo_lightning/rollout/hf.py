@@ -22,7 +22,6 @@ from torch import Tensor, nn
 from dapo_lightning import interrupt
 from dapo_lightning.logprobs import position_ids_from_mask
 from dapo_lightning.rollout.base import Completion, EngineSetup, RolloutEngine, SamplingConfig
-from dapo_lightning.shared_cores import fit_rollout_threads
 
 
 def process_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
@@ -84,6 +83,11 @@ class HFRolloutEngine(RolloutEngine):
     Raises:
         ValueError: no EOS id; ``max_batch_size`` < 1; ``device`` for the shared policy.
     """
+
+    #: Called before each decode step on the sampling thread to fit its intra-op threads (the
+    #: one-step-off rollout thread's share of the cores, set by the engine session:
+    #: :meth:`~dapo_lightning.shared_cores.SharedCores.fit_rollout`); None: nothing.
+    fit_threads: Callable[[], object] | None = None
 
     @classmethod
     def from_setup(cls, setup: EngineSetup) -> HFRolloutEngine:
@@ -161,6 +165,12 @@ class HFRolloutEngine(RolloutEngine):
         except StopIteration:
             return torch.device("cpu")
 
+    @property
+    def max_context_tokens(self) -> int | None:
+        """The model config's ``max_position_embeddings`` (None when it has none)."""
+        context = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        return int(context) if isinstance(context, int) else None
+
     # ------------------------------------------------------------------ protocol
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Copy checkpoint-named tensors into the engine's own model (``owns_model``); a no-op
@@ -213,10 +223,11 @@ class HFRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ sampling
     def _before_decode_step(self) -> None:
         """A stop within one decode step, not after the round; the rollout thread's cores
-        (one-step-off: :func:`~dapo_lightning.shared_cores.fit_rollout_threads`)."""
+        (one-step-off: :attr:`fit_threads`)."""
         if self.should_stop():
             interrupt.raise_stop()
-        fit_rollout_threads()
+        if self.fit_threads is not None:
+            self.fit_threads()
 
     def _sample_batch(self, seqs: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         device = self._device

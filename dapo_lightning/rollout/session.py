@@ -32,7 +32,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from copy import deepcopy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -41,6 +41,9 @@ from dapo_lightning.rollout.base import EngineSetup, RolloutEngine
 from dapo_lightning.rollout.engines import check_engine, engine_class
 from dapo_lightning.trace import phase
 from dapo_lightning.weights import full_named_tensors, is_sharded
+
+if TYPE_CHECKING:
+    from dapo_lightning.shared_cores import SharedCores
 
 
 class EngineSession:
@@ -63,6 +66,10 @@ class EngineSession:
         own_copy: The HF engine samples with its own copy of the weights even when the policy
             is not sharded (the one-step-off pipeline: the engine samples while the policy
             updates); pushes copy the policy's weights into it.
+        cores: The one-step-off split of the cores (None: sync, the engine's thread keeps its
+            count): the engine's ``fit_threads``, called before each decode step, is set to
+            :meth:`~dapo_lightning.shared_cores.SharedCores.fit_rollout` (the HF and vLLM
+            engines call it; the rollout thread takes the update's cores while it waits).
 
     Call :meth:`attach` with a function returning the policy module (possibly wrapped or
     sharded) before the first generation.
@@ -85,10 +92,12 @@ class EngineSession:
         seed: int = 0,
         rank: int = 0,
         own_copy: bool = False,
+        cores: SharedCores | None = None,
     ) -> None:
         check_engine(engine, model_path)
         self.kind = engine if isinstance(engine, str) else None
-        self._engine: RolloutEngine | None = None if isinstance(engine, str) else engine
+        self.cores = cores
+        self._engine = None if isinstance(engine, str) else self._with_threads(engine)
         self.engine_kwargs = dict(engine_kwargs or {})
         self.model_path = model_path
         self.tokenizer = tokenizer
@@ -111,13 +120,31 @@ class EngineSession:
 
     @property
     def engine(self) -> RolloutEngine:
-        """The engine, built on first use."""
+        """The engine, built on first use (:meth:`build_engine`)."""
+        return self.build_engine()
+
+    @property
+    def built_engine(self) -> RolloutEngine | None:
+        """The engine if it is built already, else None (builds nothing)."""
+        return self._engine
+
+    def build_engine(self) -> RolloutEngine:
+        """The engine, built now on the calling thread if it is not yet (vLLM starts up there;
+        the one-step-off stream builds it on the main thread before its first batch), the
+        saved RNG state applied."""
         if self._engine is None:
             self._engine = self._build()
             self.version = 0
             if self._pending_state is not None:
                 self.load_state_dict(self._pending_state)
         return self._engine
+
+    def _with_threads(self, engine: RolloutEngine) -> RolloutEngine:
+        """``engine``, its ``fit_threads`` set to the rollout thread's share of the cores
+        (``cores``; untouched without them)."""
+        if self.cores is not None:
+            engine.fit_threads = self.cores.fit_rollout
+        return engine
 
     def _build(self) -> RolloutEngine:
         setup = EngineSetup(
@@ -128,7 +155,7 @@ class EngineSession:
             rank=self.rank,
             sampling_module=self._sampling_module,
         )
-        return engine_class(str(self.kind)).from_setup(setup)
+        return self._with_threads(engine_class(str(self.kind)).from_setup(setup))
 
     def _sampling_module(self) -> tuple[nn.Module, bool]:
         """The module an engine that samples with the policy uses, and whether it is its own:

@@ -68,7 +68,6 @@ from dapo_lightning.rollout.vllm_setup import (
     llm_kwargs,
 )
 from dapo_lightning.rollout.weight_buckets import bucket_named_tensors
-from dapo_lightning.shared_cores import fit_rollout_threads
 
 __all__ = [
     "VLLMRolloutEngine",
@@ -124,6 +123,10 @@ class VLLMRolloutEngine(RolloutEngine):
     )
     needs_model_path = True
     requires_package = ("vllm", _INSTALL_HINT)
+    #: Called before each engine step to fit the stepping thread's intra-op threads (the
+    #: one-step-off rollout thread's share of the cores, set by the engine session:
+    #: :meth:`~dapo_lightning.shared_cores.SharedCores.fit_rollout`); None: nothing.
+    fit_threads: Callable[[], object] | None = None
 
     @classmethod
     def from_setup(cls, setup: EngineSetup) -> VLLMRolloutEngine:
@@ -149,26 +152,8 @@ class VLLMRolloutEngine(RolloutEngine):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = resolve_dtype(dtype, device, "VLLMRolloutEngine.dtype")  # auto: fits the device
         check_settings(dtype, weight_bucket_bytes, kv_cache_space_gb)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if device == "cpu":
-            # vLLM's legacy VLLM_CPU_KVCACHE_SPACE (whole GiB only) would override the size
-            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        quiet_known_warnings()  # before vLLM is imported: it reads its log level then
-        vllm = import_vllm()
-        from vllm.platforms import current_platform
-
-        rank, world = dist_rank_world()
-        if distributed is None:
-            distributed = world > 1
-        if distributed and not (
-            torch.distributed.is_available() and torch.distributed.is_initialized()
-        ):
-            raise RuntimeError(
-                "VLLMRolloutEngine(distributed=True) needs torch.distributed initialised first "
-                "(the trainer's strategy does it); or pass distributed=None/False."
-            )
-        if distributed:
-            export_rank_environment()
+        vllm = _import_vllm_for(device)
+        rank, distributed = _join_ranks(distributed)
         self.model_path = str(model_path)
         self.dtype = dtype
         self.torch_dtype = VLLM_DTYPES[dtype]
@@ -177,9 +162,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.seed = int(seed) + (rank // tensor_parallel_size if distributed else 0)
         self.distributed = bool(distributed)
         self.weight_bucket_bytes = int(weight_bucket_bytes)
-        self.sleep_mode = bool(enable_sleep_mode and current_platform.is_sleep_mode_available())
-        if enable_sleep_mode and not self.sleep_mode:
-            log.warning("vLLM sleep mode is not available on this platform; sleep() is a no-op.")
+        self.sleep_mode = _sleep_mode(enable_sleep_mode)
         self.is_sleeping = False
         #: Checked between engine steps; True aborts the requests in flight (see Args).
         self.should_stop = should_stop
@@ -194,11 +177,21 @@ class VLLMRolloutEngine(RolloutEngine):
         self.lora_request: Any = None
         self._adapter_dir: str | None = None
         self._adapter_pushes = 0
+        self._start_llm(vllm, kwargs)
+
+    def _start_llm(self, vllm: Any, kwargs: dict[str, Any]) -> None:
+        """Start ``vllm.LLM(**kwargs)`` (torch's thread count kept) and read whether the
+        model ties its embeddings (:meth:`load_weights` then needs ``lm_head.weight``)."""
         with keep_torch_threads():
             self.llm = vllm.LLM(**kwargs)
         hf_config = self.llm.llm_engine.model_config.hf_config
         text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
         self.tie_word_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
+
+    @property
+    def max_context_tokens(self) -> int:
+        """vLLM's ``max_model_len`` (``max_model_len`` given, else the model's)."""
+        return int(self.llm.llm_engine.model_config.max_model_len)
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -243,7 +236,8 @@ class VLLMRolloutEngine(RolloutEngine):
             while where:
                 if self.should_stop is not None and self.should_stop():
                     raise StopRequested(stop_requested() or "should_stop")
-                fit_rollout_threads()  # one-step-off: the cores of an idle update
+                if self.fit_threads is not None:  # one-step-off: the cores of an idle update
+                    self.fit_threads()
                 done = [o for o in engine.step() if o.finished and o.request_id in where]
                 if not done:
                     continue
@@ -360,3 +354,48 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.wake_up()
         self.is_sleeping = False
         return True
+
+
+def _import_vllm_for(device: str) -> Any:
+    """vLLM, imported after the environment it reads at import: in-process engine core, the
+    CPU KV-cache size from ``kv_cache_space_gb`` only (vLLM's legacy
+    ``VLLM_CPU_KVCACHE_SPACE``, whole GiB, would override it), known warnings quiet."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if device == "cpu":
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    quiet_known_warnings()  # before vLLM is imported: it reads its log level then
+    return import_vllm()
+
+
+def _join_ranks(distributed: bool | None) -> tuple[int, bool]:
+    """(this rank, whether the engine is one of several of a ``torch.distributed`` job):
+    ``distributed`` None means world size > 1; a distributed engine exports its rank's
+    environment for vLLM's ``external_launcher``.
+
+    Raises:
+        RuntimeError: ``distributed=True`` without ``torch.distributed`` initialised.
+    """
+    rank, world = dist_rank_world()
+    if distributed is None:
+        distributed = world > 1
+    if distributed and not (
+        torch.distributed.is_available() and torch.distributed.is_initialized()
+    ):
+        raise RuntimeError(
+            "VLLMRolloutEngine(distributed=True) needs torch.distributed initialised first "
+            "(the trainer's strategy does it); or pass distributed=None/False."
+        )
+    if distributed:
+        export_rank_environment()
+    return rank, bool(distributed)
+
+
+def _sleep_mode(enable_sleep_mode: bool) -> bool:
+    """Whether the engine sleeps between rollouts: asked for and available on this platform
+    (a warning when asked for where it is not: :meth:`VLLMRolloutEngine.sleep` does nothing)."""
+    from vllm.platforms import current_platform
+
+    available = bool(enable_sleep_mode and current_platform.is_sleep_mode_available())
+    if enable_sleep_mode and not available:
+        log.warning("vLLM sleep mode is not available on this platform; sleep() is a no-op.")
+    return available

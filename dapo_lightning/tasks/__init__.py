@@ -16,12 +16,15 @@ One module per built-in task holds its problems and its reward, each registered 
 * :mod:`dapo_lightning.tasks.reasoning_gym`: the ``reasoning-gym`` package's procedural datasets
   (the ``tasks`` extra), scored by each dataset's own ``score_answer``; its rows carry their
   ``split`` (held-out problems from another seed) and the scorer's entry (``reward_kwargs``).
+* :mod:`dapo_lightning.tasks.code_functions`: generated "write f(x) that ..." problems with
+  unit tests, scored by the ``code_tests`` reward in the sandbox; held-out problems too.
 """
 
 from __future__ import annotations
 
 from dapo_lightning.tasks.arithmetic import ArithmeticReward, make_arithmetic_rows
 from dapo_lightning.tasks.base import TASKS, Task, get_task, register_task
+from dapo_lightning.tasks.code_functions import make_code_function_rows
 from dapo_lightning.tasks.reasoning_gym import ReasoningGymReward, make_reasoning_gym_rows
 from dapo_lightning.tasks.word_problems import LastNumberReward, make_word_problem_rows
 
@@ -33,6 +36,7 @@ __all__ = [
     "Task",
     "get_task",
     "make_arithmetic_rows",
+    "make_code_function_rows",
     "make_reasoning_gym_rows",
     "make_word_problem_rows",
     "register_task",
