@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import sys
 import time
 from argparse import ArgumentError
 from collections.abc import Callable, Iterator, Sequence
@@ -36,25 +37,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
 
-from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.checks import ConfigError, check_choice, check_count, check_finite
-from dapo_lightning.data.config import PromptConfig, ValidationConfig
-from dapo_lightning.data.loading import load_prompt_sets, prompt_fields, prompt_task
-from dapo_lightning.data.sources import tokenize_records
+from dapo_lightning.cli.errors import class_error
+from dapo_lightning.cli.parser import (
+    DAPOHelpFormatter,
+    StrictArgumentParser,
+    bad_key_message,
+    known_keys,
+    nonfinite_message,
+)
+from dapo_lightning.data.config import PromptConfig
+from dapo_lightning.data.loading import load_tokenizer, prepare_prompts
 from dapo_lightning.envs import EnvironmentConfig, environment_factory
-from dapo_lightning.envs.replay import ReplayEngine, complete_episode, play_demonstrations
+from dapo_lightning.envs.replay import complete_episode, play_demonstrations
 from dapo_lightning.envs.runner import ObservationFormatter
-from dapo_lightning.envs.session import introduce_tools
 from dapo_lightning.export import check_new_folder, export_pretrained
 from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.precision import resolve_trainer_precision
 from dapo_lightning.prompts import PromptRecord
-from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.weights import TORCH_DTYPES, load_policy
 
 log = logging.getLogger(__name__)
@@ -71,7 +76,34 @@ def masked_nll(log_probs: Tensor, mask: Tensor) -> Tensor:
     return -(log_probs * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def demonstration_rollouts(
+@dataclass
+class Demonstrations:
+    """Played demonstrations, what the warm-up trains on: row ``i`` of each list is one.
+
+    Args:
+        prompt_ids: The prompt's token ids (as ``fit`` prepares them).
+        response_ids: The episode's tokens: assistant turns and the observations between them.
+        token_mask: Per episode token, 1 on assistant tokens (they enter the loss), 0 on
+            observations.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    token_mask: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def select(self, rows: Sequence[int]) -> Demonstrations:
+        """The demonstrations ``rows``, in that order."""
+        return Demonstrations(
+            [self.prompt_ids[i] for i in rows],
+            [self.response_ids[i] for i in rows],
+            [self.token_mask[i] for i in rows],
+        )
+
+
+def training_demonstrations(
     records: Sequence[PromptRecord],
     environment: EnvironmentConfig,
     tokenizer: Any,
@@ -79,8 +111,9 @@ def demonstration_rollouts(
     max_tokens: int,
     max_episode_tokens: int,
     use_chat_template: bool = True,
-) -> ScoredRollouts:
-    """The environment's demonstrations on ``records``, as RL episodes (module docstring).
+) -> Demonstrations:
+    """The environment's demonstrations on ``records``, played as RL episodes (module
+    docstring).
 
     Records the environment writes no demonstration for are skipped; an episode the
     demonstration does not finish (cut by ``max_tokens`` / ``max_episode_tokens``, or an
@@ -110,22 +143,58 @@ def demonstration_rollouts(
             f"{len(records)} prompts: give it solution_turns(record) (ToolEnvironment), prompts "
             "it can solve, or more sampling.max_tokens / max_episode_tokens."
         )
-    n = len(kept)
-    ones = torch.ones(n)
-    return ScoredRollouts(
+    return Demonstrations(
         prompt_ids=[p for p, _ in kept],
         response_ids=[list(e.token_ids) for _, e in kept],
-        rollout_log_probs=[list(e.log_probs) for _, e in kept],
-        finish_reason=["stop"] * n,
-        group_index=torch.arange(n),
-        prompt_uid=[str(i) for i in range(n)],
-        score=ones,
-        acc=ones.clone(),
-        reward=ones.clone(),
-        loss_mask=torch.ones(n, dtype=torch.bool),
-        sampling=SamplingConfig(max_tokens=max_tokens, temperature=1.0),
         token_mask=[list(e.loss_mask or [1] * len(e.token_ids)) for _, e in kept],
     )
+
+
+@dataclass
+class DemonstrationBatch:
+    """Padded demonstrations (:func:`pad_demonstrations`).
+
+    Args:
+        input_ids: ``[B, P + T]`` prompt (left-padded) then episode (right-padded) tokens.
+        attention_mask: ``[B, P + T]`` 1 on real tokens.
+        response_mask: ``[B, T]`` the episode tokens' loss mask (0 on padding).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_mask: Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_width(self) -> int:
+        """``T``: the episode columns at the right of ``input_ids``."""
+        return self.response_mask.shape[1]
+
+
+def pad_demonstrations(demos: Demonstrations, pad_token_id: int) -> DemonstrationBatch:
+    """``demos`` as tensors, in the layout of :class:`~dapo_lightning.batch.RolloutBatch`:
+    with ``P`` the longest prompt and ``T`` the longest episode (at least 1), row ``b`` is::
+
+        input_ids[b]      = [pad] * (P - |x_b|) + x_b + y_b + [pad] * (T - |y_b|)
+        attention_mask[b] = [0] * (P - |x_b|)   + [1] * (|x_b| + |y_b|) + [0] * (T - |y_b|)
+        response_mask[b]  = m_b + [0] * (T - |y_b|)
+
+    for prompt ``x_b``, episode ``y_b`` and its token mask ``m_b``."""
+    n = len(demos)
+    P = max((len(p) for p in demos.prompt_ids), default=1)
+    T = max(1, max((len(r) for r in demos.response_ids), default=1))
+    input_ids = torch.full((n, P + T), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, P + T), dtype=torch.long)
+    response_mask = torch.zeros((n, T), dtype=torch.float32)
+    for i, (p, r, m) in enumerate(zip(demos.prompt_ids, demos.response_ids, demos.token_mask)):
+        input_ids[i, P - len(p) : P] = torch.as_tensor(p, dtype=torch.long)
+        input_ids[i, P : P + len(r)] = torch.as_tensor(r, dtype=torch.long)
+        attention_mask[i, P - len(p) : P + len(r)] = 1
+        response_mask[i, : len(r)] = torch.as_tensor(m, dtype=torch.float32)
+    return DemonstrationBatch(input_ids, attention_mask, response_mask)
 
 
 @dataclass
@@ -158,23 +227,24 @@ class SFTSettings:
 
 
 class DemonstrationBatches(torch.utils.data.IterableDataset):
-    """Endless padded batches of ``batch_size`` demonstrations, reshuffled each pass."""
+    """Endless padded batches of ``batch_size`` demonstrations (:func:`pad_demonstrations`),
+    reshuffled each pass (a ``random.Random(seed)`` shuffle of the rows; a last short batch of
+    a pass is left out)."""
 
-    def __init__(self, rollouts: ScoredRollouts, batch_size: int, pad_token_id: int, seed: int):
-        self.rollouts = rollouts
-        self.batch_size = min(batch_size, len(rollouts))
+    def __init__(self, demos: Demonstrations, batch_size: int, pad_token_id: int, seed: int):
+        self.demos = demos
+        self.batch_size = min(batch_size, len(demos))
         self.pad_token_id = pad_token_id
         self.seed = seed
 
-    def __iter__(self) -> Iterator[RolloutBatch]:
+    def __iter__(self) -> Iterator[DemonstrationBatch]:
         rng = random.Random(self.seed)
         while True:
-            order = list(range(len(self.rollouts)))
+            order = list(range(len(self.demos)))
             rng.shuffle(order)
             for i in range(0, len(order) - self.batch_size + 1, self.batch_size):
-                part = self.rollouts.select(order[i : i + self.batch_size])
-                part.group_index = torch.arange(len(part))
-                yield RolloutBatch.from_rollouts(part, group_size=1, pad_token_id=self.pad_token_id)
+                part = self.demos.select(order[i : i + self.batch_size])
+                yield pad_demonstrations(part, self.pad_token_id)
 
 
 class SFTModule(LightningModule):
@@ -200,8 +270,7 @@ class SFTModule(LightningModule):
             self.policy = load_policy(self.model_name_or_path, self.torch_dtype)
             self.policy.train()
 
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
-        batch = batch.trim()
+    def training_step(self, batch: DemonstrationBatch, batch_idx: int) -> Tensor:
         logp, _ = response_log_probs(
             self.policy, batch.input_ids, batch.attention_mask, batch.response_width
         )
@@ -261,73 +330,45 @@ class SFTConfig:
 
 
 def load_demonstration_records(config: SFTConfig, tokenizer: Any) -> list[PromptRecord]:
-    """The training prompt records of ``config.prompts`` with the environment's instructions
-    (and worked example), tokenized as ``fit`` tokenizes them."""
-    prompts = config.prompts
-    task = prompt_task(prompts)
-    fields = prompt_fields(prompts, task)
-    train, _ = load_prompt_sets(
-        task, prompts.task_kwargs or {}, prompts.train_files, fields, prompts,
-        ValidationConfig(fraction=0.0), config.seed,
-    )  # fmt: skip
-    env = environment_factory(config.environment)()
-    tools = None
-    if config.environment.add_instructions:
-        tools = introduce_tools(
-            train, env, tokenizer, prompts.apply_chat_template,
-            config.environment.observation_role,
-        )  # fmt: skip
-    records, _ = tokenize_records(
-        train, tokenizer, apply_chat_template=prompts.apply_chat_template,
-        max_prompt_length=prompts.max_prompt_length, overlong_prompts=prompts.overlong_prompts,
-        tools=tools,
-    )  # fmt: skip
-    return records
+    """The training prompt records of ``config.prompts`` as ``fit`` prepares them
+    (:func:`~dapo_lightning.data.loading.prepare_prompts`: the environment's instructions and
+    worked example, tokenized); a task's held-out rows are not used.
 
-
-def run_sft(config: SFTConfig) -> Path:
-    """Write demonstrations, fit :class:`SFTModule` on them, export the model folder.
-
-    Returns:
-        The written model folder.
+    Raises:
+        ConfigError: an environment that cannot be built, an unknown task or option, a bad
+            prompt row or file (named).
     """
-    from transformers import AutoTokenizer
-
     try:
-        out = check_new_folder(config.output_dir)
-    except FileExistsError as err:
-        raise ConfigError(f"output_dir: {err}") from None
-    started, cpu0 = time.perf_counter(), time.process_time()
+        make_env = environment_factory(config.environment)
+    except ValueError as err:
+        raise ConfigError(f"environment: {err}") from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path)
-    except OSError as err:
-        raise ConfigError(
-            f"model_name_or_path={config.model_name_or_path!r} cannot be loaded ({err}); give "
-            "a model folder (dapo-lightning make-model) or a hub name."
-        ) from None
-    try:
-        records = load_demonstration_records(config, tokenizer)
+        prepared = prepare_prompts(
+            config.prompts, tokenizer, seed=config.seed, validation=None,
+            environment=config.environment, make_env=make_env,
+        )  # fmt: skip
     except ConfigError:
         raise
-    except ValueError as err:  # the task's own checks (an unknown task or option)
+    except (ValueError, FileNotFoundError) as err:  # the task's own checks, a missing file
         raise ConfigError(f"prompts: {err}") from None
-    max_prompt = max(len(r.prompt_ids or ()) for r in records)
-    budget = config.environment.episode_budget(max_prompt, config.max_tokens)
-    rollouts = demonstration_rollouts(
-        records, config.environment, tokenizer, max_tokens=config.max_tokens,
-        max_episode_tokens=budget,
-        use_chat_template=config.prompts.apply_chat_template,
-    )  # fmt: skip
+    return prepared.train
+
+
+def fit_demonstrations(
+    config: SFTConfig, demos: Demonstrations, tokenizer: Any
+) -> tuple[SFTModule, float]:
+    """:class:`SFTModule` fitted on ``demos`` for ``config.train.steps`` updates (seeded by
+    ``config.seed``), logging ``sft/loss`` and ``sft/tokens`` to ``metrics.csv`` in
+    :func:`sft_log_dir`, and its last ``sft/loss``."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    data = DemonstrationBatches(rollouts, config.train.batch_size, int(pad), config.seed)
+    data = DemonstrationBatches(demos, config.train.batch_size, int(pad), config.seed)
     module = SFTModule(config.model_name_or_path, config.train, config.torch_dtype)
-    log_dir = Path(config.log_dir) if config.log_dir else out.parent / f"{out.name}-logs"
     trainer = Trainer(
         accelerator=config.accelerator,
         devices=1,
         precision=resolve_trainer_precision(config.precision, config.accelerator),
         max_steps=config.train.steps,
-        logger=CSVLogger(str(log_dir), name="", version=""),
+        logger=CSVLogger(str(sft_log_dir(config)), name="", version=""),
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -335,52 +376,123 @@ def run_sft(config: SFTConfig) -> Path:
     )
     torch.manual_seed(config.seed)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    return module, float(trainer.callback_metrics.get("sft/loss", float("nan")))
+
+
+def sft_log_dir(config: SFTConfig) -> Path:
+    """``config.log_dir``, else ``<output_dir>-logs`` beside the output folder."""
+    out = Path(config.output_dir)
+    return Path(config.log_dir) if config.log_dir else out.parent / f"{out.name}-logs"
+
+
+def run_sft(config: SFTConfig) -> Path:
+    """Write demonstrations, fit :class:`SFTModule` on them, export the model folder; the
+    run's numbers go to ``sft_summary.json`` in :func:`sft_log_dir`.
+
+    Returns:
+        The written model folder.
+    """
+    try:
+        out = check_new_folder(config.output_dir)
+    except FileExistsError as err:
+        raise ConfigError(f"output_dir: {err}") from None
+    started, cpu0 = time.perf_counter(), time.process_time()
+    try:  # as the data module loads it
+        tokenizer = load_tokenizer(config.model_name_or_path, field="model_name_or_path")
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from None
+    records = load_demonstration_records(config, tokenizer)
+    max_prompt = max(len(r.prompt_ids or ()) for r in records)
+    demos = training_demonstrations(
+        records, config.environment, tokenizer, max_tokens=config.max_tokens,
+        max_episode_tokens=config.environment.episode_budget(max_prompt, config.max_tokens),
+        use_chat_template=config.prompts.apply_chat_template,
+    )  # fmt: skip
+    module, final_loss = fit_demonstrations(config, demos, tokenizer)
     export_pretrained(module.policy, tokenizer, out)
     summary = {
-        "demonstrations": len(rollouts),
+        "demonstrations": len(demos),
         "steps": config.train.steps,
         "wall_s": round(time.perf_counter() - started, 1),
         "cpu_s": round(time.process_time() - cpu0, 1),
-        "final_loss": float(trainer.callback_metrics.get("sft/loss", float("nan"))),
+        "final_loss": final_loss,
     }
-    (log_dir / "sft_summary.json").write_text(json.dumps(summary, indent=1))
+    (sft_log_dir(config) / "sft_summary.json").write_text(json.dumps(summary, indent=1))
     print(f"sft: wrote {out} ({json.dumps(summary)})")
     return out
+
+
+#: ``dapo-lightning sft``'s usage line (the form of ``fit``'s).
+SFT_USAGE = "dapo-lightning sft [--config FILE ...] [--print_config] [OPTIONS]"
+
+
+def sft_parser() -> StrictArgumentParser:
+    """The parser of ``dapo-lightning sft``: :class:`SFTConfig`'s fields as options (its
+    ``prompts`` a :class:`~dapo_lightning.data.config.PromptConfig` group), ``--config`` files,
+    ``--print_config``; options spelled out in full, as ``fit``'s
+    (:class:`~dapo_lightning.cli.parser.StrictArgumentParser`). Errors are raised, not printed
+    (:func:`sft_main` says them in one line)."""
+    parser = StrictArgumentParser(
+        exit_on_error=False,
+        prog="dapo-lightning sft",
+        usage=SFT_USAGE,
+        description="Supervised warm-up on the demonstrations an environment writes (the cold "
+        "start of agent RL); writes a model folder fit can load.",
+        formatter_class=DAPOHelpFormatter,
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="an sft YAML file")
+    parser.add_class_arguments(SFTConfig, as_group=False, skip={"prompts"})
+    parser.add_class_arguments(PromptConfig, "prompts")
+    return parser
+
+
+def parse_sft_config(argv: Sequence[str]) -> SFTConfig:
+    """The :class:`SFTConfig` of ``dapo-lightning sft``'s arguments.
+
+    Raises:
+        ConfigError: one line naming the setting, as ``fit`` says it: an unknown key (the
+            closest valid one suggested), a non-finite number, a value a class refuses.
+    """
+    parser = sft_parser()
+    try:
+        args = parser.parse_args(list(argv))
+    except ArgumentError as err:
+        message = str(err)
+        short = nonfinite_message(message) or bad_key_message(
+            message, lambda class_path: known_keys(parser, class_path)
+        )
+        raise ConfigError(short or " ".join(message.split())) from None
+    try:
+        init = parser.instantiate_classes(args)
+    except ValueError as err:  # a dataclass's own check (ConfigError included)
+        refused = class_error(err)
+        raise (refused or ConfigError(" ".join(str(err).split()))) from None
+    values = {k: v for k, v in vars(init).items() if k not in ("config", "__path__")}
+    return SFTConfig(**values)
 
 
 def sft_main(
     argv: Sequence[str] | None = None, *, run: Callable[[SFTConfig], Path] = run_sft
 ) -> Path:
-    """``dapo-lightning sft --config SFT.yaml [--key value ...]`` (:class:`SFTConfig`)."""
-    parser = ArgumentParser(
-        exit_on_error=False,
-        prog="dapo-lightning sft",
-        description="Supervised warm-up on the demonstrations an environment writes (the cold "
-        "start of agent RL); writes a model folder fit can load.",
-    )
-    parser.add_argument("--config", action=ActionConfigFile, help="an sft YAML file")
-    parser.add_class_arguments(SFTConfig, as_group=False, skip={"prompts"})
-    parser.add_class_arguments(PromptConfig, "prompts")
-    try:
-        args = parser.parse_args(list(argv) if argv is not None else None)
-    except ArgumentError as err:  # one line, as every other bad setting
-        raise ConfigError("sft: " + " ".join(str(err).split())) from None
-    try:
-        init = parser.instantiate_classes(args)
-    except (ValueError, TypeError) as err:  # a dataclass's own check (ConfigError included)
-        raise ConfigError(f"sft {err}") from None
-    values = {k: v for k, v in vars(init).items() if k not in ("config", "__path__")}
-    return run(SFTConfig(**values))
+    """``dapo-lightning sft --config SFT.yaml [--key value ...]`` (:class:`SFTConfig`,
+    :func:`parse_sft_config`): ``run`` on the parsed config."""
+    return run(parse_sft_config(sys.argv[1:] if argv is None else argv))
 
 
 __all__ = [
+    "DemonstrationBatch",
     "DemonstrationBatches",
-    "ReplayEngine",
+    "Demonstrations",
     "SFTConfig",
     "SFTModule",
     "SFTSettings",
-    "demonstration_rollouts",
+    "fit_demonstrations",
+    "load_demonstration_records",
     "masked_nll",
+    "pad_demonstrations",
+    "parse_sft_config",
     "run_sft",
     "sft_main",
+    "sft_parser",
+    "training_demonstrations",
 ]

@@ -19,7 +19,7 @@ from dapo_lightning.envs import (
     plan_calls,
 )
 from dapo_lightning.prompts import PromptRecord, encode_prompt
-from dapo_lightning.sft import demonstration_rollouts
+from dapo_lightning.sft import training_demonstrations
 
 
 def call(name: str, a: int, b: int) -> str:
@@ -117,7 +117,7 @@ def test_a_chained_demonstration_is_an_rl_episode_with_two_observations(tiny_che
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
     r = record("2*3*4=")
     r.prompt_ids = encode_prompt(tokenizer, r.prompt, True)
-    rollouts = demonstration_rollouts(
+    rollouts = training_demonstrations(
         [r], EnvironmentConfig(name="arithmetic"), tokenizer, max_tokens=200,
         max_episode_tokens=512,
     )  # fmt: skip

@@ -34,11 +34,18 @@ from dapo_lightning.envs import (
     parse_tool_calls,
     with_instructions,
 )
-from dapo_lightning.envs.runner import episode_results, token_masks
+from dapo_lightning.envs.replay import ReplayEngine
+from dapo_lightning.envs.runner import episode_results, fit_episode_budget, token_masks
 from dapo_lightning.prompts import PromptRecord, encode_prompt
 from dapo_lightning.rewards.base import RewardResult
-from dapo_lightning.rollout.base import Completion, EngineCapabilities, SamplingConfig
+from dapo_lightning.rollout.base import (
+    Completion,
+    EngineCapabilities,
+    RolloutEngine,
+    SamplingConfig,
+)
 from dapo_lightning.rollout.hf import HFRolloutEngine, process_logits
+from dapo_lightning.rollout.vllm import VLLMRolloutEngine
 
 
 # ---------------------------------------------------------------------------- calculator
@@ -391,6 +398,99 @@ def test_unknown_prompts_and_context_are_refused(tiny):
     runner.engine.capabilities = streaming  # what a vLLM engine declares (but adapters)
     assert runner.capabilities == EngineCapabilities(tensor_parallel=True, sleep=True)
     assert runner.model is model and runner.state_dict()["seed"] == runner.engine.seed
+
+
+class RecordingEngine(RolloutEngine):
+    """An engine with every optional part, recording what reaches it; a 300-token context."""
+
+    capabilities = EngineCapabilities(tensor_parallel=True, sleep=True, adapters=True)
+    model = "the policy"
+    sleep_mode = True
+    lora_enabled = True
+    max_context_tokens = 300
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def generate(self, prompts, n, sampling):
+        return [[Completion([1], [0.0], "stop")] * n for _ in prompts]
+
+    def load_weights(self, named_tensors):
+        self.calls.append(("load_weights", [name for name, _ in named_tensors]))
+
+    def load_adapter(self, named_tensors, peft_config):
+        self.calls.append(("load_adapter", [name for name, _ in named_tensors], peft_config))
+
+    def wake_up(self):
+        self.calls.append(("wake_up",))
+        return True
+
+    def sleep(self):
+        self.calls.append(("sleep",))
+        return False
+
+    def state_dict(self):
+        return {"rng": 7}
+
+    def load_state_dict(self, state):
+        self.calls.append(("load_state_dict", state))
+
+
+def test_the_episode_runner_is_a_rollout_engine_of_the_wrapped_engines_parts(tiny):
+    """EpisodeRunner is a RolloutEngine: its context, the policy it samples with, sleep mode,
+    adapters, RNG state and weights are the wrapped engine's (each call reaches it), its
+    capabilities the wrapped engine's without streaming; nothing else is passed through."""
+    tok, model, records = tiny
+    hf = make_runner(tiny, ScriptedEnv)
+    assert isinstance(hf, RolloutEngine) and isinstance(hf.engine, HFRolloutEngine)
+    assert hf.max_context_tokens == model.config.max_position_embeddings == 512
+    inner = RecordingEngine()
+    runner = EpisodeRunner(
+        inner, EnvironmentConfig(max_turns=2), make_env=ScriptedEnv,
+        formatter=ObservationFormatter(tok), decode=tok.decode, records=records,
+        max_episode_tokens=200,
+    )  # fmt: skip
+    assert runner.capabilities == RecordingEngine.capabilities
+    assert (runner.model, runner.sleep_mode, runner.lora_enabled) == ("the policy", True, True)
+    assert runner.max_context_tokens == 300 and runner.state_dict() == {"rng": 7}
+    weights = [("w", torch.zeros(1))]
+    runner.load_weights(iter(weights))
+    runner.load_adapter(iter(weights), "peft config")
+    assert runner.wake_up() is True and runner.sleep() is False
+    runner.load_state_dict({"rng": 8})
+    assert inner.calls == [
+        ("load_weights", ["w"]), ("load_adapter", ["w"], "peft config"), ("wake_up",),
+        ("sleep",), ("load_state_dict", {"rng": 8}),
+    ]  # fmt: skip
+    for name in ("llm", "seed", "owns_model", "stream_groups", "tie_word_embeddings"):
+        assert not hasattr(runner, name), name
+    replay = ReplayEngine(tok, {})
+    assert isinstance(replay, RolloutEngine) and replay.max_context_tokens is None
+
+
+def test_the_episode_budget_is_fitted_to_the_engines_context(tiny, caplog):
+    """The default budget is lowered to the context (a warning), a set one over it refused
+    naming both, an unknown context (None) limits nothing; vLLM's context is its model
+    config's max_model_len."""
+    default, given = EnvironmentConfig(max_turns=3), EnvironmentConfig(max_episode_tokens=400)
+    with caplog.at_level("WARNING"):
+        assert fit_episode_budget(400, 300, default) == 300
+    assert "default budget for 3 turns (400 tokens) is over the engine's context" in caplog.text
+    assert fit_episode_budget(300, 300, given) == 300
+    assert fit_episode_budget(10_000, None, given) == 10_000
+    with pytest.raises(ValueError, match=r"max_episode_tokens=400 exceeds the engine's context "
+                       r"\(300 tokens\)"):  # fmt: skip
+        fit_episode_budget(400, 300, given)
+    tok, _, records = tiny
+    with pytest.raises(ValueError, match=r"\(300 tokens\)"):
+        EpisodeRunner(
+            RecordingEngine(), given, make_env=ScriptedEnv, formatter=ObservationFormatter(tok),
+            decode=tok.decode, records=records, max_episode_tokens=400,
+        )  # fmt: skip
+    vllm = VLLMRolloutEngine.__new__(VLLMRolloutEngine)  # no vLLM here: its model config only
+    config = type("ModelConfig", (), {"max_model_len": 1234})()
+    vllm.llm = type("LLM", (), {"llm_engine": type("Engine", (), {"model_config": config})()})()
+    assert vllm.max_context_tokens == 1234
 
 
 class CountingEnv(ScriptedEnv):

@@ -19,7 +19,7 @@ from dapo_lightning.envs import EnvironmentConfig, EpisodeSession, environment_f
 from dapo_lightning.prompts import PromptRecord, encode_prompt
 from dapo_lightning.rewards.base import RewardRunner
 from dapo_lightning.rollout.base import Completion, SamplingConfig
-from dapo_lightning.sft import demonstration_rollouts
+from dapo_lightning.sft import training_demonstrations
 from dapo_lightning.tasks.arithmetic import ArithmeticReward
 
 
@@ -92,13 +92,13 @@ def test_unsolved_groups_get_the_demonstration_as_their_first_episode(tiny_check
     assert stats.demonstrations == 1.0
     assert out.acc.tolist() == [1, 0, 1, 0, 0, 0] and out.score.tolist()[:2] == [1.0, -1.0]
     assert out.group_index.tolist() == [0, 0, 1, 1, 2, 2] and out.policy_version == 3
-    played = demonstration_rollouts(
+    played = training_demonstrations(
         records[:1], env, tok, max_tokens=200, max_episode_tokens=512
     )  # the same episode, played on its own
     assert out.response_ids[0] == played.response_ids[0]
     assert out.token_mask[0] == played.token_mask[0] and out.tool_calls[0] == 2
     assert out.finish_reason == ["demonstration", "stop", "stop", "stop", "stop", "stop"]
-    assert out.rollout_log_probs[0] == played.rollout_log_probs[0]  # the replay's, unused
+    assert out.rollout_log_probs[0] == [0.0] * len(played.response_ids[0])  # the replay's, unused
     assert out.response_ids[1:] == scored.response_ids[1:]
     assert torch.equal(out.reward[1:], scored.reward[1:])
     # nothing unsolved that the environment can demonstrate: the same rollouts back

@@ -82,7 +82,6 @@ from dapo_lightning.interrupt import NOTHING_SAVED, exit_at_once_on_stop_signals
 from dapo_lightning.logging_setup import quiet_known_warnings
 from dapo_lightning.models import make_model_main
 from dapo_lightning.plot import plot_main
-from dapo_lightning.sft import sft_main
 
 __all__ = [
     "AUTO_CKPT",
@@ -147,7 +146,10 @@ def _run_lightning(args: list[str] | None) -> None:
 
 
 def _sft_main(argv: list[str]) -> None:
-    """``dapo-lightning sft`` (:mod:`dapo_lightning.sft`), with the error contract of ``fit``."""
+    """``dapo-lightning sft`` (:mod:`dapo_lightning.sft`), with the error contract of ``fit``
+    (imported here: :mod:`dapo_lightning.sft` parses with this package's parser)."""
+    from dapo_lightning.sft import sft_main
+
     run_reporting_errors(lambda: sft_main(argv))
 
 

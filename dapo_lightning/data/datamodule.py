@@ -34,12 +34,11 @@ from dapo_lightning.data.difficulty import PromptSelectionConfig
 from dapo_lightning.data.loading import (
     as_file_list,
     engine_group_shard,
-    load_prompt_sets,
     load_tokenizer,
     make_reward_runner,
+    prepare_prompts,
     prompt_fields,
     prompt_task,
-    tokenize_prompt_sets,
 )
 from dapo_lightning.data.one_step_off import OneStepOffConfig
 from dapo_lightning.data.pipeline import build_stream, check_pipeline, rollout_process_group
@@ -51,7 +50,6 @@ from dapo_lightning.envs import (
     EnvironmentConfig,
     EpisodeSession,
     environment_factory,
-    introduce_tools,
     unsolved_demonstrations,
 )
 from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
@@ -243,18 +241,12 @@ class DAPODataModule(pl.LightningDataModule):
         warn_undeclared_dapo_hooks(self.trainer)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.model_name_or_path)
-        train, val = load_prompt_sets(
-            self.task, self.task_kwargs, self.train_files, self.fields, self.prompts,
-            self.validation, self.seed,
+        prepared = prepare_prompts(
+            self.prompts, self.tokenizer, seed=self.seed, validation=self.validation,
+            environment=self.environment, make_env=self._make_env,
         )  # fmt: skip
-        tools = None  # the prompts learn of the tools by the template's tools= or instructions
-        if self._make_env is not None and self.environment.add_instructions:
-            env, template = self._make_env(), self.prompts.apply_chat_template
-            role = self.environment.observation_role
-            tools = introduce_tools(train + val, env, self.tokenizer, template, role)
-        self.train_records, self.val_records, self.dropped_prompts = tokenize_prompt_sets(
-            train, val, self.tokenizer, self.prompts, tools
-        )
+        self.train_records, self.val_records = prepared.train, prepared.val
+        self.dropped_prompts = prepared.dropped
         rank, world = self._rank_world()
         if self.dynamic_sampling.pipeline == "one_step_off":
             check_pipeline(self.trainer, self.engine_kwargs)

@@ -1,10 +1,14 @@
-"""What the data module loads and builds at set-up, as plain functions: the train and
-held-out prompt records (from files or a built-in task) and their token ids, the tokenizer,
-the reward runner, and each engine group's share of the held-out prompts."""
+"""What the data module loads and builds at set-up, as plain functions: the tokenizer, the
+prompt preparation (:func:`prepare_prompts`: the train and held-out prompt records from files or
+a built-in task, an environment's tools introduced, tokenized and cut to ``max_prompt_length``;
+the cold start, :mod:`dapo_lightning.sft`, prepares its prompts with it too), the reward runner,
+and each engine group's share of the held-out prompts."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +21,20 @@ from dapo_lightning.data.sources import (
     split_train_val,
     tokenize_records,
 )
+from dapo_lightning.envs import Environment, EnvironmentConfig, environment_factory
+from dapo_lightning.envs.session import introduce_tools
 from dapo_lightning.rewards import RewardRunner, get_reward
 from dapo_lightning.tasks import Task, get_task
 
 __all__ = [
+    "PreparedPrompts",
     "as_file_list",
     "engine_group_shard",
     "load_prompt_sets",
     "load_tokenizer",
     "make_reward_runner",
+    "prepare_prompts",
     "prompt_task",
-    "tokenize_prompt_sets",
 ]
 
 
@@ -103,21 +110,22 @@ def load_prompt_sets(
     return records, []
 
 
-def load_tokenizer(model_name_or_path: str | None) -> Any:
-    """The tokenizer of ``model_name_or_path``.
+def load_tokenizer(model_name_or_path: str | None, field: str = "data.model_name_or_path") -> Any:
+    """The tokenizer of ``model_name_or_path`` (``field``: the setting that gives it, named in
+    the errors).
 
     Raises:
         ValueError: no path; FileNotFoundError: nothing loadable there.
     """
     if model_name_or_path is None:
-        raise ValueError("DAPODataModule needs model_name_or_path to load the tokenizer.")
+        raise ValueError(f"{field} is needed to load the tokenizer.")
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(model_name_or_path)
     except OSError as err:
         raise FileNotFoundError(
-            f"data.model_name_or_path={model_name_or_path!r}: no tokenizer could be "
+            f"{field}={model_name_or_path!r}: no tokenizer could be "
             f"loaded ({err}). Fix: give an existing folder written by save_pretrained or "
             "a hub id (with network access)."
         ) from err
@@ -136,27 +144,73 @@ def engine_group_shard(
     return padded[rank::world]
 
 
-def tokenize_prompt_sets(
-    train: list[PromptRecord],
-    val: list[PromptRecord],
-    tokenizer: Any,
+@dataclass
+class PreparedPrompts:
+    """Prompt records ready for rollouts (``prompt_ids`` set), from :func:`prepare_prompts`.
+
+    Args:
+        train: The training prompts.
+        val: The held-out prompts.
+        dropped: Prompts dropped for being over ``max_prompt_length`` (``overlong_prompts:
+            drop``), train and held-out.
+    """
+
+    train: list[PromptRecord]
+    val: list[PromptRecord]
+    dropped: int
+
+
+def prepare_prompts(
     prompts: PromptConfig,
-    tools: list[dict[str, Any]] | None = None,
-) -> tuple[list[PromptRecord], list[PromptRecord], int]:
-    """``(train, held-out, prompts dropped)`` with token ids, as ``prompts`` prepares them
-    (``tools``: an environment's tool schemas for a chat template that renders them)."""
+    tokenizer: Any,
+    *,
+    seed: int,
+    validation: ValidationConfig | None,
+    environment: EnvironmentConfig | None = None,
+    make_env: Callable[[], Environment] | None = None,
+) -> PreparedPrompts:
+    """The prompts of a run as ``prompts`` prepares them, in this order:
+
+    1. the records: a built-in task's rows (``task``, ``task_kwargs``, ``seed``) or the prompt
+       files (``train_files``), the held-out ones split off as ``validation`` says
+       (:func:`load_prompt_sets`); ``validation`` None: no held-out prompts (a task's own
+       held-out rows are left out);
+    2. with an ``environment`` that adds instructions, its tools introduced in front of every
+       prompt (:func:`~dapo_lightning.envs.session.introduce_tools` on ``make_env()``, default
+       :func:`~dapo_lightning.envs.environment_factory` of ``environment``);
+    3. tokenized with or without the chat template, prompts over ``max_prompt_length`` tokens
+       refused or dropped (:func:`~dapo_lightning.data.sources.tokenize_records`).
+
+    The data module and the cold start (:mod:`dapo_lightning.sft`) both prepare their prompts
+    here, so a demonstration starts from the tokens an RL episode starts from.
+
+    Raises:
+        ValueError: an unknown task or option, a task's own split with a held-out setting;
+            :class:`~dapo_lightning.prompts.PromptDataError` for a bad row or a prompt too long.
+    """
+    task = prompt_task(prompts)
+    train, val = load_prompt_sets(
+        task, dict(prompts.task_kwargs or {}), as_file_list(prompts.train_files),
+        prompt_fields(prompts, task), prompts, validation or ValidationConfig(), seed,
+    )  # fmt: skip
+    if validation is None:
+        val = []
+    tools = None  # the prompts learn of the tools by the template's tools= or instructions
+    if environment is not None and environment.add_instructions:
+        env = (make_env or environment_factory(environment))()
+        template, role = prompts.apply_chat_template, environment.observation_role
+        tools = introduce_tools(train + val, env, tokenizer, template, role)
     kw = dict(
         apply_chat_template=prompts.apply_chat_template,
         max_prompt_length=prompts.max_prompt_length,
         overlong_prompts=prompts.overlong_prompts,
         tools=tools,
     )
-    train_records, dropped = tokenize_records(train, tokenizer, **kw)
-    val_records: list[PromptRecord] = []
+    train, dropped = tokenize_records(train, tokenizer, **kw)
+    dropped_val = 0
     if val:
-        val_records, dropped_val = tokenize_records(val, tokenizer, **kw)
-        dropped += dropped_val
-    return train_records, val_records, dropped
+        val, dropped_val = tokenize_records(val, tokenizer, **kw)
+    return PreparedPrompts(train, val, dropped + dropped_val)
 
 
 def make_reward_runner(reward: Any, scoring: ScoringConfig) -> RewardRunner:

@@ -10,22 +10,26 @@ the turns) and loss mask. The supervised cold start trains on them (:mod:`dapo_l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import collections
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from torch import Tensor
 
 from dapo_lightning.envs.base import Environment, EnvironmentConfig
 from dapo_lightning.envs.runner import Episode, EpisodeRunner, ObservationFormatter
 from dapo_lightning.envs.tools import ToolEnvironment
 from dapo_lightning.prompts import PromptRecord
-from dapo_lightning.rollout.base import Completion, SamplingConfig
+from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig
 
 
-class ReplayEngine:
+class ReplayEngine(RolloutEngine):
     """A rollout engine that writes given assistant turns instead of sampling them.
 
     ``turns`` maps a prompt's token ids to the texts of its episode's assistant turns; the
     k-th call for a context that starts with that prompt returns turn k, tokenized, EOS
-    appended, log-probabilities 0. Each prompt is played once (``n = 1``).
+    appended, log-probabilities 0. Each prompt is played once (``n = 1``). It has no weights
+    and no context limit (:attr:`max_context_tokens` None).
     """
 
     def __init__(self, tokenizer: Any, turns: dict[tuple[int, ...], list[str]]) -> None:
@@ -56,6 +60,11 @@ class ReplayEngine:
             ids.append(int(self.tokenizer.eos_token_id))
             out.append([Completion(ids, [0.0] * len(ids), "stop", text)])
         return out
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Consume the weights (a gather may be a collective) and keep none: the turns are
+        written, not sampled."""
+        collections.deque(named_tensors, maxlen=0)
 
 
 def play_demonstrations(

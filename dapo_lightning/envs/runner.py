@@ -1,9 +1,9 @@
 """The episode runner: multi-turn episodes on any rollout engine, returned as completions.
 
-:class:`EpisodeRunner` wraps an engine and implements the same
-:class:`~dapo_lightning.rollout.base.RolloutEngine` protocol, so the rollout producer treats an
-episode like a single-turn response (dynamic sampling, overlong shaping, retire/park and the
-end game unchanged). For each prompt it runs ``n`` episodes, batched turn by turn:
+:class:`EpisodeRunner` is a :class:`~dapo_lightning.rollout.base.RolloutEngine` around another
+engine (its sampling, weights, sleep mode, adapters, RNG state and context are that engine's),
+so the rollout producer treats an episode like a single-turn response (dynamic sampling,
+overlong shaping, retire/park and the end game unchanged). For each prompt it runs ``n`` episodes, batched turn by turn:
 
 1. every live episode's context (prompt + everything so far) is continued by one
    ``engine.generate(contexts, 1, ...)`` call (the HF engine re-reads the growing prefix;
@@ -19,8 +19,9 @@ observation tokens, ``text`` the final assistant turn (what the reward function 
 
 Budgets: the assistant tokens of an episode are at most ``sampling.max_tokens`` (the maximum
 response length overlong shaping uses); prompt + all turns + all observations are at most
-``max_episode_tokens`` (checked against the engine's context). An episode that reaches either
-ends with finish reason ``"length"`` (the environment does not see that cut turn; the reward
+``max_episode_tokens`` (kept within the engine's
+:attr:`~dapo_lightning.rollout.base.RolloutEngine.max_context_tokens` by
+:func:`fit_episode_budget`). An episode that reaches either ends with finish reason ``"length"`` (the environment does not see that cut turn; the reward
 function scores the text); one whose environment says ``done``, or that used ``max_turns``
 assistant turns (the environment sees the last one and may give its reward), ends with
 ``"stop"``.
@@ -229,16 +230,13 @@ class _State:
         return sum(self.mask)
 
 
-#: The wrapped engine's attributes an :class:`EpisodeRunner` passes through (sleep mode, the
-#: policy it samples with, LoRA adapters, the sampling RNG state, vLLM's ``llm``).
-DELEGATED = frozenset(
-    {"model", "sleep_mode", "wake_up", "sleep", "lora_enabled", "load_adapter", "llm",
-     "state_dict", "load_state_dict", "owns_model", "seed", "tie_word_embeddings"}
-)  # fmt: skip
-
-
-class EpisodeRunner:
+class EpisodeRunner(RolloutEngine):
     """A rollout engine that runs multi-turn episodes on ``engine`` (module docstring).
+
+    It is the engine the session and the module see: the optional parts of the
+    :class:`~dapo_lightning.rollout.base.RolloutEngine` interface (the policy it samples with,
+    sleep mode, LoRA adapters, the sampling RNG state, the context length) are the wrapped
+    engine's; streaming is not (an episode is generated turn by turn and scored whole).
 
     Args:
         engine: The engine that samples each turn.
@@ -249,7 +247,8 @@ class EpisodeRunner:
         records: Prompt records by their ``prompt_ids`` (an episode starts from its record).
         max_episode_tokens: Resolved ``config.max_episode_tokens``
             (:meth:`EnvironmentConfig.episode_budget`); when ``config.max_episode_tokens`` is
-            None (the default budget) it is lowered to the engine's context, with a warning.
+            None (the default budget) it is lowered to the engine's context
+            (:attr:`max_context_tokens`), with a warning.
 
     Raises:
         ValueError: a set ``max_episode_tokens`` exceeds the engine's context.
@@ -272,49 +271,66 @@ class EpisodeRunner:
         self.formatter = formatter
         self.decode = decode
         self.records = {tuple(r.prompt_ids): r for r in records if r.prompt_ids is not None}
-        self.max_episode_tokens = int(max_episode_tokens)
         self.metric_names = declared_metrics(make_env())
-        context = engine_context(engine)
-        if (
-            context is not None
-            and self.max_episode_tokens > context
-            and config.max_episode_tokens is None
-        ):
-            log.warning(
-                "environment.max_episode_tokens: the default budget for %d turns (%d tokens) "
-                "is over the engine's context; using %d (set it, or lower "
-                "environment.max_observation_tokens / max_turns)",
-                config.max_turns, self.max_episode_tokens, context,
-            )  # fmt: skip
-            self.max_episode_tokens = context
-        if context is not None and self.max_episode_tokens > context:
-            raise ValueError(
-                f"environment.max_episode_tokens={self.max_episode_tokens} exceeds the engine's "
-                f"context ({context} tokens): lower it (or prompts.max_prompt_length / sampling.max_tokens "
-                "when it is null)."
-            )
+        self.max_episode_tokens = fit_episode_budget(
+            int(max_episode_tokens), engine.max_context_tokens, config
+        )
         self.totals = self._zero_totals()
         self._warned_cut = False
 
     def _zero_totals(self) -> dict[str, float]:
         return {**dict.fromkeys(STAT_KEYS, 0), **{f"metric:{n}": 0.0 for n in self.metric_names}}
 
-    def __getattr__(self, name: str) -> Any:
-        """What the engine session and the module read from an engine, from the wrapped one;
-        nothing else (``stream_groups`` above all: episodes are not streamed)."""
-        if name not in DELEGATED:
-            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-        return getattr(self.__dict__["engine"], name)
-
+    # ---------------------------------------------------------------- the wrapped engine's
     @property
     def capabilities(self) -> EngineCapabilities:
         """The wrapped engine's, without streaming: an episode is generated turn by turn and
         scored whole."""
         return dataclasses.replace(self.engine.capabilities, streaming=False)
 
+    @property
+    def max_context_tokens(self) -> int | None:
+        """The wrapped engine's context (:attr:`RolloutEngine.max_context_tokens`)."""
+        return self.engine.max_context_tokens
+
+    @property
+    def model(self) -> Any:
+        """The module the wrapped engine samples with when it is the policy itself."""
+        return self.engine.model
+
+    @property
+    def sleep_mode(self) -> bool:
+        """Whether the wrapped engine sleeps between rollouts."""
+        return self.engine.sleep_mode
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the wrapped engine serves LoRA adapters itself."""
+        return self.engine.lora_enabled
+
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Pass the weights to the wrapped engine."""
         self.engine.load_weights(named_tensors)
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], peft_config: Any) -> None:
+        """Pass the adapter weights to the wrapped engine."""
+        self.engine.load_adapter(named_tensors, peft_config)
+
+    def wake_up(self) -> bool:
+        """Wake the wrapped engine."""
+        return self.engine.wake_up()
+
+    def sleep(self) -> bool:
+        """Put the wrapped engine to sleep."""
+        return self.engine.sleep()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped engine's sampling RNG state."""
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the wrapped engine's sampling RNG state."""
+        self.engine.load_state_dict(state)
 
     # ---------------------------------------------------------------- episodes
     def generate(
@@ -468,12 +484,25 @@ class EpisodeRunner:
         return env_stats(totals, self.metric_names)
 
 
-def engine_context(engine: Any) -> int | None:
-    """The most prompt + response tokens ``engine`` takes, where it says (HF model config's
-    ``max_position_embeddings``, vLLM's ``max_model_len``); None when unknown."""
-    llm = getattr(engine, "llm", None)
-    if llm is not None:
-        return int(llm.llm_engine.model_config.max_model_len)
-    config = getattr(getattr(engine, "model", None), "config", None)
-    context = getattr(config, "max_position_embeddings", None)
-    return int(context) if isinstance(context, int) else None
+def fit_episode_budget(budget: int, context: int | None, config: EnvironmentConfig) -> int:
+    """The episode budget within the engine's ``context`` (None: unknown, not limited):
+    ``min(budget, context)`` when ``config.max_episode_tokens`` is None (the default budget,
+    lowered with a warning), else ``budget``.
+
+    Raises:
+        ValueError: a set ``max_episode_tokens`` (``budget``) exceeds ``context``.
+    """
+    if context is None or budget <= context:
+        return budget
+    if config.max_episode_tokens is None:
+        log.warning(
+            "environment.max_episode_tokens: the default budget for %d turns (%d tokens) "
+            "is over the engine's context; using %d (set it, or lower "
+            "environment.max_observation_tokens / max_turns)",
+            config.max_turns, budget, context,
+        )  # fmt: skip
+        return context
+    raise ValueError(
+        f"environment.max_episode_tokens={budget} exceeds the engine's context ({context} "
+        "tokens): lower it (or prompts.max_prompt_length / sampling.max_tokens when it is null)."
+    )

@@ -158,6 +158,9 @@ class RolloutEngine(abc.ABC):
       (``stream.send(DRAIN)``) aborts the requests not started yet and lets the started ones
       finish (they are yielded, then the generator ends); closing it aborts everything left.
 
+    * :attr:`max_context_tokens`: the most prompt + response tokens of one sequence. Default
+      None (unknown).
+
     :attr:`capabilities` declares which of streaming, tensor parallelism, sleep and adapters
     the class has (a class that declares one defines its methods, and one that defines
     ``stream_groups`` declares streaming: checked when the class is created). An engine
@@ -192,9 +195,14 @@ class RolloutEngine(abc.ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse a class whose declared capabilities and methods disagree: a capability
         declared without its methods, or methods of a capability it does not declare (the
-        library would never call them)."""
+        library would never call them). A class whose ``capabilities`` is a property (an
+        engine that wraps another and has its capabilities,
+        :class:`~dapo_lightning.envs.runner.EpisodeRunner`) declares them per instance: it is
+        not checked here."""
         super().__init_subclass__(**kwargs)
         caps = cls.capabilities
+        if not isinstance(caps, EngineCapabilities):
+            return
         for capability, methods, defined in (
             ("streaming", "stream_groups", callable(getattr(cls, "stream_groups", None))),
             ("sleep", "sleep and wake_up", _overrides(cls, "sleep", "wake_up")),
@@ -212,6 +220,13 @@ class RolloutEngine(abc.ABC):
         """Build the engine selected by name for the engine session: ``cls(**setup.kwargs)``.
         Override it to take the model path, tokenizer, seed or module of ``setup``."""
         return cls(**setup.kwargs)
+
+    @property
+    def max_context_tokens(self) -> int | None:
+        """The most prompt + response tokens one sequence may have (the model's context); None
+        when the engine does not say (the default). The episode runner keeps episodes within
+        it."""
+        return None
 
     @abc.abstractmethod
     def generate(
