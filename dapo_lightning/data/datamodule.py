@@ -56,9 +56,9 @@ from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
 from dapo_lightning.ranks import gather_objects, sum_over_group, sum_over_ranks
 from dapo_lightning.rewards import RewardRunner
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
-from dapo_lightning.shared_cores import SharedCores
 from dapo_lightning.rollout.engines import check_engine, engine_capabilities
 from dapo_lightning.rollout.session import EngineSession
+from dapo_lightning.shared_cores import SharedCores
 
 
 @dataclass(frozen=True)
@@ -215,12 +215,12 @@ class DAPODataModule(pl.LightningDataModule):
         """``seed``, else the run's ``seed_everything`` (``PL_GLOBAL_SEED``), else 0."""
         if self._seed is not None:
             return self._seed
+        return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
     @property
     def is_set_up(self) -> bool:
         """Whether ``setup`` built the rollout stream (before it, a checkpoint's state waits)."""
         return self.stream is not None
-
-        return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     @property
     def engine(self) -> RolloutEngine | None:
@@ -282,7 +282,6 @@ class DAPODataModule(pl.LightningDataModule):
 
     def _make_session(self, rank: int, cores: SharedCores | None) -> EngineSession:
         """The engine session (``cores``: the one-step-off split, handed to its engine); with
-            cores=cores,
         an environment, one whose engine runs episodes."""
         kwargs: dict[str, Any] = dict(
             engine_kwargs=self.engine_kwargs,
@@ -291,6 +290,7 @@ class DAPODataModule(pl.LightningDataModule):
             seed=self.seed,
             rank=rank,
             own_copy=self.dynamic_sampling.pipeline == "one_step_off",
+            cores=cores,
         )
         if self.environment is None:
             return EngineSession(self.engine_spec, **kwargs)

@@ -171,12 +171,6 @@ class HFRolloutEngine(RolloutEngine):
         context = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         return int(context) if isinstance(context, int) else None
 
-    @property
-    def max_context_tokens(self) -> int | None:
-        """The model config's ``max_position_embeddings`` (None when it has none)."""
-        context = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        return int(context) if isinstance(context, int) else None
-
     # ------------------------------------------------------------------ protocol
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Copy checkpoint-named tensors into the engine's own model (``owns_model``); a no-op

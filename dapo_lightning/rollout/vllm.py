@@ -193,11 +193,6 @@ class VLLMRolloutEngine(RolloutEngine):
         """vLLM's ``max_model_len`` (``max_model_len`` given, else the model's)."""
         return int(self.llm.llm_engine.model_config.max_model_len)
 
-    @property
-    def max_context_tokens(self) -> int:
-        """vLLM's ``max_model_len`` (``max_model_len`` given, else the model's)."""
-        return int(self.llm.llm_engine.model_config.max_model_len)
-
     # ------------------------------------------------------------------ generation
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
