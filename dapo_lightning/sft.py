@@ -17,7 +17,8 @@ The loss is the token-mean negative log-likelihood of the assistant tokens
 
 with ``m`` the episode's loss mask (1 on assistant tokens, 0 on observations and padding).
 
-Run it with ``dapo-lightning sft --config configs/sft/smollm2_tool_use.yaml`` (:func:`sft_main`):
+Run it with ``dapo-lightning sft --config configs/sft/smollm2_tool_use.yaml``
+(:mod:`dapo_lightning.cli.sft_command`, the options of :class:`SFTConfig`):
 it writes a Hugging Face model folder that ``fit`` loads as ``model.model_name_or_path``. The
 problems demonstrated are the ``prompts`` of the sft config: simpler ones than the RL task's, so
 the warm-up teaches the call format, not the task.
@@ -28,29 +29,18 @@ from __future__ import annotations
 import json
 import logging
 import random
-import sys
 import time
-from argparse import ArgumentError
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from jsonargparse import ActionConfigFile
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
 
 from dapo_lightning.checks import ConfigError, check_choice, check_count, check_finite
-from dapo_lightning.cli.errors import class_error
-from dapo_lightning.cli.parser import (
-    DAPOHelpFormatter,
-    StrictArgumentParser,
-    bad_key_message,
-    known_keys,
-    nonfinite_message,
-)
 from dapo_lightning.data.config import PromptConfig
 from dapo_lightning.data.loading import load_tokenizer, prepare_prompts
 from dapo_lightning.envs import EnvironmentConfig, environment_factory
@@ -422,63 +412,6 @@ def run_sft(config: SFTConfig) -> Path:
     return out
 
 
-#: ``dapo-lightning sft``'s usage line (the form of ``fit``'s).
-SFT_USAGE = "dapo-lightning sft [--config FILE ...] [--print_config] [OPTIONS]"
-
-
-def sft_parser() -> StrictArgumentParser:
-    """The parser of ``dapo-lightning sft``: :class:`SFTConfig`'s fields as options (its
-    ``prompts`` a :class:`~dapo_lightning.data.config.PromptConfig` group), ``--config`` files,
-    ``--print_config``; options spelled out in full, as ``fit``'s
-    (:class:`~dapo_lightning.cli.parser.StrictArgumentParser`). Errors are raised, not printed
-    (:func:`sft_main` says them in one line)."""
-    parser = StrictArgumentParser(
-        exit_on_error=False,
-        prog="dapo-lightning sft",
-        usage=SFT_USAGE,
-        description="Supervised warm-up on the demonstrations an environment writes (the cold "
-        "start of agent RL); writes a model folder fit can load.",
-        formatter_class=DAPOHelpFormatter,
-    )
-    parser.add_argument("--config", action=ActionConfigFile, help="an sft YAML file")
-    parser.add_class_arguments(SFTConfig, as_group=False, skip={"prompts"})
-    parser.add_class_arguments(PromptConfig, "prompts")
-    return parser
-
-
-def parse_sft_config(argv: Sequence[str]) -> SFTConfig:
-    """The :class:`SFTConfig` of ``dapo-lightning sft``'s arguments.
-
-    Raises:
-        ConfigError: one line naming the setting, as ``fit`` says it: an unknown key (the
-            closest valid one suggested), a non-finite number, a value a class refuses.
-    """
-    parser = sft_parser()
-    try:
-        args = parser.parse_args(list(argv))
-    except ArgumentError as err:
-        message = str(err)
-        short = nonfinite_message(message) or bad_key_message(
-            message, lambda class_path: known_keys(parser, class_path)
-        )
-        raise ConfigError(short or " ".join(message.split())) from None
-    try:
-        init = parser.instantiate_classes(args)
-    except ValueError as err:  # a dataclass's own check (ConfigError included)
-        refused = class_error(err)
-        raise (refused or ConfigError(" ".join(str(err).split()))) from None
-    values = {k: v for k, v in vars(init).items() if k not in ("config", "__path__")}
-    return SFTConfig(**values)
-
-
-def sft_main(
-    argv: Sequence[str] | None = None, *, run: Callable[[SFTConfig], Path] = run_sft
-) -> Path:
-    """``dapo-lightning sft --config SFT.yaml [--key value ...]`` (:class:`SFTConfig`,
-    :func:`parse_sft_config`): ``run`` on the parsed config."""
-    return run(parse_sft_config(sys.argv[1:] if argv is None else argv))
-
-
 __all__ = [
     "DemonstrationBatch",
     "DemonstrationBatches",
@@ -490,9 +423,6 @@ __all__ = [
     "load_demonstration_records",
     "masked_nll",
     "pad_demonstrations",
-    "parse_sft_config",
     "run_sft",
-    "sft_main",
-    "sft_parser",
     "training_demonstrations",
 ]

@@ -35,7 +35,7 @@ from dapo_lightning.envs import (
     with_instructions,
 )
 from dapo_lightning.envs.replay import ReplayEngine
-from dapo_lightning.envs.runner import episode_results, fit_episode_budget, token_masks
+from dapo_lightning.envs.runner import episode_results, token_masks
 from dapo_lightning.prompts import PromptRecord, encode_prompt
 from dapo_lightning.rewards.base import RewardResult
 from dapo_lightning.rollout.base import (
@@ -474,13 +474,13 @@ def test_the_episode_budget_is_fitted_to_the_engines_context(tiny, caplog):
     config's max_model_len."""
     default, given = EnvironmentConfig(max_turns=3), EnvironmentConfig(max_episode_tokens=400)
     with caplog.at_level("WARNING"):
-        assert fit_episode_budget(400, 300, default) == 300
+        assert default.within_context(400, 300) == 300
     assert "default budget for 3 turns (400 tokens) is over the engine's context" in caplog.text
-    assert fit_episode_budget(300, 300, given) == 300
-    assert fit_episode_budget(10_000, None, given) == 10_000
+    assert given.within_context(300, 300) == 300
+    assert given.within_context(10_000, None) == 10_000
     with pytest.raises(ValueError, match=r"max_episode_tokens=400 exceeds the engine's context "
                        r"\(300 tokens\)"):  # fmt: skip
-        fit_episode_budget(400, 300, given)
+        given.within_context(400, 300)
     tok, _, records = tiny
     with pytest.raises(ValueError, match=r"\(300 tokens\)"):
         EpisodeRunner(

@@ -200,7 +200,7 @@ def test_the_python_tool_recipes_cold_start_matches_its_fit_config():
     easier problems than the fit's (two one-digit terms against three 2-digit factors)."""
     import dataclasses
 
-    from dapo_lightning.sft import sft_main
+    from dapo_lightning.cli.sft_command import sft_main
 
     repo = Path(__file__).resolve().parent.parent
     seen = []

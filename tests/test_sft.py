@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.checks import ConfigError
+from dapo_lightning.cli.sft_command import sft_main
 from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.data.datamodule import DAPODataModule
 from dapo_lightning.data.producer import DynamicSamplingConfig
@@ -31,7 +32,6 @@ from dapo_lightning.sft import (
     masked_nll,
     pad_demonstrations,
     run_sft,
-    sft_main,
     training_demonstrations,
 )
 from dapo_lightning.tasks import get_task

@@ -47,7 +47,8 @@ taken for the option it begins (:class:`StrictArgumentParser`).
 :mod:`~dapo_lightning.cli.parser` (options), :mod:`~dapo_lightning.cli.run_setup` (run paths,
 threads, checks before the ranks start, resuming), :mod:`~dapo_lightning.cli.model_source`
 (the first-use model, the model path check), :mod:`~dapo_lightning.cli.errors` (the error
-contract); ``plot``, ``export``, ``make-model`` and ``sft`` are :mod:`dapo_lightning.plot`,
+contract), :mod:`~dapo_lightning.cli.sft_command` (``sft``'s options, in ``fit``'s style);
+``plot``, ``export``, ``make-model`` and ``sft`` are :mod:`dapo_lightning.plot`,
 :mod:`dapo_lightning.export`, :mod:`dapo_lightning.models` and :mod:`dapo_lightning.sft`.
 
 **Exit status**: 0 when the fit finished; 143 / 130 when SIGTERM / SIGINT stopped it (after
@@ -77,6 +78,7 @@ from dapo_lightning.cli.errors import run_reporting_errors
 from dapo_lightning.cli.model_source import CreateModel
 from dapo_lightning.cli.parser import StrictArgumentParser, nested_nulls
 from dapo_lightning.cli.run_setup import AUTO_CKPT, VALIDATE_LOG_SUFFIX, run_path
+from dapo_lightning.cli.sft_command import sft_main
 from dapo_lightning.export import export_main
 from dapo_lightning.interrupt import NOTHING_SAVED, exit_at_once_on_stop_signals, exit_on_stop
 from dapo_lightning.logging_setup import quiet_known_warnings
@@ -146,10 +148,8 @@ def _run_lightning(args: list[str] | None) -> None:
 
 
 def _sft_main(argv: list[str]) -> None:
-    """``dapo-lightning sft`` (:mod:`dapo_lightning.sft`), with the error contract of ``fit``
-    (imported here: :mod:`dapo_lightning.sft` parses with this package's parser)."""
-    from dapo_lightning.sft import sft_main
-
+    """``dapo-lightning sft`` (:mod:`dapo_lightning.cli.sft_command`), with the error contract
+    of ``fit``."""
     run_reporting_errors(lambda: sft_main(argv))
 
 

@@ -11,6 +11,7 @@ tag format, environments whose methods are tools) live in :mod:`dapo_lightning.e
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 from dapo_lightning.checks import check_finite
 from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.registry import Registry
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -224,3 +227,28 @@ class EnvironmentConfig:
         if self.max_episode_tokens is not None:
             return self.max_episode_tokens
         return max_prompt_length + max_tokens + (self.max_turns - 1) * self.max_observation_tokens
+
+    def within_context(self, budget: int, context: int | None) -> int:
+        """The episode budget ``budget`` (:meth:`episode_budget`) within an engine's ``context``
+        (:attr:`~dapo_lightning.rollout.base.RolloutEngine.max_context_tokens`; None: unknown,
+        no limit): ``min(budget, context)`` when ``max_episode_tokens`` is None (the default
+        budget, lowered with a warning), else ``budget``.
+
+        Raises:
+            ValueError: a set ``max_episode_tokens`` (``budget``) exceeds ``context``.
+        """
+        if context is None or budget <= context:
+            return budget
+        if self.max_episode_tokens is None:
+            log.warning(
+                "environment.max_episode_tokens: the default budget for %d turns (%d tokens) "
+                "is over the engine's context; using %d (set it, or lower "
+                "environment.max_observation_tokens / max_turns)",
+                self.max_turns, budget, context,
+            )  # fmt: skip
+            return context
+        raise ValueError(
+            f"environment.max_episode_tokens={budget} exceeds the engine's context ({context} "
+            "tokens): lower it (or prompts.max_prompt_length / sampling.max_tokens when it is "
+            "null)."
+        )

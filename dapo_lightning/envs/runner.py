@@ -21,7 +21,7 @@ Budgets: the assistant tokens of an episode are at most ``sampling.max_tokens`` 
 response length overlong shaping uses); prompt + all turns + all observations are at most
 ``max_episode_tokens`` (kept within the engine's
 :attr:`~dapo_lightning.rollout.base.RolloutEngine.max_context_tokens` by
-:func:`fit_episode_budget`). An episode that reaches either ends with finish reason ``"length"`` (the environment does not see that cut turn; the reward
+:meth:`~dapo_lightning.envs.base.EnvironmentConfig.within_context`). An episode that reaches either ends with finish reason ``"length"`` (the environment does not see that cut turn; the reward
 function scores the text); one whose environment says ``done``, or that used ``max_turns``
 assistant turns (the environment sees the last one and may give its reward), ends with
 ``"stop"``.
@@ -272,8 +272,8 @@ class EpisodeRunner(RolloutEngine):
         self.decode = decode
         self.records = {tuple(r.prompt_ids): r for r in records if r.prompt_ids is not None}
         self.metric_names = declared_metrics(make_env())
-        self.max_episode_tokens = fit_episode_budget(
-            int(max_episode_tokens), engine.max_context_tokens, config
+        self.max_episode_tokens = config.within_context(
+            int(max_episode_tokens), engine.max_context_tokens
         )
         self.totals = self._zero_totals()
         self._warned_cut = False
@@ -482,27 +482,3 @@ class EpisodeRunner(RolloutEngine):
         """:func:`env_stats` of the episodes since the last call, and a fresh count."""
         totals, self.totals = self.totals, self._zero_totals()
         return env_stats(totals, self.metric_names)
-
-
-def fit_episode_budget(budget: int, context: int | None, config: EnvironmentConfig) -> int:
-    """The episode budget within the engine's ``context`` (None: unknown, not limited):
-    ``min(budget, context)`` when ``config.max_episode_tokens`` is None (the default budget,
-    lowered with a warning), else ``budget``.
-
-    Raises:
-        ValueError: a set ``max_episode_tokens`` (``budget``) exceeds ``context``.
-    """
-    if context is None or budget <= context:
-        return budget
-    if config.max_episode_tokens is None:
-        log.warning(
-            "environment.max_episode_tokens: the default budget for %d turns (%d tokens) "
-            "is over the engine's context; using %d (set it, or lower "
-            "environment.max_observation_tokens / max_turns)",
-            config.max_turns, budget, context,
-        )  # fmt: skip
-        return context
-    raise ValueError(
-        f"environment.max_episode_tokens={budget} exceeds the engine's context ({context} "
-        "tokens): lower it (or prompts.max_prompt_length / sampling.max_tokens when it is null)."
-    )
