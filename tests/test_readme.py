@@ -34,6 +34,11 @@ on ``configs/quickstart.yaml`` / runs/       first (2 updates of the tiny model)
 Environment assignments before a command (``OMP_NUM_THREADS=2 .venv/bin/...``) are kept. The
 extraction and the rules are checked without running anything (fast); the run on the copy is
 ``slow`` (``bash scripts/test.sh tests/test_readme.py -m slow``: minutes, two tiny fits).
+
+Fast too: every import line the README shows (its ``python`` blocks' and the inline ones) runs in
+a fresh interpreter, and the README stays a front page (issue 55): at most
+:data:`MAX_README_LINES` lines, the picture of module, contract, data and engine near the top, one
+results table whose rows link to their measurements and whose decimals are benchmarks/RESULTS.md's.
 """
 
 from __future__ import annotations
@@ -221,6 +226,71 @@ def test_relative_links_point_at_files_and_headings_that_exist():
                 if anchor not in {_slug(h) for h in heads}:
                     broken.append(f"{page.relative_to(REPO)}: {target} (no heading)")
     assert not broken, "\n".join(broken)
+
+
+#: The names the README's picture (near its top) shows: the module, the contract, the data side,
+#: the engine, and what passes between them.
+PICTURE_NAMES = ("DAPOModule", "PolicyHandle", "RolloutChannel", "DAPODataModule", "RolloutEngine",
+                 "RolloutBatch")  # fmt: skip
+MAX_README_LINES = 250
+
+
+def readme_import_lines(text: str) -> list[str]:
+    """Every import line the README shows: those of its ``python`` blocks (top level, as a
+    reader copies them) and the inline code spans that are an import statement."""
+    lines = [
+        line.split("#")[0].strip()
+        for block in readme_blocks(text)
+        if block.lang == "python"
+        for line in block.text.splitlines()
+        if re.match(r"(from [\w.]+ )?import \w", line)
+    ]
+    return lines + re.findall(r"`((?:from [\w.]+ )?import \w[^`]*)`", text)
+
+
+def results_rows(text: str) -> list[list[str]]:
+    """The cells of the table under ``## Results`` (header and rule rows left out)."""
+    section = text.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in r.strip("|").split("|")] for r in rows[2:]]
+
+
+def test_every_import_line_the_readme_shows_imports():
+    """Each import line of the README runs in a fresh interpreter (nothing imported before it),
+    so a renamed or moved public name fails here, not only in the slow run of the examples."""
+    lines = readme_import_lines(README.read_text())
+    assert "from dapo_lightning.callbacks import DAPOCallback" in lines  # the inline one
+    assert "from dapo_lightning import register_policy_objective" in lines
+    assert len(lines) >= 10, lines
+    proc = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_the_readme_is_a_front_page():
+    """At most MAX_README_LINES lines; the picture of module <-> contract <-> data <-> engine
+    near the top; one results table whose every row links to its measurement, and whose
+    decimals are copied from benchmarks/RESULTS.md (the python-tool row may still say so)."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= MAX_README_LINES
+    picture = re.search(r"^```text\n(.*?)^```", text, flags=re.S | re.M)
+    assert picture and text.count("\n", 0, picture.start()) < 20, "the picture, near the top"
+    assert len(picture[1].splitlines()) == 5
+    for name in PICTURE_NAMES:
+        assert name in picture[1], name
+    section = text.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    assert len(re.findall(r"^\|---", section, flags=re.M)) == 1, "one results table"
+    rows = results_rows(text)
+    assert len(rows) >= 8
+    results = (REPO / "benchmarks" / "RESULTS.md").read_text()
+    for what, result, where in rows:
+        assert "](benchmarks/RESULTS.md#" in where or "](docs/" in where, what
+        if result == "in progress":
+            assert "issue 56" in what
+            continue
+        for number in re.findall(r"\d+\.\d+", f"{what} {result}"):
+            assert re.search(rf"(?<![\d.]){re.escape(number)}(?!\d)", results), (what, number)
+    assert any("sandboxed Python tool (issue 56)" in what for what, _, _ in rows)
 
 
 # ----------------------------------------------------------------------------- slow: the runs
