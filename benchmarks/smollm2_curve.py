@@ -84,6 +84,7 @@ RECIPES = {
     "tool_use": "configs/smollm2_tool_use.yaml",  # agent RL: products with the calculator
     "arithmetic": "configs/smollm2_arithmetic.yaml",  # agent RL: chained calls of binary tools
     "python_tool": "configs/smollm2_python_tool.yaml",  # agent RL: a sandboxed Python tool
+    "code_functions": "configs/smollm2_code_functions.yaml",  # code scored by unit tests
 }
 #: The word-problem recipe (the default ``--recipe``).
 RECIPE = RECIPES["word_problems"]
@@ -127,6 +128,7 @@ TARGETS = {
     "tool_use": ("acc", 0.6),
     "arithmetic": ("acc", 0.6),
     "python_tool": ("acc", 0.8),
+    "code_functions": ("gain", 0.1),
 }
 #: Line style of each method in the PNG.
 STYLES = {
@@ -465,6 +467,7 @@ def plot(results: list[dict[str, Any]], path: Path, budget_min: float, clock: st
         "tool_use": "products with a calculator",
         "arithmetic": "3-factor products with binary tools",
         "python_tool": "3-factor products with a Python tool",
+        "code_functions": "write f(x), scored by unit tests",
     }.get(recipe, "reasoning-gym arithmetic")
     names = " vs ".join(dict.fromkeys(r["method"].upper() for r in results))
     fig.suptitle(f"SmolLM2-135M-Instruct {task} on CPU: {names}, equal training budget")
