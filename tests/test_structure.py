@@ -1022,7 +1022,7 @@ MODULE_STATE: dict[tuple[str, str], tuple[str, str]] = {
     ),
     ("dapo_lightning/registry.py", "_LOADED"): (
         "once",
-        "the extension entry points already loaded (loading one twice re-registers its names)",
+        "the extension entry points already imported (each once; load_extensions names the new)",
     ),
     ("dapo_lightning/sandbox/runner.py", "_CHECKED"): (
         "once",
