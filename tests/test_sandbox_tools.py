@@ -96,7 +96,9 @@ def test_a_traceback_a_crash_and_a_timeout_are_observations_and_counted(env):
 
 
 def test_long_output_is_cut_with_a_note():
-    env = PythonToolEnvironment(sandbox={**FAST, "max_output_bytes": 300}, max_observation_chars=50)
+    # a deadline far above the flood's ~0.1 s: on loaded cores 2 s was once not enough
+    slow_ok = {**FAST, "timeout_s": 15.0, "max_output_bytes": 300}
+    env = PythonToolEnvironment(sandbox=slow_ok, max_observation_chars=50)
     env.reset(PromptRecord("q", "q", "0"))
     assert env.step(call("print('a' * 200)")).observation == "a" * 50 + "\n[output truncated]"
     flood = env.step(call("print('b' * 10**6)")).observation
