@@ -254,57 +254,12 @@ class DAPODataModule(pl.LightningDataModule):
         self.reward_runner = make_reward_runner(self.reward, self.scoring)
         self.stream = build_stream(
             self.dynamic_sampling,
-            lambda cores: self._make_session(rank, cores),
-            lambda session: self._make_producer(session, rank, world),
+            lambda cores: _engine_session(self, rank, cores),
+            lambda session: _rollout_producer(self, session, rank, world),
             self.drawn_log,
         )
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
-
-    def _make_producer(self, session: EngineSession, rank: int, world: int) -> RolloutProducer:
-        """The dynamic-sampling producer of this rank on ``session``."""
-        pad = self.tokenizer.pad_token_id
-        pad = pad if pad is not None else self.tokenizer.eos_token_id
-        return RolloutProducer(
-            session,
-            self.reward_runner,
-            self.train_records,
-            self.dynamic_sampling,
-            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-            pad_token_id=int(pad),
-            sampling=self.sampling,
-            seed=self.seed,
-            layout=RankLayout(rank, world, self._tp_size),
-            sync=self._sum_over_ranks,
-            on_scored=lambda rollouts: call_dapo_hook(self.trainer, "on_rollouts_scored", rollouts),
-            demonstrations=unsolved_demonstrations(session, self.sampling.max_tokens),
-        )
-
-    def _make_session(self, rank: int, cores: SharedCores | None) -> EngineSession:
-        """The engine session (``cores``: the one-step-off split, handed to its engine); with
-        an environment, one whose engine runs episodes."""
-        kwargs: dict[str, Any] = dict(
-            engine_kwargs=self.engine_kwargs,
-            model_path=self.model_name_or_path,
-            tokenizer=self.tokenizer,
-            seed=self.seed,
-            rank=rank,
-            own_copy=self.dynamic_sampling.pipeline == "one_step_off",
-            cores=cores,
-        )
-        if self.environment is None:
-            return EngineSession(self.engine_spec, **kwargs)
-        budget = self.environment.episode_budget(self.max_prompt_length, self.sampling.max_tokens)
-        return EpisodeSession(
-            self.engine_spec,
-            environment=self.environment,
-            make_env=self._make_env,
-            records=self.train_records + self.val_records,
-            max_episode_tokens=budget,
-            use_chat_template=self.prompts.apply_chat_template,
-            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-            **kwargs,
-        )
 
     def _sum_over_ranks(self, flags: list[int]) -> list[int]:
         if self._rollout_group is not None:  # the rollout thread's own collectives
@@ -430,3 +385,53 @@ class DAPODataModule(pl.LightningDataModule):
                 "resume with the same number of ranks (the prompt shards differ otherwise)."
             )
         self._ready("resuming").load_state_dict(ranks[rank])
+
+
+def _engine_session(dm: DAPODataModule, rank: int, cores: SharedCores | None) -> EngineSession:
+    """``dm``'s engine session on ``rank`` (``cores``: the one-step-off split, handed to its
+    engine); with an environment, one whose engine runs episodes."""
+    kwargs: dict[str, Any] = dict(
+        engine_kwargs=dm.engine_kwargs,
+        model_path=dm.model_name_or_path,
+        tokenizer=dm.tokenizer,
+        seed=dm.seed,
+        rank=rank,
+        own_copy=dm.dynamic_sampling.pipeline == "one_step_off",
+        cores=cores,
+    )
+    if dm.environment is None:
+        return EngineSession(dm.engine_spec, **kwargs)
+    budget = dm.environment.episode_budget(dm.max_prompt_length, dm.sampling.max_tokens)
+    return EpisodeSession(
+        dm.engine_spec,
+        environment=dm.environment,
+        make_env=dm._make_env,
+        records=dm.train_records + dm.val_records,
+        max_episode_tokens=budget,
+        use_chat_template=dm.prompts.apply_chat_template,
+        decode=lambda ids: dm.tokenizer.decode(ids, skip_special_tokens=True),
+        **kwargs,
+    )
+
+
+def _rollout_producer(
+    dm: DAPODataModule, session: EngineSession, rank: int, world: int
+) -> RolloutProducer:
+    """``dm``'s dynamic-sampling producer of ``rank`` on ``session`` (its sums over ranks and
+    its ``on_rollouts_scored`` hook go through ``dm``)."""
+    pad = dm.tokenizer.pad_token_id
+    pad = pad if pad is not None else dm.tokenizer.eos_token_id
+    return RolloutProducer(
+        session,
+        dm.reward_runner,
+        dm.train_records,
+        dm.dynamic_sampling,
+        decode=lambda ids: dm.tokenizer.decode(ids, skip_special_tokens=True),
+        pad_token_id=int(pad),
+        sampling=dm.sampling,
+        seed=dm.seed,
+        layout=RankLayout(rank, world, dm._tp_size),
+        sync=dm._sum_over_ranks,
+        on_scored=lambda rollouts: call_dapo_hook(dm.trainer, "on_rollouts_scored", rollouts),
+        demonstrations=unsolved_demonstrations(session, dm.sampling.max_tokens),
+    )
