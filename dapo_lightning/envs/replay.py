@@ -104,7 +104,7 @@ def play_demonstrations(
 
 
 def writes_demonstrations(env: Any) -> bool:
-    """True when ``env``'s class has a ``demonstrate`` of its own (not
+    """True when ``env``'s class has a ``solution_turns`` of its own (not
     :class:`~dapo_lightning.envs.tools.ToolEnvironment`'s default, which writes none)."""
     solution_turns = getattr(type(env), "solution_turns", None)
     return callable(solution_turns) and solution_turns is not ToolEnvironment.solution_turns
