@@ -270,7 +270,7 @@ def test_every_import_line_the_readme_shows_imports():
 def test_the_readme_is_a_front_page():
     """At most MAX_README_LINES lines; the picture of module <-> contract <-> data <-> engine
     near the top; one results table whose every row links to its measurement, and whose
-    decimals are copied from benchmarks/RESULTS.md (the python-tool row may still say so)."""
+    decimals are copied from benchmarks/RESULTS.md."""
     text = README.read_text()
     assert len(text.splitlines()) <= MAX_README_LINES
     picture = re.search(r"^```text\n(.*?)^```", text, flags=re.S | re.M)
@@ -285,9 +285,6 @@ def test_the_readme_is_a_front_page():
     results = (REPO / "benchmarks" / "RESULTS.md").read_text()
     for what, result, where in rows:
         assert "](benchmarks/RESULTS.md#" in where or "](docs/" in where, what
-        if result == "in progress":
-            assert "issue 56" in what
-            continue
         for number in re.findall(r"\d+\.\d+", f"{what} {result}"):
             assert re.search(rf"(?<![\d.]){re.escape(number)}(?!\d)", results), (what, number)
     assert any("sandboxed Python tool (issue 56)" in what for what, _, _ in rows)
