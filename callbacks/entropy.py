@@ -24,6 +24,48 @@ _FIXED = ("constant", "linear", "cosine", "exponential")
 _ALL = (*_FIXED, "adaptive")
 
 
+def _check_adaptive(
+    where: str,
+    start: float,
+    target_low: float,
+    target_high: float,
+    adapt_rate: float,
+    max_rel_change: float,
+    coef_min: float,
+    coef_max: float,
+) -> None:
+    """The adaptive schedule's settings: finite, 0 < target_low <= target_high, adapt_rate > 0,
+    max_rel_change in (0, 1), 0 < coef_min <= coef_max, and start within [coef_min, coef_max]."""
+    for name, value in (
+        ("target_low", target_low),
+        ("target_high", target_high),
+        ("coef_min", coef_min),
+        ("coef_max", coef_max),
+        ("adapt_rate", adapt_rate),
+        ("max_rel_change", max_rel_change),
+    ):
+        check_finite(f"{where}.{name}", value)
+    if not 0 < target_low <= target_high:
+        raise ConfigError(
+            f"{where}: the adaptive schedule needs 0 < target_low <= target_high, got "
+            f"target_low={target_low}, target_high={target_high}."
+        )
+    if not adapt_rate > 0:
+        raise ConfigError(f"{where}.adapt_rate must be > 0, got {adapt_rate}.")
+    if not 0 < max_rel_change < 1:
+        raise ConfigError(f"{where}.max_rel_change must be in (0, 1), got {max_rel_change}.")
+    if not 0 < coef_min <= coef_max:
+        raise ConfigError(
+            f"{where}: the adaptive schedule needs 0 < coef_min <= coef_max, got "
+            f"coef_min={coef_min}, coef_max={coef_max}."
+        )
+    if not coef_min <= start <= coef_max:
+        raise ConfigError(
+            f"{where}.start={start} must lie in [coef_min={coef_min}, coef_max={coef_max}] "
+            "for the adaptive schedule."
+        )
+
+
 def _check_schedule(
     schedule: str,
     start: float,
@@ -204,36 +246,16 @@ class EntropyScheduler(DAPOCallback):
         where = type(self).__name__
         _check_schedule(schedule, start, end, total_updates, warmup_updates, where)
         if schedule == "adaptive":
-            for name, value in (
-                ("target_low", target_low),
-                ("target_high", target_high),
-                ("coef_min", coef_min),
-                ("coef_max", coef_max),
-                ("adapt_rate", adapt_rate),
-                ("max_rel_change", max_rel_change),
-            ):
-                check_finite(f"{where}.{name}", value)
-            if not 0 < target_low <= target_high:
-                raise ConfigError(
-                    f"{where}: the adaptive schedule needs 0 < target_low <= target_high, got "
-                    f"target_low={target_low}, target_high={target_high}."
-                )
-            if not adapt_rate > 0:
-                raise ConfigError(f"{where}.adapt_rate must be > 0, got {adapt_rate}.")
-            if not 0 < max_rel_change < 1:
-                raise ConfigError(
-                    f"{where}.max_rel_change must be in (0, 1), got {max_rel_change}."
-                )
-            if not 0 < coef_min <= coef_max:
-                raise ConfigError(
-                    f"{where}: the adaptive schedule needs 0 < coef_min <= coef_max, got "
-                    f"coef_min={coef_min}, coef_max={coef_max}."
-                )
-            if not coef_min <= start <= coef_max:
-                raise ConfigError(
-                    f"{where}.start={start} must lie in [coef_min={coef_min}, coef_max={coef_max}] "
-                    "for the adaptive schedule."
-                )
+            _check_adaptive(
+                where,
+                start,
+                target_low,
+                target_high,
+                adapt_rate,
+                max_rel_change,
+                coef_min,
+                coef_max,
+            )
         self.schedule = schedule
         self.start = float(start)
         self.end = float(end)
