@@ -190,7 +190,7 @@ class CollapseDetector(DAPOCallback):
     ) -> None:
         """Count repetitive and answer-less responses (judged at batch end)."""
         counts = tally_rollouts(self._zero_pending(), rollouts, self.detectors)
-        self._pending.add(rollouts.policy_version, counts)
+        self._pending.add(rollouts.batch_index, counts)
 
     @override
     def on_dapo_update(

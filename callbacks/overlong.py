@@ -209,7 +209,7 @@ class OverlongRewardShaping(DAPOCallback):
             "penalty_sum": penalty_sum,
             "filtered": filtered,
         }
-        self._pending.add(rollouts.policy_version, counts)
+        self._pending.add(rollouts.batch_index, counts)
         for key, value in counts.items():
             self.totals[key] += value
 

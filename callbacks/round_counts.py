@@ -6,10 +6,11 @@ the tally when a rollout step ends must know which step the round belongs to. In
 a step's rounds are scored right before it; with one-step-off rollouts the next batch's rounds
 are scored on the rollout thread *while* the current batch trains, so "everything since the
 last step" would split the two batches between steps by timing (and two threads would update
-one dict). Each round is therefore kept under the policy version it was sampled with
-(``ScoredRollouts.policy_version``), and a step takes the rounds at or below its batch's
-version (``RolloutBatch.policy_version``, its freshest rows): its own rounds, never the next
-batch's, whose version is higher.
+one dict). Each round is therefore kept under the batch it was generated for
+(``ScoredRollouts.batch_index``, the producer's count), and a step takes the rounds of its
+batch and earlier ones (``RolloutBatch.batch_index``): never the next batch's, even where both
+were sampled with the same weights (the first two batches of a one-step-off run, or a step
+whose updates were all skipped).
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ from typing import Any
 
 Counts = dict[str, float]
 
+#: The key under which :meth:`RoundCounts.state_dict` keeps its counts; a checkpoint without it
+#: was written when the counts were kept per policy version (or flat).
+BY_BATCH = "by_batch"
+
 
 class RoundCounts:
-    """Counts per policy version, added from any thread, taken per rollout step.
+    """Counts per rollout batch, added from any thread, taken per rollout step.
 
     Args:
         zero: The counts of no round (the keys every ``take`` returns).
@@ -30,38 +35,44 @@ class RoundCounts:
 
     def __init__(self, zero: Callable[[], Counts]) -> None:
         self._zero = zero
-        self._by_version: dict[int, Counts] = {}
+        self._by_batch: dict[int, Counts] = {}
         self._lock = threading.Lock()
 
-    def add(self, version: int, counts: Mapping[str, float]) -> None:
-        """Add one round's ``counts`` under the ``version`` its rollouts were sampled with."""
+    def add(self, batch_index: int, counts: Mapping[str, float]) -> None:
+        """Add one round's ``counts`` under the batch its rollouts were generated for."""
         with self._lock:
-            total = self._by_version.setdefault(int(version), self._zero())
+            total = self._by_batch.setdefault(int(batch_index), self._zero())
             for key, value in counts.items():
                 total[key] = total.get(key, 0.0) + float(value)
 
     def take(self, batch: Any) -> Counts:
-        """The sum of the rounds sampled at ``batch.policy_version`` or earlier (the rounds of
-        the rollout step training ``batch``), removed; all of them for a batch without a
-        version (a test's stand-in)."""
-        version = getattr(batch, "policy_version", None)
+        """The sum of the rounds generated for ``batch.batch_index`` or an earlier batch (the
+        rounds of the rollout step training ``batch``), removed; all of them for a batch
+        without an index (a test's stand-in)."""
+        index = getattr(batch, "batch_index", None)
         out = self._zero()
         with self._lock:
-            for v in [v for v in self._by_version if version is None or v <= version]:
-                for key, value in self._by_version.pop(v).items():
+            for b in [b for b in self._by_batch if index is None or b <= index]:
+                for key, value in self._by_batch.pop(b).items():
                     out[key] = out.get(key, 0.0) + value
         return out
 
-    def state_dict(self) -> dict[int, Counts]:
+    def state_dict(self) -> dict[str, dict[int, Counts]]:
         with self._lock:
-            return {v: dict(c) for v, c in self._by_version.items()}
+            return {BY_BATCH: {b: dict(c) for b, c in self._by_batch.items()}}
 
     def load_state_dict(self, state: Mapping[Any, Any]) -> None:
-        """Counts saved by :meth:`state_dict`; a flat dict of counts (a checkpoint written before
-        the counts were kept per version) is the rounds of the step under way (version -1:
-        taken by the next step)."""
+        """Counts saved by :meth:`state_dict`. An older checkpoint's counts (kept per policy
+        version, or one flat dict) are the rounds of the step under way: index -1, taken by the
+        next step."""
         with self._lock:
-            if state and all(isinstance(v, (int, float)) for v in state.values()):
-                self._by_version = {-1: {**self._zero(), **state}}
-            else:
-                self._by_version = {int(v): {**self._zero(), **c} for v, c in state.items()}
+            if BY_BATCH in state:
+                saved = state[BY_BATCH]
+                self._by_batch = {int(b): {**self._zero(), **c} for b, c in saved.items()}
+                return
+            older = self._zero()
+            flat = all(isinstance(v, (int, float)) for v in state.values())
+            for counts in [state] if flat else state.values():
+                for key, value in counts.items():
+                    older[key] = older.get(key, 0.0) + float(value)
+            self._by_batch = {-1: older} if state else {}

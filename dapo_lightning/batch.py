@@ -53,6 +53,9 @@ class ScoredRollouts:
             token was sampled.
         tool_calls: Per response, the tool calls its episode made (multi-turn episodes
             only; None for single-turn rollouts).
+        batch_index: Which rollout batch of the run (0, 1, ...; the producer's count) these
+            responses were generated for: a callback's per-round counts go to the step that
+            trains that batch (``callbacks/round_counts.py``), whatever the timing.
     """
 
     prompt_ids: list[list[int]]
@@ -70,6 +73,7 @@ class ScoredRollouts:
     extra: dict[str, list[Any]] = field(default_factory=dict)
     token_mask: list[list[int]] | None = None
     tool_calls: list[int] | None = None
+    batch_index: int = 0
 
     def __post_init__(self) -> None:
         if self.reward is None:
@@ -158,6 +162,7 @@ class ScoredRollouts:
             extra={k: [v[i] for i in index] for k, v in self.extra.items()},
             token_mask=None if self.token_mask is None else [self.token_mask[i] for i in index],
             tool_calls=None if self.tool_calls is None else [self.tool_calls[i] for i in index],
+            batch_index=self.batch_index,
         )
 
 
@@ -191,6 +196,8 @@ class RolloutBatch:
             model and the data cannot disagree about them.
         stats: Metrics of the step by full name (``data/kept_groups``, ``reward/<extra>``...),
             logged as they are.
+        batch_index: Which rollout batch of the run this is (0, 1, ...; the producer's count,
+            :attr:`ScoredRollouts.batch_index` of the rounds that generated it).
 
     A batch may hold no rows (``B = 0``): a rank that kept no group still joins the update's
     collectives.
@@ -211,6 +218,7 @@ class RolloutBatch:
     group_size: int
     sampling: SamplingConfig
     stats: dict[str, float] = field(default_factory=dict)
+    batch_index: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -275,6 +283,7 @@ class RolloutBatch:
             policy_version=self.policy_version,
             group_size=1,
             sampling=self.sampling,
+            batch_index=self.batch_index,
         )
 
     def trim(self) -> RolloutBatch:
@@ -351,6 +360,7 @@ class RolloutBatch:
             group_size=group_size,
             sampling=rollouts.sampling,
             stats=dict(stats or {}),
+            batch_index=rollouts.batch_index,
         )
 
 

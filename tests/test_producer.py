@@ -1079,3 +1079,25 @@ def test_resume_with_reviews_and_deferred_repeats_gives_the_same_selections(tmp_
     assert first + run(resumed, rstep, 23, start=7) == full
     assert full_producer.selector.reviewed > 0
     assert any(s.regressed for s in full_producer.tracker.stats.values())
+
+
+def test_rounds_and_batches_carry_the_index_of_the_batch_they_were_generated_for():
+    """Every scored round (what on_rollouts_scored sees) carries the index of the batch being
+    produced, the batch too, carried groups included; a rewind gives the same index again and
+    a resumed producer goes on counting (RoundCounts keys a callback's counts by it)."""
+    seen: list[int] = []
+    producer = make_producer(
+        gen_batch_size=12, carry_over=True, on_scored=lambda r: seen.append(r.batch_index)
+    )
+    indices = []
+    for version in (0, 0, 1):  # two batches at one version, as the first two of one-step-off
+        seen.clear()
+        batch = producer.next_batch(policy_version=version)
+        indices.append(batch.batch_index)
+        assert seen and set(seen) == {batch.batch_index}
+    assert indices == [0, 1, 2] and producer.batches_made == 3
+    assert producer.rewind()
+    assert producer.next_batch(policy_version=1).batch_index == 2  # the same batch again
+    resumed = make_producer(gen_batch_size=12, carry_over=True)
+    resumed.load_state_dict(producer.state_dict())
+    assert resumed.next_batch(policy_version=2).batch_index == 3

@@ -160,6 +160,8 @@ class RolloutProducer:
         #: The state the last :meth:`next_batch` started from (None: none since the last
         #: :meth:`rewind`); the one snapshot of a batch's start.
         self.batch_start: BatchStart | None = None
+        #: Batches handed out so far: the next one's ``batch_index``.
+        self.batches_made = 0
 
     @property
     def carried(self) -> list[VersionedGroups]:
@@ -258,6 +260,7 @@ class RolloutProducer:
         stats = StepStats()  # the same names on every rank (reduced over ranks)
         kept = self.carry.take(policy_version, stats)
         self.rounds.drawn_uids = []
+        self.rounds.batch_index = self.batches_made
         have = sum(r.num_groups for r, _ in kept)
         skipped_before = self.selector.skipped if self.selector is not None else 0
         need = Shortfall(max(self.local_train - have, 0), int(have < self.local_train))
@@ -277,7 +280,9 @@ class RolloutProducer:
                     break
         if self.selector is not None:
             stats.skipped_predicted = float(self.selector.skipped - skipped_before)
-        return self._assemble(kept, policy_version, stats)
+        batch = self._assemble(kept, policy_version, stats)
+        self.batches_made += 1
+        return batch
 
     def _lockstep_round(
         self,
@@ -339,6 +344,7 @@ class RolloutProducer:
         end = self.carry.keep_surplus(allr, versions, self.local_train, stats)
         mine = member_rows(allr.group_index[:end], self.layout.member, self.layout.tp_size)
         batch_r = allr.select(mine)
+        batch_r.batch_index = self.batches_made  # carried groups included
         sample_version = torch.tensor([versions[i] for i in mine], dtype=torch.long)
         stats.finish(self.sampler.epoch)
         stats.batch_groups = float(batch_r.num_groups)
@@ -364,6 +370,7 @@ class RolloutProducer:
             "selector": self.selector.state_dict() if self.selector is not None else None,
             "kept_estimate": list(self.kept_estimate),
             "carried": self.carry.state_dict(),
+            "batches_made": self.batches_made,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -376,6 +383,7 @@ class RolloutProducer:
             self.selector.load_state_dict(state["selector"])
         self.kept_estimate = [float(x) for x in state.get("kept_estimate", [0.0, 0.0])]
         self.carry.load_state_dict(state["carried"])
+        self.batches_made = int(state.get("batches_made", 0))  # 0 in older checkpoints
 
 
 __all__ = [

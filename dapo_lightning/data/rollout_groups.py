@@ -43,6 +43,7 @@ def concat_rollouts(parts: Sequence[ScoredRollouts]) -> ScoredRollouts:
         tool_calls=None
         if all(p.tool_calls is None for p in parts)
         else [c for p in parts for c in (p.tool_calls or [0] * len(p))],
+        batch_index=max(p.batch_index for p in parts),
     )
 
 

@@ -77,6 +77,8 @@ class GenerationRounds:
         self.on_scored = on_scored
         self.demonstrations = demonstrations
         self.drawn_uids: list[str] = []  # uids drawn since the producer's batch began
+        #: The producer's batch these rounds generate for (stamped on each round's rollouts).
+        self.batch_index = 0
 
     def _draw(self, count: int, stats: StepStats) -> tuple[list[int], list[int]]:
         """``count`` prompt indices and the epochs they were drawn in (:func:`draw_round`)."""
@@ -109,6 +111,7 @@ class GenerationRounds:
             rollouts = demonstrate_unsolved(
                 records, rollouts, self.demonstrations, self.scorer, self.sampling, stats
             )
+        rollouts.batch_index = self.batch_index
         if self.on_scored is not None:
             self.on_scored(rollouts)
         stats.generated_groups += float(len(records))
