@@ -1,7 +1,7 @@
 """How many samples dynamic sampling generates per group it keeps: uniform draws vs predictive
 selection, right-sized rounds and in-flight refill (issue #27).
 
-``--simulated`` (no model, seconds): the REAL :class:`~dapo_lightning.data.producer.RolloutProducer`
+``--simulated`` (no model, seconds): the REAL :class:`~dapo_lightning.data.sampling.producer.RolloutProducer`
 (sampler, difficulty tracker, predictive selector, round sizing, streaming round, carry-over,
 filter, lockstep flags) with a real :class:`~dapo_lightning.rewards.base.RewardRunner`, driven by a
 simulated engine in the one place a model would be: :class:`SimulatedEngine` answers prompt ``i``
@@ -67,8 +67,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bar_chart, out_dir, print_table  # noqa: E402
 
-from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
-from dapo_lightning.data.sources import PromptRecord  # noqa: E402
+from dapo_lightning.data.prompts.sources import PromptRecord  # noqa: E402
+from dapo_lightning.data.sampling.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
 from dapo_lightning.rewards.base import RewardResult, RewardRunner  # noqa: E402
 from dapo_lightning.rollout.base import (  # noqa: E402
     DRAIN,

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bar_chart, out_dir, print_table  # noqa: E402
 from smollm2_curve import DEFAULT_MODEL_DIR, ensure_model  # noqa: E402
 
-from dapo_lightning.data.sources import encode_prompt  # noqa: E402
+from dapo_lightning.data.prompts.sources import encode_prompt  # noqa: E402
 from dapo_lightning.rollout.base import SamplingConfig  # noqa: E402
 from dapo_lightning.tasks.reasoning_gym import (  # noqa: E402
     ReasoningGymReward,

@@ -45,7 +45,7 @@ from _common import bar_chart, out_dir, print_table  # noqa: E402
 from smollm2_curve import DEFAULT_MODEL_DIR, ensure_model  # noqa: E402
 from task_headroom import RG_SETTINGS  # noqa: E402
 
-from dapo_lightning.data.sources import (  # noqa: E402
+from dapo_lightning.data.prompts.sources import (  # noqa: E402
     FieldMap,
     records_from_rows,
     tokenize_records,

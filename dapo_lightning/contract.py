@@ -11,7 +11,7 @@ The module and the data module never read each other's attributes. What passes b
   weights reach the engine at the next generation (``EngineSession.generating``: woken first
   when it sleeps). With ``dynamic_sampling.pipeline: one_step_off`` the next batch is
   generated on a rollout thread while this one updates, with the handle published before the
-  update, or after ``start_after_updates`` of its updates (:mod:`dapo_lightning.data.pipeline`);
+  update, or after ``start_after_updates`` of its updates (:mod:`dapo_lightning.data.streams.one_step_off`);
   the contract is the same.
 * data -> module: a :class:`RolloutSpec` (group size, batch size, prompt and response lengths:
   what every batch will be), read once before any rollout is generated,

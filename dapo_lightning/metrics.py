@@ -21,7 +21,7 @@ same 45 as ``torchmetrics`` objects are synced one state at a time (about 80 col
 against 3.4 ms for this class's three, on two gloo ranks of a 2-core machine
 (``benchmarks/metric_sync_cost.py``, median of 30, 119x). Validation, computed once per
 validation, uses ``torchmetrics`` the Lightning way
-(:class:`~dapo_lightning.data.metrics.ValidationMetrics`).
+(:class:`~dapo_lightning.data.sampling.metrics.ValidationMetrics`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.checkpoint import check_checkpoint_fits
 from dapo_lightning.checks import check_optimizer_settings, optimizer_error
 from dapo_lightning.contract import PolicyHandle, RolloutChannel, rollout_channel
-from dapo_lightning.data.metrics import ValidationMetrics, rollout_step_metrics
+from dapo_lightning.data.sampling.metrics import ValidationMetrics, rollout_step_metrics
 from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
 from dapo_lightning.lightning_internals import optimizer_step_progress
 from dapo_lightning.log_step import log_rollout_step, set_logging_step

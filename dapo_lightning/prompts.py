@@ -1,6 +1,6 @@
 """A prompt and its record: the value types every layer shares (the data module loads them,
 environments start episodes from them, tasks encode them), and the encoding of a prompt to token
-ids. Loading them from files is :mod:`dapo_lightning.data.sources`."""
+ids. Loading them from files is :mod:`dapo_lightning.data.prompts.sources`."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class PromptRecord:
         answer: Ground truth, as a string.
         data_source: Source name, or None.
         prompt_ids: Token ids after the chat template (set by
-            :func:`~dapo_lightning.data.sources.tokenize_records`).
+            :func:`~dapo_lightning.data.prompts.sources.tokenize_records`).
         meta: Extra fields (:data:`ROW_META_KEYS`).
     """
 

@@ -41,8 +41,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
 
 from dapo_lightning.checks import ConfigError, check_choice, check_count, check_finite
-from dapo_lightning.data.config import PromptConfig
-from dapo_lightning.data.loading import load_tokenizer, prepare_prompts
+from dapo_lightning.data.prompts.config import PromptConfig
+from dapo_lightning.data.prompts.loading import load_tokenizer, prepare_prompts
 from dapo_lightning.envs import EnvironmentConfig, environment_factory
 from dapo_lightning.envs.replay import complete_episode, play_demonstrations
 from dapo_lightning.envs.runner import ObservationFormatter
@@ -321,7 +321,7 @@ class SFTConfig:
 
 def load_demonstration_records(config: SFTConfig, tokenizer: Any) -> list[PromptRecord]:
     """The training prompt records of ``config.prompts`` as ``fit`` prepares them
-    (:func:`~dapo_lightning.data.loading.prepare_prompts`: the environment's instructions and
+    (:func:`~dapo_lightning.data.prompts.loading.prepare_prompts`: the environment's instructions and
     worked example, tokenized); a task's held-out rows are not used.
 
     Raises:

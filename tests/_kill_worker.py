@@ -137,9 +137,9 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
 
     from dapo_lightning import DAPODataModule, DAPOModule
     from dapo_lightning.checkpoint import AtomicCheckpointIO, find_resume_checkpoint
-    from dapo_lightning.data.config import PromptConfig, ScoringConfig
-    from dapo_lightning.data.difficulty import PromptSelectionConfig
-    from dapo_lightning.data.producer import DynamicSamplingConfig
+    from dapo_lightning.data.prompts.config import PromptConfig, ScoringConfig
+    from dapo_lightning.data.sampling.producer import DynamicSamplingConfig
+    from dapo_lightning.data.selection.difficulty import PromptSelectionConfig
     from dapo_lightning.interrupt import exit_on_stop
     from dapo_lightning.rollout.base import SamplingConfig
     from dapo_lightning.schedules import WarmupConstantLR

@@ -25,10 +25,10 @@ from dapo_lightning.callbacks.collapse import Detector
 from dapo_lightning import DAPODataModule, DAPOModule
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.cli import build_cli
-from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
-from dapo_lightning.data.difficulty import PromptSelectionConfig
-from dapo_lightning.data.producer import DynamicSamplingConfig, DynamicSamplingError  # noqa: F401
-from dapo_lightning.data.sources import PromptDataError
+from dapo_lightning.data.prompts.config import PromptConfig, ScoringConfig, ValidationConfig
+from dapo_lightning.data.prompts.sources import PromptDataError
+from dapo_lightning.data.sampling.producer import DynamicSamplingConfig, DynamicSamplingError  # noqa: F401
+from dapo_lightning.data.selection.difficulty import PromptSelectionConfig
 from dapo_lightning.rewards import (
     RewardFailureError,
     RewardOutputError,
@@ -731,7 +731,7 @@ def test_half_dtypes_run_on_this_cpu(tiny_checkpoint, dtype):
 
 
 def _files_dm(path: Any, train_files: str, **kw: Any) -> DAPODataModule:
-    from dapo_lightning.data.producer import DynamicSamplingConfig
+    from dapo_lightning.data.sampling.producer import DynamicSamplingConfig
 
     args: dict[str, Any] = dict(
         prompts=PromptConfig(

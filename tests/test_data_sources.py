@@ -299,7 +299,7 @@ def test_a_surrogate_pair_escape_is_text(tmp_path):
 )
 def test_batch_split_errors_name_the_field_and_the_fix(sizes, match):
     from dapo_lightning.checks import ConfigError
-    from dapo_lightning.data.config import check_batch_split
+    from dapo_lightning.data.prompts.config import check_batch_split
 
     with pytest.raises(ConfigError, match=match):
         check_batch_split(*sizes)

@@ -17,7 +17,7 @@ from dapo_lightning.data import (
     ScoredRollouts,
     validation_metrics,
 )
-from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
+from dapo_lightning.data.prompts.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.rollout import SamplingConfig
 from tests._harness import make_trainer
 
@@ -186,7 +186,7 @@ def test_validation_metrics():
     # episodes: the share that called a tool (2 of 4), kept through select and concat
     r.tool_calls = [0, 2, 1, 0]
     assert validation_metrics(r)["val/tool_use_frac"] == 0.5
-    from dapo_lightning.data.rollout_groups import concat_rollouts
+    from dapo_lightning.data.sampling.groups import concat_rollouts
 
     both = concat_rollouts([r.select([1, 0]), r.select([2, 3])])
     assert both.tool_calls == [2, 0, 1, 0] and validation_metrics(both)["val/tool_use_frac"] == 0.5

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from dapo_lightning.checks import ConfigError
-from dapo_lightning.data.difficulty import (
+from dapo_lightning.data.sampling.producer import DynamicSamplingConfig
+from dapo_lightning.data.selection.difficulty import (
     PRIOR,
     DifficultyTracker,
     PredictiveSelector,
@@ -25,7 +26,6 @@ from dapo_lightning.data.difficulty import (
     skip_probability,
     take_probability,
 )
-from dapo_lightning.data.producer import DynamicSamplingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from test_producer import ScriptedEngine
 
 from dapo_lightning import DAPODataModule, DAPOModule, DynamicSamplingConfig, SamplingConfig
-from dapo_lightning.data.config import PromptConfig, ScoringConfig
-from dapo_lightning.data.difficulty import PromptSelectionConfig
+from dapo_lightning.data.prompts.config import PromptConfig, ScoringConfig
+from dapo_lightning.data.selection.difficulty import PromptSelectionConfig
 from tests._harness import fit
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dapo_lightning.batch import RolloutBatch
-from dapo_lightning.data.producer import concat_rollouts
+from dapo_lightning.data.sampling.producer import concat_rollouts
 from dapo_lightning.envs import (
     CalculatorEnvironment,
     CalculatorError,

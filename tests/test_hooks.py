@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 from dapo_lightning import DAPODataModule, hooks
-from dapo_lightning.data.config import PromptConfig
+from dapo_lightning.data.prompts.config import PromptConfig
 from dapo_lightning.hooks import (
     DAPO_HOOKS,
     DAPOCallback,

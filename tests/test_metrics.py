@@ -140,7 +140,7 @@ VAL_BATCHES = [
 
 
 def test_validation_metrics_as_torchmetrics_equal_the_formula():
-    from dapo_lightning.data.metrics import ValidationMetrics, validation_metrics
+    from dapo_lightning.data.sampling.metrics import ValidationMetrics, validation_metrics
 
     metrics = ValidationMetrics()
     batches = [_rollouts([float(a) for a in accs], 3, lengths) for accs, lengths in VAL_BATCHES]
@@ -175,7 +175,7 @@ def test_validation_logged_through_lightning_is_bitwise_the_old_log_dict(tmp_pat
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
-    from dapo_lightning.data.metrics import ValidationMetrics, validation_metrics
+    from dapo_lightning.data.sampling.metrics import ValidationMetrics, validation_metrics
 
     batches = [_rollouts([float(a) for a in accs], 3, lengths) for accs, lengths in VAL_BATCHES]
 

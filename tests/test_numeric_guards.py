@@ -25,7 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from dapo_lightning import DAPODataModule, DAPOModule, DynamicSamplingConfig, SamplingConfig
 from dapo_lightning.batch import RolloutBatch
-from dapo_lightning.data.config import PromptConfig, ScoringConfig
+from dapo_lightning.data.prompts.config import PromptConfig, ScoringConfig
 from dapo_lightning.loss import PolicyLossConfig
 from dapo_lightning.rollout_correction import RolloutCorrection
 from dapo_lightning.update import BatchingConfig

@@ -1,4 +1,4 @@
-"""The one-step-off pipeline (dapo_lightning/data/pipeline.py) inside a real Trainer.fit: batch
+"""The one-step-off pipeline (dapo_lightning/data/streams/one_step_off.py) inside a real Trainer.fit: batch
 k + 1 is sampled with the weights from before update k (pinned by the HF engine's log-probs
 against the weights of each step), version stamps, exact resume with the batch in flight saved
 in the checkpoint, a stop that undoes a step, validation, the thread split and the refusals."""
@@ -14,8 +14,8 @@ from test_datamodule import ToyModule, scripted_dm, straight_and_resumed, traine
 from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.data import DAPODataModule, DynamicSamplingConfig, OneStepOffConfig
-from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
-from dapo_lightning.data.pipeline import (
+from dapo_lightning.data.prompts.config import PromptConfig, ScoringConfig, ValidationConfig
+from dapo_lightning.data.streams.one_step_off import (
     Idle,
     InFlight,
     OneStepOffStream,

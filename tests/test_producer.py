@@ -14,21 +14,21 @@ import zlib
 import pytest
 import torch
 
-from dapo_lightning.data.difficulty import (
-    DifficultyTracker,
-    PredictiveSelector,
-    PromptSelectionConfig,
-    PromptStats,
-)
-from dapo_lightning.data.producer import (
+from dapo_lightning.data.prompts.sources import FieldMap, records_from_rows, tokenize_records
+from dapo_lightning.data.sampling.producer import (
     STAT_OPS,
     DynamicSamplingConfig,
     DynamicSamplingError,
     RolloutProducer,
     TrainingComplete,
 )
-from dapo_lightning.data.rank_layout import RankLayout
-from dapo_lightning.data.sources import FieldMap, records_from_rows, tokenize_records
+from dapo_lightning.data.sampling.rank_layout import RankLayout
+from dapo_lightning.data.selection.difficulty import (
+    DifficultyTracker,
+    PredictiveSelector,
+    PromptSelectionConfig,
+    PromptStats,
+)
 from dapo_lightning.interrupt import StopRequested, clear_stop_request, request_stop
 from dapo_lightning.rewards import RewardRunner
 from dapo_lightning.rollout.base import (
@@ -331,7 +331,9 @@ def test_numeric_reward_extras_become_reward_metrics():
 def test_a_stop_request_stops_between_rounds():
     producer = make_producer(ScriptedEngine(rate=lambda p: 1.0), max_num_gen_batches=0)
     calls = []
-    producer.on_scored = lambda r: calls.append(1) or (len(calls) == 2 and request_stop("SIGTERM"))
+    producer.rounds.on_scored = lambda r: (
+        calls.append(1) or (len(calls) == 2 and request_stop("SIGTERM"))
+    )
     try:
         with pytest.raises(StopRequested, match="SIGTERM"):
             producer.next_batch()
@@ -410,13 +412,13 @@ def test_a_stopped_batch_leaves_the_producer_as_it_was():
     so the producer hands back its start-of-step state (cursor, RNG, statistics)."""
     producer = make_producer(retire_after=2, gen_batch_size=4)
     before = producer.state_dict()
-    producer.on_scored = lambda r: request_stop("SIGTERM")
+    producer.rounds.on_scored = lambda r: request_stop("SIGTERM")
     try:
         with pytest.raises(StopRequested, match="SIGTERM"):
             producer.next_batch()
     finally:
         clear_stop_request()
-        producer.on_scored = None
+        producer.rounds.on_scored = None
     assert producer.state_dict() == before
     reference = make_producer(retire_after=2, gen_batch_size=4)
     assert producer.next_batch().input_ids.tolist() == reference.next_batch().input_ids.tolist()
@@ -471,7 +473,11 @@ class StartedStreamingEngine(ScriptedEngine):
 def test_zero_variance_prob_pins_hand_made_histories():
     from fractions import Fraction
 
-    from dapo_lightning.data.difficulty import PRIOR, DifficultyTracker, zero_variance_prob
+    from dapo_lightning.data.selection.difficulty import (
+        PRIOR,
+        DifficultyTracker,
+        zero_variance_prob,
+    )
 
     def exact(a, b, n):  # the Beta moments as products, in exact rational arithmetic
         a, b = Fraction(a), Fraction(b)
@@ -514,7 +520,7 @@ def test_skip_threshold_pins_hand_made_histories():
     (taken: a kept group is likelier); with history_decay 1/2 the history [8/8, 7/8] is
     (4 + 7, 0 + 1) = (11, 1): 0.565 (skipped) and [7/8, 6/8] is (3.5 + 6, 0.5 + 2) = (9.5,
     2.5): 0.231 (taken)."""
-    from dapo_lightning.data.difficulty import (
+    from dapo_lightning.data.selection.difficulty import (
         DifficultyTracker,
         PredictiveSelector,
         PromptSelectionConfig,
@@ -556,7 +562,7 @@ def test_skip_threshold_pins_hand_made_histories():
 
 
 def test_predictive_selector_floor_revisit_and_state():
-    from dapo_lightning.data.difficulty import PredictiveSelector, PromptStats
+    from dapo_lightning.data.selection.difficulty import PredictiveSelector, PromptStats
 
     sel = PredictiveSelector(8, PromptSelectionConfig(max_skip=0.9, revisit_within=3), seed=1)
     assert sel.skip_prob(None, 5) == 0.0  # never visited: never skipped
@@ -612,7 +618,7 @@ def test_revisit_interval_backs_off_to_revisit_within_and_resets_on_a_new_outcom
 
 
 def test_sampler_gives_back_prompts_first_with_their_epochs():
-    from dapo_lightning.data.sampler import PromptSampler
+    from dapo_lightning.data.selection.sampler import PromptSampler
 
     s = PromptSampler(10, seed=0)
     first = s.take(4)

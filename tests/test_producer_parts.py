@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dapo_lightning.data.dynamic_sampling import LEGACY_CLASS_PATH, DynamicSamplingConfig
-from dapo_lightning.data.metrics import rollout_step_metrics
-from dapo_lightning.data.rank_layout import RankLayout, member_rows
-from dapo_lightning.data.round_report import RoundReport, Shortfall
-from dapo_lightning.data.step_stats import STAT_OPS, StepStats, rank_op
+from dapo_lightning.data.sampling.metrics import rollout_step_metrics
+from dapo_lightning.data.sampling.rank_layout import RankLayout, member_rows
+from dapo_lightning.data.sampling.round_report import RoundReport, Shortfall
+from dapo_lightning.data.sampling.settings import LEGACY_CLASS_PATH, DynamicSamplingConfig
+from dapo_lightning.data.sampling.step_stats import STAT_OPS, StepStats, rank_op
 from dapo_lightning.interrupt import clear_stop_request, request_stop, stop_requested
 from dapo_lightning.ranks import sum_over_ranks
 from dapo_lightning.testing import free_port, make_random_rollout_batch
@@ -69,11 +69,19 @@ def test_rank_layout_and_member_rows():
     assert member_rows(group_index, 0, 1) == list(range(6))
 
 
-def test_a_config_pickled_under_the_old_module_path_loads(tmp_path, monkeypatch):
-    """Checkpoints written before the split name ``dapo_lightning.data.producer``; they load
-    with ``weights_only`` (the class is allow-listed under that name too)."""
+@pytest.mark.parametrize(
+    "old_module",
+    ["dapo_lightning.data.producer", "dapo_lightning.data.dynamic_sampling"],
+)
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_config_pickled_under_an_old_module_path_loads(
+    tmp_path, monkeypatch, old_module, weights_only
+):
+    """Checkpoints name the class where it lived then: ``dapo_lightning.data.producer`` (before
+    the settings got their own module), ``dapo_lightning.data.dynamic_sampling`` (before the
+    data package's sub-packages: MOVED_MODULES); both load, with and without ``weights_only``."""
     config = DynamicSamplingConfig(n=4, train_batch_size=8)
-    monkeypatch.setattr(DynamicSamplingConfig, "__module__", "dapo_lightning.data.producer")
+    monkeypatch.setattr(DynamicSamplingConfig, "__module__", old_module)
     state = {f: getattr(config, f) for f in config.__dataclass_fields__}
     monkeypatch.setattr(
         DynamicSamplingConfig,
@@ -82,10 +90,10 @@ def test_a_config_pickled_under_the_old_module_path_loads(tmp_path, monkeypatch)
     )
     torch.save({"hparams": {"dynamic_sampling": config}}, tmp_path / "old.ckpt")
     monkeypatch.undo()
-    assert b"dapo_lightning.data.producer" in (tmp_path / "old.ckpt").read_bytes()
+    assert old_module.encode() in (tmp_path / "old.ckpt").read_bytes()
     assert LEGACY_CLASS_PATH == "dapo_lightning.data.producer.DynamicSamplingConfig"
-    loaded = torch.load(tmp_path / "old.ckpt", weights_only=True)["hparams"]["dynamic_sampling"]
-    assert loaded == config
+    loaded = torch.load(tmp_path / "old.ckpt", weights_only=weights_only)
+    assert loaded["hparams"]["dynamic_sampling"] == config
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:

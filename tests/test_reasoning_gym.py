@@ -11,12 +11,12 @@ reasoning_gym = pytest.importorskip(
     "reasoning_gym", reason="the tasks extra: pip install reasoning-gym"
 )
 
-from dapo_lightning.data.config import PromptConfig, ValidationConfig  # noqa: E402
 from dapo_lightning.data.datamodule import DAPODataModule  # noqa: E402
-from dapo_lightning.data.difficulty import PromptSelectionConfig  # noqa: E402
-from dapo_lightning.data.loading import load_prompt_sets  # noqa: E402
-from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
-from dapo_lightning.data.sources import FieldMap, records_from_rows, tokenize_records  # noqa: E402
+from dapo_lightning.data.prompts.config import PromptConfig, ValidationConfig  # noqa: E402
+from dapo_lightning.data.prompts.loading import load_prompt_sets  # noqa: E402
+from dapo_lightning.data.prompts.sources import FieldMap, records_from_rows, tokenize_records  # noqa: E402
+from dapo_lightning.data.sampling.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
+from dapo_lightning.data.selection.difficulty import PromptSelectionConfig  # noqa: E402
 from dapo_lightning.rewards import RewardRunner, get_reward  # noqa: E402
 from dapo_lightning.rollout.base import Completion, RolloutEngine, SamplingConfig  # noqa: E402
 from dapo_lightning.rollout.session import EngineSession  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 from test_datamodule import ToyModule, scripted_dm, trainer
 from test_producer import make_producer
 
-CARRY_LOGGER = "dapo_lightning.data.carry_over"
+CARRY_LOGGER = "dapo_lightning.data.sampling.carry_over"
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -1,4 +1,4 @@
-"""dapo_lightning.data.rounds.demonstrate_unsolved and rollout_groups.replace_rows: a group
+"""dapo_lightning.data.sampling.rounds.demonstrate_unsolved and rollout_groups.replace_rows: a group
 with no right episode gets the environment's demonstration as its first episode, scored by the
 same reward, its finish reason ``demonstration``; solved groups and groups without a demonstration stay
 as they were."""
@@ -11,10 +11,10 @@ import torch
 from transformers import AutoTokenizer
 
 from dapo_lightning.batch import ScoredRollouts
-from dapo_lightning.data.rollout_groups import group_max, replace_rows
-from dapo_lightning.data.rounds import demonstrate_unsolved
-from dapo_lightning.data.scoring import RolloutScorer
-from dapo_lightning.data.step_stats import StepStats
+from dapo_lightning.data.sampling.groups import group_max, replace_rows
+from dapo_lightning.data.sampling.rounds import demonstrate_unsolved
+from dapo_lightning.data.sampling.scoring import RolloutScorer
+from dapo_lightning.data.sampling.step_stats import StepStats
 from dapo_lightning.envs import EnvironmentConfig, EpisodeSession, environment_factory
 from dapo_lightning.prompts import PromptRecord, encode_prompt
 from dapo_lightning.rewards.base import RewardRunner

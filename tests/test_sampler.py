@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted, sized_round
+from dapo_lightning.data.selection.sampler import PromptSampler, PromptsExhausted, sized_round
 
 
 def epoch_order(num_prompts: int, seed: int, epoch: int) -> list[int]:

@@ -16,7 +16,7 @@ import yaml
 from transformers import AutoTokenizer
 
 from dapo_lightning.checks import ConfigError
-from dapo_lightning.data.config import ScoringConfig
+from dapo_lightning.data.prompts.config import ScoringConfig
 from dapo_lightning.envs import (
     ENVIRONMENTS,
     EnvironmentConfig,

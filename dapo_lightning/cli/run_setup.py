@@ -17,7 +17,7 @@ from lightning.pytorch import Trainer
 from dapo_lightning import plot
 from dapo_lightning.checkpoint import find_resume_checkpoint
 from dapo_lightning.checks import ConfigError
-from dapo_lightning.data.pipeline import check_pipeline
+from dapo_lightning.data.streams.one_step_off import check_pipeline
 from dapo_lightning.lightning_internals import restore_fit_loop
 from dapo_lightning.log_step import set_logging_step
 from dapo_lightning.shared_cores import SharedCores

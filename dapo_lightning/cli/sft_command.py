@@ -24,7 +24,7 @@ from dapo_lightning.cli.parser import (
     known_keys,
     nonfinite_message,
 )
-from dapo_lightning.data.config import PromptConfig
+from dapo_lightning.data.prompts.config import PromptConfig
 from dapo_lightning.sft import SFTConfig, run_sft
 
 #: ``dapo-lightning sft``'s usage line (the form of ``fit``'s).
@@ -34,7 +34,7 @@ SFT_USAGE = "dapo-lightning sft [--config FILE ...] [--print_config] [OPTIONS]"
 def sft_parser() -> StrictArgumentParser:
     """The parser of ``dapo-lightning sft``: :class:`~dapo_lightning.sft.SFTConfig`'s fields
     as options (its
-    ``prompts`` a :class:`~dapo_lightning.data.config.PromptConfig` group), ``--config`` files,
+    ``prompts`` a :class:`~dapo_lightning.data.prompts.config.PromptConfig` group), ``--config`` files,
     ``--print_config``; options spelled out in full, as ``fit``'s
     (:class:`~dapo_lightning.cli.parser.StrictArgumentParser`). Errors are raised, not printed
     (:func:`parse_sft_config` makes each one line)."""

@@ -9,9 +9,9 @@ cursor advances only there, so prefetching changes nothing. Validation works the
 ``validation.n`` responses per held-out prompt.
 
 The pieces it wires together, each with one home: the prompt sources
-(:mod:`dapo_lightning.data.sources`, or a built-in task from :mod:`dapo_lightning.tasks`), the
+(:mod:`dapo_lightning.data.prompts.sources`, or a built-in task from :mod:`dapo_lightning.tasks`), the
 reward runner, the engine session (:mod:`dapo_lightning.rollout.session`: building the engine,
-its weights) and the rollout producer (:mod:`dapo_lightning.data.producer`: dynamic sampling).
+its weights) and the rollout producer (:mod:`dapo_lightning.data.sampling.producer`: dynamic sampling).
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.contract import PolicyHandle, RolloutSpec
-from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
-from dapo_lightning.data.difficulty import PromptSelectionConfig
-from dapo_lightning.data.loading import (
+from dapo_lightning.data.prompts.config import PromptConfig, ScoringConfig, ValidationConfig
+from dapo_lightning.data.prompts.loading import (
     as_file_list,
     engine_group_shard,
     load_tokenizer,
@@ -40,12 +39,17 @@ from dapo_lightning.data.loading import (
     prompt_fields,
     prompt_task,
 )
-from dapo_lightning.data.one_step_off import OneStepOffConfig
-from dapo_lightning.data.pipeline import build_stream, check_pipeline, rollout_process_group
-from dapo_lightning.data.producer import DynamicSamplingConfig, RolloutProducer
-from dapo_lightning.data.rank_layout import RankLayout
-from dapo_lightning.data.sources import PromptRecord
-from dapo_lightning.data.stream import RolloutStream
+from dapo_lightning.data.prompts.sources import PromptRecord
+from dapo_lightning.data.sampling.producer import DynamicSamplingConfig, RolloutProducer
+from dapo_lightning.data.sampling.rank_layout import RankLayout
+from dapo_lightning.data.sampling.settings import OneStepOffConfig
+from dapo_lightning.data.selection.difficulty import PromptSelectionConfig
+from dapo_lightning.data.streams.one_step_off import (
+    build_stream,
+    check_pipeline,
+    rollout_process_group,
+)
+from dapo_lightning.data.streams.stream import RolloutStream
 from dapo_lightning.envs import (
     EnvironmentConfig,
     EpisodeSession,
@@ -121,11 +125,11 @@ class DAPODataModule(pl.LightningDataModule):
             ``setup()`` (and the vLLM engine, with ``engine="vllm"``).
         prompts: Where the prompts come from (``train_files`` or a built-in ``task`` and its
             ``task_kwargs``), where a row's fields are, the chat template, de-duplication and
-            the prompt length (:class:`~dapo_lightning.data.config.PromptConfig`).
+            the prompt length (:class:`~dapo_lightning.data.prompts.config.PromptConfig`).
         reward: "dapo" (paper "Answer:" rule), "math_verify", "arithmetic", "last_number", or a
             reward object; None: the task's reward (else "dapo").
         scoring: The reward's options, timeout, workers and failure budget
-            (:class:`~dapo_lightning.data.config.ScoringConfig`).
+            (:class:`~dapo_lightning.data.prompts.config.ScoringConfig`).
         engine: "hf" (samples with the policy module itself), "vllm", or an engine object
             (a :class:`~dapo_lightning.rollout.base.RolloutEngine`).
         engine_kwargs: Constructor options of the engine.
@@ -133,9 +137,9 @@ class DAPODataModule(pl.LightningDataModule):
             length, paper 20480), ``temperature`` (paper 1.0; the module's log-probs use the
             same, read from each batch), ``top_p``, ``top_k``.
         dynamic_sampling: Group size, batch sizes, the filter and its end game
-            (:class:`~dapo_lightning.data.producer.DynamicSamplingConfig`).
+            (:class:`~dapo_lightning.data.sampling.producer.DynamicSamplingConfig`).
         validation: Held-out files (or a fraction of the train prompts), responses per prompt,
-            temperature and batch size (:class:`~dapo_lightning.data.config.ValidationConfig`).
+            temperature and batch size (:class:`~dapo_lightning.data.prompts.config.ValidationConfig`).
         steps_per_epoch: Rollout steps per Lightning epoch; None makes one endless epoch
             (stop with ``max_steps``).
         seed: Seeds the prompt order, validation split, subsampling and the engines; None uses

@@ -1,53 +1,61 @@
-"""Settings pickled by older releases, mapped onto today's settings groups when they load.
+"""What checkpoints written by older releases name that has moved, mapped when they load.
 
-A checkpoint keeps the data module's hyper-parameters as pickled objects (``torch.load`` with
-``weights_only`` and the allow-listed classes). Configs saved before prompt selection was its
-own group hold the flat keys of :data:`LEGACY_SELECTION_KEYS`, and those saved before the
-one-step-off settings were grouped a flat ``share_cores``; :func:`group_legacy_settings` moves
-them under ``selection`` and ``one_step_off``. A one-step-off checkpoint's batch in flight
-saved before ``RolloutBatch.finish`` holds a ``truncated`` mask instead:
-:func:`legacy_ready_batch` maps it.
+* **Moved modules.** A checkpoint keeps the data module's hyper-parameters as pickled objects,
+  each class named by its module path. The data package was regrouped into sub-packages
+  (``prompts``, ``selection``, ``sampling``, ``streams``); :data:`MOVED_MODULES` maps each
+  former module to its home, and :func:`alias_moved_modules` (run when ``dapo_lightning.data``
+  is imported) makes the former paths resolve, for ``torch.load`` with and without
+  ``weights_only``.
+* **Regrouped settings**: :func:`~dapo_lightning.data.sampling.settings.group_legacy_settings`.
+* **A batch in flight** saved before ``RolloutBatch.finish`` holds a ``truncated`` mask instead:
+  :func:`legacy_ready_batch` maps it.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import sys
 from typing import Any
 
-from dapo_lightning.data.difficulty import PromptSelectionConfig
-from dapo_lightning.data.one_step_off import OneStepOffConfig
+import torch
 
-#: Flat ``dynamic_sampling`` keys of configs saved before prompt selection was its own group
-#: -> their field of ``dynamic_sampling.selection`` (:class:`PromptSelectionConfig`).
-LEGACY_SELECTION_KEYS: dict[str, str] = {
-    "selection": "strategy",
-    "max_skip": "max_skip",
-    "revisit_within": "revisit_within",
-    "retire_after": "retire_after",
-    "park_after": "park_after",
-    "revisit_every": "revisit_every",
+#: Former module -> its home since the data package's sub-packages (issue 55).
+MOVED_MODULES: dict[str, str] = {
+    "dapo_lightning.data.config": "dapo_lightning.data.prompts.config",
+    "dapo_lightning.data.sources": "dapo_lightning.data.prompts.sources",
+    "dapo_lightning.data.loading": "dapo_lightning.data.prompts.loading",
+    "dapo_lightning.data.sampler": "dapo_lightning.data.selection.sampler",
+    "dapo_lightning.data.difficulty": "dapo_lightning.data.selection.difficulty",
+    "dapo_lightning.data.draw": "dapo_lightning.data.sampling.draw",
+    "dapo_lightning.data.dynamic_sampling": "dapo_lightning.data.sampling.settings",
+    "dapo_lightning.data.one_step_off": "dapo_lightning.data.sampling.settings",
+    "dapo_lightning.data.producer": "dapo_lightning.data.sampling.producer",
+    "dapo_lightning.data.rounds": "dapo_lightning.data.sampling.rounds",
+    "dapo_lightning.data.scoring": "dapo_lightning.data.sampling.scoring",
+    "dapo_lightning.data.rollout_groups": "dapo_lightning.data.sampling.groups",
+    "dapo_lightning.data.carry_over": "dapo_lightning.data.sampling.carry_over",
+    "dapo_lightning.data.end_game": "dapo_lightning.data.sampling.end_game",
+    "dapo_lightning.data.round_report": "dapo_lightning.data.sampling.round_report",
+    "dapo_lightning.data.step_stats": "dapo_lightning.data.sampling.step_stats",
+    "dapo_lightning.data.metrics": "dapo_lightning.data.sampling.metrics",
+    "dapo_lightning.data.rank_layout": "dapo_lightning.data.sampling.rank_layout",
+    "dapo_lightning.data.stream": "dapo_lightning.data.streams.stream",
+    "dapo_lightning.data.pipeline": "dapo_lightning.data.streams.one_step_off",
 }
 
 
-#: Flat ``dynamic_sampling`` keys of configs saved before the one-step-off settings were
-#: grouped -> their field of ``dynamic_sampling.one_step_off`` (:class:`OneStepOffConfig`).
-LEGACY_ONE_STEP_OFF_KEYS = ("share_cores", "start_after_updates")
-
-
-def group_legacy_settings(state: dict[str, Any]) -> dict[str, Any]:
-    """An unpickled ``DynamicSamplingConfig`` state with its settings groups: a flat one
-    (``selection`` a string, ``max_skip``, ...; ``share_cores``) gets a
-    :class:`PromptSelectionConfig` and a :class:`OneStepOffConfig` of those keys; today's
-    state is returned as it is (a copy)."""
-    state = dict(state)
-    if not isinstance(state.get("selection"), PromptSelectionConfig):
-        legacy = LEGACY_SELECTION_KEYS.items()
-        state["selection"] = PromptSelectionConfig(
-            **{new: state.pop(old) for old, new in legacy if old in state}
-        )
-    if not isinstance(state.get("one_step_off"), OneStepOffConfig):
-        flat = {key: state.pop(key) for key in LEGACY_ONE_STEP_OFF_KEYS if key in state}
-        state["one_step_off"] = OneStepOffConfig(**flat)
-    return state
+def alias_moved_modules() -> None:
+    """Make every former module path of :data:`MOVED_MODULES` name its home module (pickles
+    import it by that path), and allow each of the home's ``weights_only`` classes under its
+    former name too (``torch.load(weights_only=True)`` matches the full name)."""
+    allowed = {g for g in torch.serialization.get_safe_globals() if not isinstance(g, tuple)}
+    for old, new in MOVED_MODULES.items():
+        module = importlib.import_module(new)
+        sys.modules.setdefault(old, module)
+        classes = inspect.getmembers(module, inspect.isclass)
+        own = [(n, c) for n, c in classes if c.__module__ == new and c in allowed]
+        torch.serialization.add_safe_globals([(cls, f"{old}.{name}") for name, cls in own])
 
 
 def legacy_ready_batch(fields: dict[str, Any]) -> dict[str, Any]:

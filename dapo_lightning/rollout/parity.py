@@ -4,7 +4,7 @@ After a weight push the engine's log-probabilities of its sampled tokens should 
 trainer's for the same tokens (docs/design.md invariant 3). A silent mismatch (a wrong or partial
 push, tied embeddings left stale, dtype drift) shows up here and nowhere else. The module compares
 every ``parity_check_every`` rollout steps, on the tokens the current weights sampled
-(:func:`~dapo_lightning.data.metrics.rollout_step_metrics`: ``parity/*``).
+(:func:`~dapo_lightning.data.sampling.metrics.rollout_step_metrics`: ``parity/*``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dapo_lightning.checks import ConfigError, check_choice, check_finite
-from dapo_lightning.data.sources import FieldMap
+from dapo_lightning.data.prompts.sources import FieldMap
 
 __all__ = ["PromptConfig", "ScoringConfig", "ValidationConfig", "check_batch_split"]
 
@@ -86,7 +86,7 @@ class PromptConfig:
                 )
 
     def field_map(self) -> FieldMap:
-        """The row fields as :class:`~dapo_lightning.data.sources.FieldMap`."""
+        """The row fields as :class:`~dapo_lightning.data.prompts.sources.FieldMap`."""
         return FieldMap(self.prompt_key, self.answer_key, self.uid_key, self.data_source_key)
 
 

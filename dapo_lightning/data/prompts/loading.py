@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dapo_lightning.data.config import PromptConfig, ScoringConfig, ValidationConfig
-from dapo_lightning.data.sources import (
+from dapo_lightning.data.prompts.config import PromptConfig, ScoringConfig, ValidationConfig
+from dapo_lightning.data.prompts.sources import (
     FieldMap,
     PromptRecord,
     load_prompt_records,
@@ -179,7 +179,7 @@ def prepare_prompts(
        prompt (:func:`~dapo_lightning.envs.session.introduce_tools` on ``make_env()``, default
        :func:`~dapo_lightning.envs.environment_factory` of ``environment``);
     3. tokenized with or without the chat template, prompts over ``max_prompt_length`` tokens
-       refused or dropped (:func:`~dapo_lightning.data.sources.tokenize_records`).
+       refused or dropped (:func:`~dapo_lightning.data.prompts.sources.tokenize_records`).
 
     The data module and the cold start (:mod:`dapo_lightning.sft`) both prepare their prompts
     here, so a demonstration starts from the tokens an RL episode starts from.

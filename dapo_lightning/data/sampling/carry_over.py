@@ -15,9 +15,9 @@ import logging
 from typing import Any
 
 from dapo_lightning.batch import ScoredRollouts
-from dapo_lightning.data.dynamic_sampling import DYNAMIC_SAMPLING_PATH, DynamicSamplingConfig
-from dapo_lightning.data.rollout_groups import group_sizes
-from dapo_lightning.data.step_stats import StepStats
+from dapo_lightning.data.sampling.groups import group_sizes
+from dapo_lightning.data.sampling.settings import DYNAMIC_SAMPLING_PATH, DynamicSamplingConfig
+from dapo_lightning.data.sampling.step_stats import StepStats
 
 log = logging.getLogger(__name__)
 

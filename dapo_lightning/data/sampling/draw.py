@@ -2,10 +2,10 @@
 settings call for, and the selection's per-step statistics.
 
 Without retiring, parking or predictive selection every prompt is eligible and a round is the
-next stretch of the epoch stream (:class:`~dapo_lightning.data.sampler.PromptSampler`, the
+next stretch of the epoch stream (:class:`~dapo_lightning.data.selection.sampler.PromptSampler`, the
 paper's sampler; a round is at most one epoch). With any of them the draw is *distinct*: each
 prompt at most once per round, a round never longer than the eligible prompts (no wrap-around),
-retired prompts reviewed (:meth:`~dapo_lightning.data.difficulty.PredictiveSelector.review`,
+retired prompts reviewed (:meth:`~dapo_lightning.data.selection.difficulty.PredictiveSelector.review`,
 under either strategy).
 """
 
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dapo_lightning.data.difficulty import (
+from dapo_lightning.data.sampling.step_stats import StepStats
+from dapo_lightning.data.selection.difficulty import (
     DifficultyTracker,
     PredictiveSelector,
     PromptSelectionConfig,
 )
-from dapo_lightning.data.sampler import PromptSampler
-from dapo_lightning.data.step_stats import StepStats
+from dapo_lightning.data.selection.sampler import PromptSampler
 
 
 def draw_round(

@@ -9,9 +9,9 @@
 
 from __future__ import annotations
 
-from dapo_lightning.data.difficulty import DifficultyTracker
-from dapo_lightning.data.dynamic_sampling import DynamicSamplingConfig
-from dapo_lightning.data.step_stats import StepStats
+from dapo_lightning.data.sampling.settings import DynamicSamplingConfig
+from dapo_lightning.data.sampling.step_stats import StepStats
+from dapo_lightning.data.selection.difficulty import DifficultyTracker
 
 
 class DynamicSamplingError(RuntimeError):

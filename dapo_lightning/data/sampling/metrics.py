@@ -7,7 +7,7 @@ One metric system per purpose:
   :func:`validation_metrics` is their formula on one batch;
 * a training rollout step: :func:`rollout_step_metrics` fills the step's
   :class:`~dapo_lightning.metrics.MetricAccumulator` (every metric with its reduce op; the
-  producer's statistics with the op :class:`~dapo_lightning.data.step_stats.StepStats`
+  producer's statistics with the op :class:`~dapo_lightning.data.sampling.step_stats.StepStats`
   declares), reduced over ranks in three collectives and logged once per step.
 """
 
@@ -18,8 +18,8 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from dapo_lightning.batch import RolloutBatch, ScoredRollouts
-from dapo_lightning.data.rollout_groups import group_max
-from dapo_lightning.data.step_stats import rank_op
+from dapo_lightning.data.sampling.groups import group_max
+from dapo_lightning.data.sampling.step_stats import rank_op
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.rollout.parity import logprob_parity
 
@@ -115,7 +115,7 @@ def rollout_step_metrics(
     one); maxima ``rollout/response_length_max``, ``data/staleness_max``, ``time/update_s``;
     ``data/stale_token_frac`` weighted by tokens; ``rollout/tokens`` summed; the producer's
     statistics with the op each declares
-    (:func:`~dapo_lightning.data.step_stats.rank_op`). With ``trainer_logp``,
+    (:func:`~dapo_lightning.data.sampling.step_stats.rank_op`). With ``trainer_logp``,
     ``parity/*`` (:func:`~dapo_lightning.rollout.parity.logprob_parity` on the tokens sampled
     by the current version) weighted by those tokens.
     """

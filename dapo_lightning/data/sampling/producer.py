@@ -2,13 +2,13 @@
 
 One call of :meth:`RolloutProducer.next_batch` runs *generation rounds*: each draws
 ``gen_batch_size / world_size`` prompts for this rank, samples ``n`` responses per prompt,
-scores them (:mod:`~dapo_lightning.data.scoring`), hands them to ``on_scored`` (the data module
+scores them (:mod:`~dapo_lightning.data.sampling.scoring`), hands them to ``on_scored`` (the data module
 dispatches the ``on_rollouts_scored`` callback hook there: overlong punishment, masks), then
 keeps only groups whose *filter metric* varies within the group (a group where every response
 is equally right or wrong has zero advantage and only dilutes the batch). Rounds repeat until
 ``train_batch_size / world_size`` groups are kept; what a round keeps beyond the batch goes to
-the carry-over (:mod:`~dapo_lightning.data.carry_over`). The end game
-(:mod:`~dapo_lightning.data.end_game`; docs/design.md, "Dynamic sampling"):
+the carry-over (:mod:`~dapo_lightning.data.sampling.carry_over`). The end game
+(:mod:`~dapo_lightning.data.sampling.end_game`; docs/design.md, "Dynamic sampling"):
 
 * prompts solved ``selection.retire_after`` visits in a row are retired (never drawn again);
 * when ``max_num_gen_batches`` rounds run out, ``on_exhausted`` decides: ``"train_on_kept"``
@@ -19,7 +19,7 @@ the carry-over (:mod:`~dapo_lightning.data.carry_over`). The end game
   the run cleanly.
 
 Ranks stay in lockstep: after every round all ranks sum a
-:class:`~dapo_lightning.data.round_report.RoundReport` (short, failed, out of prompts, stop); a
+:class:`~dapo_lightning.data.sampling.round_report.RoundReport` (short, failed, out of prompts, stop); a
 full rank generates nothing but keeps joining the sum until every rank is full, so no
 collective can hang. An exception on one rank is raised on every rank after the same round.
 
@@ -37,32 +37,32 @@ from typing import Any
 import torch
 
 from dapo_lightning.batch import RolloutBatch, ScoredRollouts
-from dapo_lightning.data.carry_over import CarryOver, VersionedGroups
-from dapo_lightning.data.difficulty import PredictiveSelector
-from dapo_lightning.data.draw import selection_stats
-from dapo_lightning.data.dynamic_sampling import (
-    KEPT_FRAC_DECAY,
-    DynamicSamplingConfig,
-)
-from dapo_lightning.data.end_game import (
+from dapo_lightning.data.prompts.sources import PromptRecord
+from dapo_lightning.data.sampling.carry_over import CarryOver, VersionedGroups
+from dapo_lightning.data.sampling.draw import selection_stats
+from dapo_lightning.data.sampling.end_game import (
     DynamicSamplingError,
     TrainingComplete,
     out_of_rounds,
     solved_message,
 )
-from dapo_lightning.data.legacy_checkpoints import LEGACY_SELECTION_KEYS
-from dapo_lightning.data.rank_layout import RankLayout, member_rows
-from dapo_lightning.data.rollout_groups import (
+from dapo_lightning.data.sampling.groups import (
     concat_rollouts,
     empty_rollouts,
     group_has_variance,
 )
-from dapo_lightning.data.round_report import RoundReport, Shortfall, SumOverRanks
-from dapo_lightning.data.rounds import Demonstrate, GenerationRounds
-from dapo_lightning.data.sampler import PromptSampler, PromptsExhausted, sized_round
-from dapo_lightning.data.scoring import RolloutScorer
-from dapo_lightning.data.sources import PromptRecord
-from dapo_lightning.data.step_stats import STAT_OPS, StepStats
+from dapo_lightning.data.sampling.rank_layout import RankLayout, member_rows
+from dapo_lightning.data.sampling.round_report import RoundReport, Shortfall, SumOverRanks
+from dapo_lightning.data.sampling.rounds import Demonstrate, GenerationRounds
+from dapo_lightning.data.sampling.scoring import RolloutScorer
+from dapo_lightning.data.sampling.settings import (
+    KEPT_FRAC_DECAY,
+    LEGACY_SELECTION_KEYS,
+    DynamicSamplingConfig,
+)
+from dapo_lightning.data.sampling.step_stats import STAT_OPS, StepStats
+from dapo_lightning.data.selection.difficulty import PredictiveSelector
+from dapo_lightning.data.selection.sampler import PromptSampler, PromptsExhausted, sized_round
 from dapo_lightning.interrupt import StopRequested, request_stop, stop_requested
 from dapo_lightning.ranks import sum_over_ranks
 from dapo_lightning.rewards.base import RewardRunner
@@ -94,7 +94,7 @@ class RolloutProducer:
         sampling: Sampling settings of training rollouts.
         seed: Seeds the prompt order and the predictive selection.
         layout: This rank, the world size and the tensor-parallel engine groups
-            (:class:`~dapo_lightning.data.rank_layout.RankLayout`; default: one rank).
+            (:class:`~dapo_lightning.data.sampling.rank_layout.RankLayout`; default: one rank).
         sync: Sums integer lists over ranks (the data module passes the strategy's reduce;
             default: :func:`~dapo_lightning.ranks.sum_over_ranks` over the default process
             group when one is initialised).
@@ -172,15 +172,6 @@ class RolloutProducer:
     def drawn_uids(self) -> list[str]:
         """Uids drawn by the last :meth:`next_batch` (tests, logging)."""
         return self.rounds.drawn_uids
-
-    @property
-    def on_scored(self) -> Callable[[ScoredRollouts], None] | None:
-        """Called with every round's scored rollouts before the filter (shaping)."""
-        return self.rounds.on_scored
-
-    @on_scored.setter
-    def on_scored(self, hook: Callable[[ScoredRollouts], None] | None) -> None:
-        self.rounds.on_scored = hook
 
     def score(
         self,

@@ -1,15 +1,15 @@
 """One generation round of this rank: draw prompts, sample, score, shape, keep the groups with
 variance (DAPO's dynamic-sampling filter).
 
-A round draws its prompts through the :class:`~dapo_lightning.data.sampler.PromptSampler`
+A round draws its prompts through the :class:`~dapo_lightning.data.selection.sampler.PromptSampler`
 (retired and parked prompts skipped, predictive selection's skips), samples and scores them
-(:class:`~dapo_lightning.data.scoring.RolloutScorer`), records every visit in the
-:class:`~dapo_lightning.data.difficulty.DifficultyTracker`, puts a demonstration into each
+(:class:`~dapo_lightning.data.sampling.scoring.RolloutScorer`), records every visit in the
+:class:`~dapo_lightning.data.selection.difficulty.DifficultyTracker`, puts a demonstration into each
 group with no right answer (``environment.demonstrate_unsolved``: the first episode is
 replaced by the environment's, scored the same way), calls ``on_scored`` (shaping) and keeps
 the groups whose filter metric varies. With an engine that streams groups
 (``stream_groups``) and ``in_flight``, groups are scored as they finish and the round stops
-starting new ones once the batch is full. :class:`~dapo_lightning.data.producer.RolloutProducer`
+starting new ones once the batch is full. :class:`~dapo_lightning.data.sampling.producer.RolloutProducer`
 runs rounds until the batch is full, in lockstep over ranks.
 """
 
@@ -19,19 +19,19 @@ import time
 from collections.abc import Callable, Sequence
 
 from dapo_lightning.batch import ScoredRollouts
-from dapo_lightning.data.difficulty import DifficultyTracker, PredictiveSelector
-from dapo_lightning.data.draw import draw_round
-from dapo_lightning.data.dynamic_sampling import DynamicSamplingConfig
-from dapo_lightning.data.rollout_groups import (
+from dapo_lightning.data.prompts.sources import PromptRecord
+from dapo_lightning.data.sampling.draw import draw_round
+from dapo_lightning.data.sampling.groups import (
     concat_rollouts,
     group_has_variance,
     group_max,
     replace_rows,
 )
-from dapo_lightning.data.sampler import PromptSampler
-from dapo_lightning.data.scoring import RolloutScorer
-from dapo_lightning.data.sources import PromptRecord
-from dapo_lightning.data.step_stats import StepStats
+from dapo_lightning.data.sampling.scoring import RolloutScorer
+from dapo_lightning.data.sampling.settings import DynamicSamplingConfig
+from dapo_lightning.data.sampling.step_stats import StepStats
+from dapo_lightning.data.selection.difficulty import DifficultyTracker, PredictiveSelector
+from dapo_lightning.data.selection.sampler import PromptSampler
 from dapo_lightning.rollout.base import DRAIN, Completion, SamplingConfig
 
 #: Plays the environment's demonstration of each record: a completion, or None where none.

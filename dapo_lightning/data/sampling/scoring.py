@@ -5,7 +5,7 @@ share (no shaping, no filter).
 the engine gave text), scores them with the reward runner (a multi-turn episode's own reward or
 failure where there is one) and returns them as :class:`~dapo_lightning.batch.ScoredRollouts`,
 one group per prompt, adding the time and counts to the step's
-:class:`~dapo_lightning.data.step_stats.StepStats`.
+:class:`~dapo_lightning.data.sampling.step_stats.StepStats`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from dapo_lightning.batch import ScoredRollouts
-from dapo_lightning.data.sources import PromptRecord
-from dapo_lightning.data.step_stats import StepStats, numeric_extras
+from dapo_lightning.data.prompts.sources import PromptRecord
+from dapo_lightning.data.sampling.step_stats import StepStats, numeric_extras
 from dapo_lightning.envs.runner import episode_results, episode_tool_calls, token_masks
 from dapo_lightning.rewards.base import RewardRunner
 from dapo_lightning.rollout.base import SamplingConfig

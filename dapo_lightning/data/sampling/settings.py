@@ -3,8 +3,10 @@
 :class:`DynamicSamplingConfig` is the data module's ``dynamic_sampling`` group (YAML
 ``data.init_args.dynamic_sampling``), checked in ``__post_init__`` with every error naming its
 field; its prompt selection is the nested
-:class:`~dapo_lightning.data.difficulty.PromptSelectionConfig`. A config pickled by an older
-release loads through :mod:`dapo_lightning.data.legacy_checkpoints`.
+:class:`~dapo_lightning.data.selection.difficulty.PromptSelectionConfig`. A config pickled by an older
+release loads through :func:`group_legacy_settings`. The one-step-off settings
+(:class:`OneStepOffConfig`, ``dynamic_sampling.one_step_off``) are read only with
+``dynamic_sampling.pipeline: one_step_off``.
 """
 
 from __future__ import annotations
@@ -15,14 +17,12 @@ from typing import Any, Literal
 import torch
 
 from dapo_lightning.checks import ConfigError, as_group, check_choice, check_count
-from dapo_lightning.data.config import check_batch_split
-from dapo_lightning.data.difficulty import (
+from dapo_lightning.data.prompts.config import check_batch_split
+from dapo_lightning.data.selection.difficulty import (
     SELECTION_PATH,
     DifficultyTracker,
     PromptSelectionConfig,
 )
-from dapo_lightning.data.legacy_checkpoints import group_legacy_settings
-from dapo_lightning.data.one_step_off import ONE_STEP_OFF_PATH, OneStepOffConfig
 
 FilterMetric = Literal["acc", "score", "reward"] | None
 OnExhausted = Literal["train_on_kept", "stop", "error"]
@@ -34,6 +34,75 @@ KEPT_FRAC_DECAY = 0.7
 
 #: Where :class:`DynamicSamplingConfig` sits in a run's YAML (its errors name this path).
 DYNAMIC_SAMPLING_PATH = "data.dynamic_sampling"
+
+
+#: Where :class:`OneStepOffConfig` sits in a run's YAML (its errors name this path).
+ONE_STEP_OFF_PATH = "data.dynamic_sampling.one_step_off"
+
+
+@dataclass(frozen=True)
+class OneStepOffConfig:
+    """The rollout thread's share of the cores and when each of its batches starts.
+
+    Args:
+        share_cores: The update uses the rollout thread's cores while that thread is idle, and
+            the rollout thread the update's while the update waits for its batch (default
+            True: :mod:`~dapo_lightning.shared_cores`). The thread counts then follow the
+            timing, and some reductions (bf16 autocast's) round differently on another count:
+            a run repeats to rounding, not bit for bit. False: a fixed split, bit-exact runs
+            and resumes.
+        start_after_updates: The next batch starts generating after this many of the current
+            step's optimizer updates instead of at the hand-over (0, default), with the weights
+            after them: its samples are that many policy versions fresher, and the update runs
+            alone (on all the cores) until then. Worth it where generation beside the rest of
+            the update still ends before it (the trainer then never waits:
+            ``time/trainer_wait_s``); a step with fewer updates starts the batch when it ends.
+
+    Raises:
+        ConfigError: ``start_after_updates`` not an integer >= 0.
+    """
+
+    share_cores: bool = True
+    start_after_updates: int = 0
+
+    def __post_init__(self) -> None:
+        check_count(
+            f"{ONE_STEP_OFF_PATH}.start_after_updates", self.start_after_updates, 0, "updates"
+        )
+
+
+#: Flat ``dynamic_sampling`` keys of configs saved before prompt selection was its own group
+#: -> their field of ``dynamic_sampling.selection`` (:class:`PromptSelectionConfig`).
+LEGACY_SELECTION_KEYS: dict[str, str] = {
+    "selection": "strategy",
+    "max_skip": "max_skip",
+    "revisit_within": "revisit_within",
+    "retire_after": "retire_after",
+    "park_after": "park_after",
+    "revisit_every": "revisit_every",
+}
+
+
+#: Flat ``dynamic_sampling`` keys of configs saved before the one-step-off settings were
+#: grouped -> their field of ``dynamic_sampling.one_step_off`` (:class:`OneStepOffConfig`).
+LEGACY_ONE_STEP_OFF_KEYS = ("share_cores", "start_after_updates")
+
+
+def group_legacy_settings(state: dict[str, Any]) -> dict[str, Any]:
+    """An unpickled ``DynamicSamplingConfig`` state with its settings groups: a flat one
+    (``selection`` a string, ``max_skip``, ...; ``share_cores``) gets a
+    :class:`PromptSelectionConfig` and a :class:`OneStepOffConfig` of those keys; today's
+    state is returned as it is (a copy)."""
+    state = dict(state)
+    if not isinstance(state.get("selection"), PromptSelectionConfig):
+        legacy = LEGACY_SELECTION_KEYS.items()
+        state["selection"] = PromptSelectionConfig(
+            **{new: state.pop(old) for old, new in legacy if old in state}
+        )
+    if not isinstance(state.get("one_step_off"), OneStepOffConfig):
+        flat = {key: state.pop(key) for key in LEGACY_ONE_STEP_OFF_KEYS if key in state}
+        state["one_step_off"] = OneStepOffConfig(**flat)
+    return state
 
 
 @dataclass(frozen=True)
@@ -58,7 +127,7 @@ class DynamicSamplingConfig:
         max_staleness: Carried groups older than this many policy versions are dropped
             (``data/dropped_stale_groups``); None keeps them whatever their age.
         selection: Which prompts are drawn (strategy, exploration, retiring, parking):
-            :class:`~dapo_lightning.data.difficulty.PromptSelectionConfig`; YAML
+            :class:`~dapo_lightning.data.selection.difficulty.PromptSelectionConfig`; YAML
             ``selection: {strategy: predictive, max_skip: 0.99, ...}``.
         round_sizing: ``"kept_frac"`` (default): after the first round the next round draws
             enough prompts to fill the batch at the kept fraction observed so far (one estimate
@@ -71,7 +140,7 @@ class DynamicSamplingConfig:
             (``data/dropped_surplus_groups``).
         min_gen_batch_size: Floor of a sized round over all ranks (default 1: none), e.g. 16
             with the vLLM engine, whose CPU rate at 2 prompts per call is 0.77x that at 16
-            (:func:`~dapo_lightning.data.sampler.sized_round`); never above the cap, the
+            (:func:`~dapo_lightning.data.selection.sampler.sized_round`); never above the cap, the
             epoch or the eligible prompts. The surplus goes as above.
         in_flight: With an engine that streams groups (``stream_groups``: the vLLM engine), a
             round stops starting groups as soon as the batch is full: groups are scored as they
@@ -82,9 +151,9 @@ class DynamicSamplingConfig:
             update, with the newest weights. ``"one_step_off"``: the next step's rollouts are
             generated on a rollout thread while this step updates, with the weights from
             before this step's updates (one rollout step stale, corrected like carried-over
-            groups; :mod:`~dapo_lightning.data.pipeline`).
+            groups; :mod:`~dapo_lightning.data.streams.one_step_off`).
         one_step_off: With ``one_step_off``, the rollout thread's share of the cores and when
-            each batch starts: :class:`~dapo_lightning.data.one_step_off.OneStepOffConfig`; YAML
+            each batch starts: :class:`~dapo_lightning.data.sampling.settings.OneStepOffConfig`; YAML
             ``one_step_off: {share_cores: true, start_after_updates: 0}``.
 
     Raises:
@@ -202,7 +271,7 @@ class DynamicSamplingConfig:
         """Unpickle (``torch.load`` of a checkpoint's hyper-parameters); a config saved before
         the prompt-selection or one-step-off settings were grouped is mapped onto
         ``selection`` and ``one_step_off``
-        (:func:`~dapo_lightning.data.legacy_checkpoints.group_legacy_settings`)."""
+        (:func:`group_legacy_settings`)."""
         self.__dict__.update(group_legacy_settings(state))
 
 

@@ -4,7 +4,7 @@
 runs (counts and seconds are summed over the step's rounds here), then
 :meth:`StepStats.as_metrics` gives the ``RolloutBatch.stats`` dict by logged name. Over ranks
 each statistic is reduced by the op its :class:`Stat` declares (:func:`rank_op`; the module's
-:func:`~dapo_lightning.data.metrics.rollout_step_metrics` adds them to the one
+:func:`~dapo_lightning.data.sampling.metrics.rollout_step_metrics` adds them to the one
 :class:`~dapo_lightning.metrics.MetricAccumulator` of the step):
 
 * ``sum``: counts (groups, samples, tokens, failures);
@@ -136,7 +136,7 @@ class StepStats:
         return out
 
 
-#: What the one-step-off pipeline adds to a batch's stats (:mod:`dapo_lightning.data.pipeline`):
+#: What the one-step-off pipeline adds to a batch's stats (:mod:`dapo_lightning.data.streams.one_step_off`):
 #: the slowest rank's waits.
 PIPELINE_STAT_OPS: dict[str, ReduceOp] = {"time/trainer_wait_s": "max", "time/engine_idle_s": "max"}
 

@@ -64,7 +64,7 @@ PRIOR: tuple[float, float] = (0.05, 0.05)
 class PromptSelectionConfig:
     """Which prompts are drawn: retiring solved ones, parking hopeless ones, predictive skipping.
 
-    Held by :class:`~dapo_lightning.data.producer.DynamicSamplingConfig` as ``selection``; YAML
+    Held by :class:`~dapo_lightning.data.sampling.producer.DynamicSamplingConfig` as ``selection``; YAML
     ``data.init_args.dynamic_sampling.selection.{strategy, max_skip, ...}``.
 
     Args:

@@ -1,8 +1,8 @@
 """One rank's rollouts without Lightning: the engine session and the rollout producer, and the
 weights the module published last (:class:`~dapo_lightning.contract.PolicyHandle`); a stop
 rewinds the producer to the start of the batch under way (its
-:attr:`~dapo_lightning.data.producer.RolloutProducer.batch_start`). ``DAPODataModule`` builds
-one in ``setup`` (:func:`~dapo_lightning.data.pipeline.build_stream`: this sync stream, or the
+:attr:`~dapo_lightning.data.sampling.producer.RolloutProducer.batch_start`). ``DAPODataModule`` builds
+one in ``setup`` (:func:`~dapo_lightning.data.streams.one_step_off.build_stream`: this sync stream, or the
 one-step-off one) and hands its Lightning hooks to it."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from torch import nn
 
 from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.contract import PolicyHandle
-from dapo_lightning.data.producer import RolloutProducer, TrainingComplete
-from dapo_lightning.data.sources import PromptRecord
+from dapo_lightning.data.prompts.sources import PromptRecord
+from dapo_lightning.data.sampling.producer import RolloutProducer, TrainingComplete
 from dapo_lightning.envs import EpisodeSession
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
