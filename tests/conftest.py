@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from lightning.pytorch import LightningDataModule, Trainer
 
+from dapo_lightning.sandbox import close_shared_sandboxes
 from dapo_lightning.testing import make_tiny_checkpoint, tiny_num_parameters
 from dapo_lightning.threads import apply_threads, choose_threads
 from tests import _harness, _module_harness
@@ -87,3 +88,11 @@ def _no_seed_from_an_earlier_test(monkeypatch: pytest.MonkeyPatch) -> None:
     """``seed_everything`` (an in-process CLI run) leaves ``PL_GLOBAL_SEED`` in the environment,
     and a data module without ``seed`` takes it: no test sees another test's seed."""
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_warm_sandboxes_left_to_the_next_file():
+    """A test file's shared sandboxes (a python tool's or a code reward's warm pool) are closed
+    when it ends: the sandbox catalogue counts the interpreters its worker process holds."""
+    yield
+    close_shared_sandboxes()

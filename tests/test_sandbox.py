@@ -83,13 +83,27 @@ def sandbox_processes(since: float) -> list[psutil.Process]:
     """Processes started since ``since`` that are this file's sandboxes: descendants of this
     process, or processes of a uid one of them ran as (what a process that got out of the pid
     namespace would still have)."""
-    found = {p.pid: p for p in psutil.Process().children(recursive=True)}
+    found = {p.pid: p for p in new_children(since, recursive=True)}
     for p in psutil.process_iter(["uids", "create_time"]):
         uids = p.info["uids"]
         if uids and uids.real in ISSUED_UIDS:
             if p.info["create_time"] >= since - 1:
                 found[p.pid] = p
     return [p for p in found.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def new_children(since: float, recursive: bool = False) -> list[psutil.Process]:
+    """This process's children started since ``since`` (a reward worker or another file's warm
+    pool, started before, is not this test's)."""
+    children = psutil.Process().children(recursive=recursive)
+    return [p for p in children if _started(p) >= since - 1]
+
+
+def _started(process: psutil.Process) -> float:
+    try:
+        return process.create_time()
+    except psutil.NoSuchProcess:
+        return 0.0
 
 
 def files_of_sandbox_uids() -> list[str]:
@@ -523,11 +537,11 @@ def test_a_warm_pool_keeps_interpreters_ready_and_close_leaves_none():
     since = time.time()
     box = Sandbox(SandboxConfig(pool_size=2, timeout_s=2.0))
     try:
-        waiting = psutil.Process().children()
+        waiting = new_children(since)
         assert len(waiting) == 2  # two bwraps waiting for code
         for _ in range(3):
             assert box.run("print(1)").stdout == "1\n"
-        assert len(psutil.Process().children()) == 2
+        assert len(new_children(since)) == 2
         assert box.calls == 3
     finally:
         box.close()
@@ -535,8 +549,9 @@ def test_a_warm_pool_keeps_interpreters_ready_and_close_leaves_none():
 
 
 def test_an_interpreter_that_died_waiting_is_replaced():
+    since = time.time()
     with Sandbox(SandboxConfig(pool_size=1, timeout_s=2.0)) as box:
-        waiting = psutil.Process().children()
+        waiting = new_children(since)
         assert len(waiting) == 1
         waiting[0].kill()  # bwrap of the waiting interpreter, killed from outside
         waiting[0].wait(2)

@@ -38,7 +38,19 @@ def shared_sandbox(config: SandboxConfig) -> Sandbox:
         return sandbox
 
 
+def close_shared_sandboxes() -> None:
+    """Close this process's shared sandboxes (their waiting interpreters are killed); the next
+    :func:`shared_sandbox` builds a fresh one. For the end of a run or a test module, so that
+    no warm pool outlives what used it."""
+    with _SHARED_LOCK:
+        sandboxes = list(_SHARED.values())
+        _SHARED.clear()
+    for sandbox in sandboxes:
+        sandbox.close()
+
+
 __all__ = [
+    "close_shared_sandboxes",
     "ISOLATIONS",
     "STATUSES",
     "Sandbox",
