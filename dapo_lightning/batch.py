@@ -8,6 +8,7 @@ form ``DAPOModule.training_step`` consumes. Responses of one group (one prompt,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -321,27 +322,13 @@ class RolloutBatch:
             raise ValueError(
                 f"RolloutBatch needs whole groups: got {n} responses for group_size={group_size}."
             )
-        P = max((len(p) for p in rollouts.prompt_ids), default=1)
-        T = max(1, max((len(r) for r in rollouts.response_ids), default=1))
-        input_ids = torch.full((n, P + T), pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((n, P + T), dtype=torch.long)
-        response_mask = torch.zeros((n, T), dtype=torch.float32)
-        logp = torch.zeros((n, T), dtype=torch.float32)
-        token_mask = rollouts.token_mask
-        for i, (p, r, lp) in enumerate(
-            zip(rollouts.prompt_ids, rollouts.response_ids, rollouts.rollout_log_probs)
-        ):
-            input_ids[i, P - len(p) : P] = torch.as_tensor(p, dtype=torch.long)
-            attention_mask[i, P - len(p) : P] = 1
-            if r:
-                input_ids[i, P : P + len(r)] = torch.as_tensor(r, dtype=torch.long)
-                attention_mask[i, P : P + len(r)] = 1
-                response_mask[i, : len(r)] = float(rollouts.loss_mask[i])
-                if token_mask is not None:
-                    response_mask[i, : len(r)] *= torch.as_tensor(
-                        token_mask[i], dtype=torch.float32
-                    )
-                logp[i, : len(r)] = torch.as_tensor(lp, dtype=torch.float32)
+        input_ids, attention_mask, response_mask = pad_sequences(
+            rollouts.prompt_ids, rollouts.response_ids, rollouts.token_masks(), pad_token_id
+        )
+        response_mask *= rollouts.loss_mask.float().unsqueeze(1)  # a removed response: all 0
+        logp = torch.zeros_like(response_mask)
+        for i, lp in enumerate(rollouts.rollout_log_probs):
+            logp[i, : len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
         if sample_version is None:
             sample_version = torch.full((n,), rollouts.policy_version, dtype=torch.long)
         return cls(
@@ -362,6 +349,35 @@ class RolloutBatch:
             stats=dict(stats or {}),
             batch_index=rollouts.batch_index,
         )
+
+
+def pad_sequences(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    token_masks: Sequence[Sequence[int]],
+    pad_token_id: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(input_ids, attention_mask, response_mask)`` of ``[left-padded prompt | right-padded
+    response]`` rows. With ``P`` the longest prompt and ``T`` the longest response (each at
+    least 1), row ``b`` is::
+
+        input_ids[b]      = [pad] * (P - |x_b|) + x_b + y_b + [pad] * (T - |y_b|)
+        attention_mask[b] = [0] * (P - |x_b|)   + [1] * (|x_b| + |y_b|) + [0] * (T - |y_b|)
+        response_mask[b]  = m_b + [0] * (T - |y_b|)
+
+    for prompt ``x_b``, response ``y_b`` and its token mask ``m_b`` (1 on sampled tokens)."""
+    n = len(response_ids)
+    P = max((len(p) for p in prompt_ids), default=1)
+    T = max(1, max((len(r) for r in response_ids), default=1))
+    input_ids = torch.full((n, P + T), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, P + T), dtype=torch.long)
+    response_mask = torch.zeros((n, T), dtype=torch.float32)
+    for i, (p, r, m) in enumerate(zip(prompt_ids, response_ids, token_masks)):
+        input_ids[i, P - len(p) : P] = torch.as_tensor(p, dtype=torch.long)
+        input_ids[i, P : P + len(r)] = torch.as_tensor(r, dtype=torch.long)
+        attention_mask[i, P - len(p) : P + len(r)] = 1
+        response_mask[i, : len(r)] = torch.as_tensor(m, dtype=torch.float32)
+    return input_ids, attention_mask, response_mask
 
 
 @dataclass

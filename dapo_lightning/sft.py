@@ -40,6 +40,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
 
+from dapo_lightning.batch import pad_sequences
 from dapo_lightning.checks import ConfigError, check_choice, check_count, check_finite
 from dapo_lightning.data.prompts.config import PromptConfig
 from dapo_lightning.data.prompts.loading import load_tokenizer, prepare_prompts
@@ -172,19 +173,11 @@ def pad_demonstrations(demos: Demonstrations, pad_token_id: int) -> Demonstratio
         attention_mask[b] = [0] * (P - |x_b|)   + [1] * (|x_b| + |y_b|) + [0] * (T - |y_b|)
         response_mask[b]  = m_b + [0] * (T - |y_b|)
 
-    for prompt ``x_b``, episode ``y_b`` and its token mask ``m_b``."""
-    n = len(demos)
-    P = max((len(p) for p in demos.prompt_ids), default=1)
-    T = max(1, max((len(r) for r in demos.response_ids), default=1))
-    input_ids = torch.full((n, P + T), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, P + T), dtype=torch.long)
-    response_mask = torch.zeros((n, T), dtype=torch.float32)
-    for i, (p, r, m) in enumerate(zip(demos.prompt_ids, demos.response_ids, demos.token_mask)):
-        input_ids[i, P - len(p) : P] = torch.as_tensor(p, dtype=torch.long)
-        input_ids[i, P : P + len(r)] = torch.as_tensor(r, dtype=torch.long)
-        attention_mask[i, P - len(p) : P + len(r)] = 1
-        response_mask[i, : len(r)] = torch.as_tensor(m, dtype=torch.float32)
-    return DemonstrationBatch(input_ids, attention_mask, response_mask)
+    for prompt ``x_b``, episode ``y_b`` and its token mask ``m_b``
+    (:func:`~dapo_lightning.batch.pad_sequences`)."""
+    return DemonstrationBatch(
+        *pad_sequences(demos.prompt_ids, demos.response_ids, demos.token_mask, pad_token_id)
+    )
 
 
 @dataclass
