@@ -130,7 +130,9 @@ class Recipe:
     engine_kwargs: dict[str, Any]
 
     @classmethod
-    def load(cls, path: Path = REPO_ROOT / RECIPE) -> Recipe:  # noqa: D102
+    def load(cls, path: Path = REPO_ROOT / RECIPE, task: dict[str, Any] | None = None) -> Recipe:
+        """The recipe's settings; ``task`` (``--task-kwargs``) replaces keys of its
+        ``task_kwargs`` (e.g. another reasoning-gym ``dataset`` and ``config``)."""
         cfg = yaml.safe_load(path.read_text())
         model, data = cfg["model"]["init_args"], cfg["data"]["init_args"]
         optim, sched = model["optimizer"]["init_args"], model["lr_scheduler"]["init_args"]
@@ -149,7 +151,7 @@ class Recipe:
             max_tokens=int(data["sampling"]["max_tokens"]),
             temperature=float(data["sampling"]["temperature"]),
             overlong_buffer=int(overlong["init_args"]["buffer_length"]),
-            task_kwargs=dict(data["prompts"]["task_kwargs"]),
+            task_kwargs={**data["prompts"]["task_kwargs"], **(task or {})},
             answer_format=data["scoring"]["reward_kwargs"]["answer_format"],
             val_n=int(data["validation"]["n"]),
             val_temperature=float(data["validation"]["temperature"]),
@@ -271,6 +273,8 @@ def write_override(run_dir: Path, model_dir: Path, args: argparse.Namespace) -> 
     if args.engine == "hf":
         data["engine"] = "hf"
         data["engine_kwargs"] = None
+    if args.task_kwargs:  # the second task: the recipe's task settings with these keys replaced
+        data["prompts"] = {"task_kwargs": Recipe.load(task=args.task_kwargs).task_kwargs}
     if args.quick:  # a random model is never right: train on every group (no filter)
         data["dynamic_sampling"] = {"filter_metric": None, "gen_batch_size": 8}
     override = {
@@ -396,7 +400,7 @@ def run_trl(run_dir: Path, model_dir: Path, seed: int, args: argparse.Namespace)
     if args.trl_generation == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    recipe = Recipe.load()
+    recipe = Recipe.load(task=args.task_kwargs)
     train, _ = recipe.rows(seed)
     dataset = Dataset.from_list(
         [{"prompt": r["prompt"], "answer": r["answer"],
@@ -546,7 +550,7 @@ def run_seed(seed: int, model_dir: Path, root: Path, args: argparse.Namespace) -
         if proc.wait() != 0:
             tail = (dirs[side] / "train.log").read_text()[-3000:]
             raise SystemExit(f"seed {seed}: {side} exited {proc.returncode}:\n{tail}")
-    recipe = Recipe.load()
+    recipe = Recipe.load(task=args.task_kwargs)
     _, val = recipe.rows(seed)
     snaps = {s: [json.loads(x) for x in (dirs[s] / "snapshots.jsonl").read_text().splitlines()]
              for s in SIDES}  # fmt: skip
@@ -577,6 +581,8 @@ def forwarded(args: argparse.Namespace) -> list[str]:
     out = ["--budget-min", str(args.budget_min), "--every-min", str(args.every_min),
            "--clock", args.clock, "--cores", str(args.cores),
            "--trl-generation", args.trl_generation]  # fmt: skip
+    if args.task_kwargs:
+        out += ["--task-kwargs", json.dumps(args.task_kwargs)]
     return out + (["--max-updates", str(args.max_updates)] if args.max_updates else [])
 
 
@@ -634,6 +640,7 @@ def summarize(side: str, seed: int, start: float, rows: list[dict[str, Any]], ac
         "cores": args.cores,
         "budget_min": args.budget_min,
         "engine": args.engine if side == "ours" else f"{args.trl_generation} generate",
+        "task": task_name(args.task_kwargs),
     }
 
 
@@ -649,7 +656,8 @@ def report(results: list[dict[str, Any]], png: Path) -> None:
     """Print the summary and curve tables; write the PNG."""
     budget = results[0]["budget_min"]
     print_table(
-        f"Peer race, reasoning-gym, {budget:g}-minute {results[0]['clock']} budget "
+        f"Peer race, reasoning-gym {results[0].get('task', 'basic_arithmetic')}, "
+        f"{budget:g}-minute {results[0]['clock']} budget "
         f"({results[0]['cores']} core(s) per run): held-out accuracy (64 x {4} samples)",
         ["side", "seed", "generation", "start", f"+{GAIN:g}: CPU / wall min",
          f"{LEVEL:g}: CPU / wall min", *(f"acc @{m:g} min" for m in REPORT_AT_MIN), "best",
@@ -718,6 +726,27 @@ def quick_model(root: Path) -> Path:
     return folder if (folder / "config.json").exists() else make_tiny_checkpoint(folder)
 
 
+def task_kwargs(text: str) -> dict[str, Any]:
+    """``--task-kwargs``: a YAML (or JSON) mapping."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise argparse.ArgumentTypeError(f"not YAML ({e}); give a mapping such as "
+                                         "'{dataset: chain_sum}'") from e  # fmt: skip
+    if not isinstance(value, dict) or not value:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a mapping; give one such as "
+                                         "'{dataset: chain_sum}'")  # fmt: skip
+    return value
+
+
+def task_name(kwargs: dict[str, Any] | None) -> str:
+    """The reasoning-gym dataset(s) a run trains on: ``dataset``, or the names of a mix."""
+    kwargs = {**Recipe.load().task_kwargs, **(kwargs or {})}
+    if "datasets" in kwargs:
+        return "+".join(str(d["name"]) for d in kwargs["datasets"])
+    return str(kwargs["dataset"])
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -735,8 +764,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser.add_argument("--keep-snapshots", action="store_true")
     parser.add_argument("--quick", action="store_true",
                         help="smoke: tiny random model, HF, 2 updates a side, first seed")  # fmt: skip
+    parser.add_argument("--task-kwargs", type=task_kwargs, default=None,
+                        help="a second task: YAML mapping replacing keys of the recipe's "
+                        "task_kwargs, e.g. '{dataset: chain_sum, config: {min_terms: 3, "
+                        "max_terms: 3, max_digits: 1}}' (sums and differences of 3 one-digit "
+                        "numbers)")  # fmt: skip
     parser.add_argument("--name", help="output folder and PNG under benchmarks/out (default: "
-                        "peer_race, PNG docs/img/peer_race.png)")  # fmt: skip
+                        "peer_race, PNG docs/img/peer_race.png; with --task-kwargs "
+                        "peer_race_<dataset>)")  # fmt: skip
     parser.add_argument("--report", action="store_true", help="tables + PNG of runs on disk")
     parser.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)  # the TRL process
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
@@ -744,7 +779,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     if args.side == "trl":
         run_trl(args.run_dir, args.model_dir, args.seeds[0], args)
         return []
-    name = args.name or ("peer_race_quick" if args.quick else "peer_race")
+    default = f"peer_race_{task_name(args.task_kwargs)}" if args.task_kwargs else "peer_race"
+    name = args.name or ("peer_race_quick" if args.quick else default)
     root = out_dir() / name
     png = (
         REPO_ROOT / "docs" / "img" / "peer_race.png"

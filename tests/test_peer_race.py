@@ -75,3 +75,29 @@ def test_trl_gets_the_recipes_settings() -> None:
     assert trl.mask_truncated_completions and not trl.gradient_checkpointing and not trl.use_vllm
     assert trl.max_completion_length == cfg["data"]["init_args"]["sampling"]["max_tokens"]
     assert (trl.temperature, trl.top_p, trl.top_k, trl.seed) == (1.0, 1.0, 0, 3)
+
+
+def test_task_kwargs_picks_a_second_task_for_both_sides(tmp_path: Path) -> None:
+    """``--task-kwargs`` replaces keys of the recipe's task settings: TRL's rows (``Recipe.rows``)
+    and ours' override (``prompts.task_kwargs``) get the same other dataset; the rest stays."""
+    from benchmarks.peer_race import Recipe, main, task_kwargs, task_name, write_override
+
+    chain = {"dataset": "chain_sum", "config": {"min_terms": 3, "max_terms": 3, "max_digits": 1}}
+    recipe, base = Recipe.load(task=chain), Recipe.load()
+    assert (
+        recipe.task_kwargs["dataset"] == "chain_sum" and base.task_kwargs["dataset"] != "chain_sum"
+    )
+    assert recipe.task_kwargs["size"] == base.task_kwargs["size"]  # the keys not given stay
+    assert (task_name(chain), task_name(None)) == ("chain_sum", "basic_arithmetic")
+    train, val = recipe.rows(0)
+    assert len(train) == base.task_kwargs["size"] and len(val) == 64
+    assert all(r["reward_kwargs"]["rg_entry"]["metadata"]["source_dataset"] == "chain_sum"
+               for r in train + val)  # fmt: skip
+    args = argparse.Namespace(budget_min=1.0, every_min=1.0, clock="cpu", cores=1, engine="vllm",
+                              quick=False, max_updates=None, task_kwargs=chain)  # fmt: skip
+    override = yaml.safe_load(write_override(tmp_path, tmp_path / "model", args).read_text())
+    assert override["data"]["init_args"]["prompts"]["task_kwargs"] == recipe.task_kwargs
+    assert task_kwargs("{dataset: chain_sum}") == {"dataset": "chain_sum"}
+    with pytest.raises(SystemExit) as e:
+        main(["--task-kwargs", "[1, 2]"])
+    assert e.value.code == 2
