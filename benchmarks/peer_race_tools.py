@@ -88,6 +88,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -167,10 +168,12 @@ def tool_tokenizer(model_dir: str | Path) -> Any:
 @dataclass
 class AgentRecipe:
     """What TRL takes from ``configs/smollm2_arithmetic.yaml``: the settings
-    ``benchmarks.peer_race.trl_config`` reads (:attr:`recipe`) and the episodes' limits."""
+    ``benchmarks.peer_race.trl_config`` reads (:attr:`recipe`), the episodes' limits, the
+    sequences per forward/backward and the data module's settings (:attr:`config`)."""
 
     recipe: Recipe
     max_turns: int
+    micro_batch_size: int
     config: dict[str, Any]
 
     @classmethod
@@ -204,7 +207,8 @@ class AgentRecipe:
             val_temperature=float(data["validation"]["temperature"]),
             engine_kwargs=dict(data["engine_kwargs"]),
         )
-        return cls(recipe, int(data["environment"]["max_turns"]), data)
+        micro = int(model["batching"]["micro_batch_size"])
+        return cls(recipe, int(data["environment"]["max_turns"]), micro, data)
 
     def records(self, tokenizer: Any, seed: int,
                 max_prompt_length: int | None = None) -> tuple[list[Any], list[Any]]:  # fmt: skip
@@ -244,15 +248,7 @@ def completion_budget(tokenizer: Any, max_tokens: int, max_turns: int, largest: 
 # ============================================================================ tools and reward
 
 
-@dataclass
-class ToolLog:
-    """Tool calls and tool errors (``error: ...`` answers) so far."""
-
-    calls: int = 0
-    errors: int = 0
-
-
-def arithmetic_tools(log: ToolLog) -> list[Callable[..., str]]:
+def arithmetic_tools() -> list[Callable[..., str]]:
     """The ``arithmetic`` environment's tools as TRL tools: each call runs
     :meth:`~dapo_lightning.envs.tools.ToolEnvironment.step` on the call written back in the tag
     format, so the arguments are checked against the same schema and the answer (result or
@@ -270,10 +266,7 @@ def arithmetic_tools(log: ToolLog) -> list[Callable[..., str]]:
         @functools.wraps(getattr(env, name))
         def tool(**arguments: Any) -> str:
             body = json.dumps({"name": name, "arguments": arguments})
-            result = env.step(f"<tool_call>{body}</tool_call>")
-            log.calls += result.tool_calls
-            log.errors += result.tool_errors
-            return result.observation
+            return env.step(f"<tool_call>{body}</tool_call>").observation
 
         return tool
 
@@ -283,15 +276,17 @@ def arithmetic_tools(log: ToolLog) -> list[Callable[..., str]]:
 class AgentScore(ReasoningGymScore):
     """The recipe's reward on TRL's multi-turn completions: the reasoning-gym score of the
     final assistant turn's last number (the turn ``dapo-lightning fit`` scores); and per call
-    (one TRL generation) a row of episode statistics in :attr:`rows`."""
+    (one TRL generation) a row of episode statistics in :attr:`rows`, read from the messages:
+    a call is a tool message (a call TRL ran), a tool error one that answers ``error: ...``
+    (our tools) or ``{'error': ...}`` (TRL's answer to a call it could not make: an unknown
+    tool name, arguments that are not an object)."""
 
     __name__ = "reasoning_gym"
 
-    def __init__(self, answer_format: str, group_size: int, log: ToolLog) -> None:
+    def __init__(self, answer_format: str, group_size: int) -> None:
         super().__init__(answer_format)
-        self.group_size, self.log = group_size, log
+        self.group_size = group_size
         self.rows: list[dict[str, float]] = []
-        self._seen = ToolLog()
 
     def __call__(self, completions: list[Any], answer: list[str], rg_entry: list[str],
                  **kwargs: Any) -> list[float]:  # fmt: skip
@@ -301,18 +296,20 @@ class AgentScore(ReasoningGymScore):
         scores = [r.score for r in results]
         n = len(completions)
         groups = [scores[i : i + self.group_size] for i in range(0, n, self.group_size)]
-        calls, errors = self.log.calls - self._seen.calls, self.log.errors - self._seen.errors
-        self._seen = ToolLog(self.log.calls, self.log.errors)
+        answered = [
+            str(m.get("content")) for c in completions for m in c if m.get("role") == "tool"
+        ]
+        errors = sum(a.startswith(("error:", "{'error'")) for a in answered)
         state = kwargs.get("trainer_state")
         self.rows.append({
             "update": state.global_step if state is not None else -1,
             "episodes": n,
             "reward": sum(scores) / n,
             "acc": sum(float(r.acc) for r in results) / n,
-            "calling": sum(any(m.get("tool_calls") for m in c) for c in completions) / n,
-            "calls_per_episode": calls / n,
+            "calling": sum(any(m.get("role") == "tool" for m in c) for c in completions) / n,
+            "calls_per_episode": len(answered) / n,
             "turns": sum(sum(m.get("role") == "assistant" for m in c) for c in completions) / n,
-            "tool_errors_per_call": errors / calls if calls else 0.0,
+            "tool_errors_per_call": errors / len(answered) if answered else 0.0,
             "zero_std_groups": sum(len(set(g)) == 1 for g in groups) / len(groups),
         })  # fmt: skip
         return scores
@@ -348,17 +345,24 @@ def build_trl_tools(model_dir: str | Path, run_dir: Path, seed: int,
           "rg_entry": json.dumps(r.meta["reward_kwargs"]["rg_entry"])} for r in train]
     )  # fmt: skip
     largest = 99 ** int(recipe.task_kwargs["config"]["max_terms"])
-    config = trl_config(recipe, run_dir, seed, args)
-    config.max_completion_length = completion_budget(
-        tokenizer, recipe.max_tokens, agent.max_turns, largest
+    per_update, per_step = (recipe.groups_per_update * recipe.group_size,
+                            recipe.groups_per_step * recipe.group_size)  # fmt: skip
+    config = dataclasses.replace(
+        trl_config(recipe, run_dir, seed, args),
+        per_device_train_batch_size=agent.micro_batch_size,  # the recipe's micro-batches
+        gradient_accumulation_steps=per_update // agent.micro_batch_size,
+        steps_per_generation=per_step // agent.micro_batch_size,
+        generation_batch_size=None,
+        max_completion_length=completion_budget(
+            tokenizer, recipe.max_tokens, agent.max_turns, largest
+        ),
+        max_tool_calling_iterations=agent.max_turns - 1,
     )
-    config.max_tool_calling_iterations = agent.max_turns - 1
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay
     )
-    log = ToolLog()
-    score = AgentScore(recipe.answer_format, recipe.group_size, log)
+    score = AgentScore(recipe.answer_format, recipe.group_size)
     snapshots = Snapshots(str(run_dir), args.budget_min * 60, args.every_min * 60, args.clock,
                           args.cores)  # fmt: skip
 
@@ -384,7 +388,7 @@ def build_trl_tools(model_dir: str | Path, run_dir: Path, seed: int,
         processing_class=tokenizer,
         callbacks=[Clock()],
         optimizers=(optimizer, WarmupConstantLR(optimizer, 0)),
-        tools=arithmetic_tools(log),
+        tools=arithmetic_tools(),
     )
     check_same_tokens(trainer, train)
     generate = trainer._generate
