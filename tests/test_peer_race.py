@@ -101,3 +101,22 @@ def test_task_kwargs_picks_a_second_task_for_both_sides(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as e:
         main(["--task-kwargs", "[1, 2]"])
     assert e.value.code == 2
+
+
+def test_issue_bar_compares_minutes_to_trls_best() -> None:
+    """TRL peaks at 0.6 first at 8 CPU-minutes; ours first reaches 0.6 at 3: ratio 3/8, met while
+    ours ends no lower; an ours that never gets there has no ratio and fails."""
+    from benchmarks.peer_race import issue_bar
+
+    def run(side: str, seed: int, points: list[tuple[float, float]]) -> dict:
+        curve = [(0, 0.2, 0.0, 0.0, 0.0)] + [(k, a, m * 60.0, m * 60.0, 0.0) for k, (m, a)
+                                             in enumerate(points, 1)]  # fmt: skip
+        return {"side": side, "seed": seed, "clock": "cpu", "curve": curve, "final": curve[-1][1]}
+
+    trl = [(2, 0.4), (8, 0.6), (10, 0.6), (12, 0.55)]
+    results = [run("ours", 0, [(1, 0.3), (3, 0.62), (12, 0.8)]), run("trl", 0, trl),
+               run("ours", 1, [(4, 0.5), (12, 0.58)]), run("trl", 1, trl)]  # fmt: skip
+    met, missed = issue_bar(results)
+    assert (met["trl_best"], met["trl_min"], met["ours_min"]) == (0.6, 8.0, 3.0)
+    assert met["ratio"] == 3.0 / 8.0 and met["met"]
+    assert missed["ours_min"] is None and missed["ratio"] is None and not missed["met"]
