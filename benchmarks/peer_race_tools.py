@@ -62,8 +62,9 @@ What cannot be set equal (and which side it favours):
   (``environment.demonstrate_unsolved``). TRL has no such hook. From this cold start the model
   calls once and answers the first product (held-out accuracy 0.000, pass@8 0.000 in
   RESULTS), so the task reward is -1 in every TRL episode; the only differences within a
-  group are the soft overlong punishment's, and with ``beta=0`` TRL's updates learn to be
-  shorter, not to make the second call, until a sample happens to be right.
+  group are the soft overlong punishment's (the only nonzero advantages are about length, not
+  the second call) until a sample happens to be right. (``rollout_func`` is no such hook: it
+  runs before the rewards are known.)
 * **Dynamic sampling, prompt retirement** (favour ours): as in ``benchmarks/peer_race.py``.
 * **Length budget**: ours allows 112 assistant tokens per episode (and 384 tokens of prompt +
   turns + observations); TRL's ``max_completion_length`` counts the tool messages' tokens too,
