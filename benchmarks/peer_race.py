@@ -130,14 +130,20 @@ class Recipe:
     engine_kwargs: dict[str, Any]
 
     @classmethod
-    def load(cls, path: Path = REPO_ROOT / RECIPE, task: dict[str, Any] | None = None) -> Recipe:
-        """The recipe's settings; ``task`` (``--task-kwargs``) replaces keys of its
-        ``task_kwargs`` (e.g. another reasoning-gym ``dataset`` and ``config``)."""
-        cfg = yaml.safe_load(path.read_text())
+    def load(cls, path: str = RECIPE, task: dict[str, Any] | None = None) -> Recipe:
+        """The settings of the recipe at ``path`` (relative to the repository); ``task``
+        (``--task-kwargs``) replaces keys of its ``task_kwargs`` (e.g. another reasoning-gym
+        ``dataset`` and ``config``). A recipe without an ``lr_scheduler`` has the module's
+        default schedule, constant when it does not warm up (a warm-up is refused here)."""
+        cfg = yaml.safe_load((REPO_ROOT / path).read_text())
         model, data = cfg["model"]["init_args"], cfg["data"]["init_args"]
-        optim, sched = model["optimizer"]["init_args"], model["lr_scheduler"]["init_args"]
-        ds = data["dynamic_sampling"]
-        overlong = next(c for c in config_callbacks([RECIPE]) if "Overlong" in c["class_path"])
+        optim, ds = model["optimizer"]["init_args"], data["dynamic_sampling"]
+        constant = {"start_factor": 1.0, "end_factor": 1.0, "total_iters": 1}
+        sched = model["lr_scheduler"]["init_args"] if "lr_scheduler" in model else constant
+        warmup = int(model["optimizer_step"].get("warmup_steps", 0))
+        if "lr_scheduler" not in model and warmup:
+            raise ValueError(f"{path} warms up over {warmup} updates: Recipe reads no warm-up.")
+        overlong = next(c for c in config_callbacks([path]) if "Overlong" in c["class_path"])
         return cls(
             lr=float(optim["lr"]),
             weight_decay=float(optim["weight_decay"]),
@@ -244,6 +250,31 @@ class LightningSnapshots(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:  # noqa: D102
         self.snapshots.finish(trainer.global_step, pl_module.policy)
+
+
+def trl_clock(snapshots: Snapshots, model: Any, phases: dict[str, float] | None = None) -> Any:
+    """:class:`Snapshots` in a TRL ``Trainer`` (a ``TrainerCallback``): the clocks start with
+    training, a snapshot at each passed mark (stopping once the budget is spent), the last at
+    the end; with ``phases``, each optimizer step's wall seconds are added to ``step_s``."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
+            snapshots.start()
+
+        def on_step_begin(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.t = time.perf_counter()
+
+        def on_step_end(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
+            if phases is not None:
+                phases["step_s"] += time.perf_counter() - self.t
+            if snapshots.after_update(state.global_step, model):
+                control.should_training_stop = True
+
+        def on_train_end(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
+            snapshots.finish(state.global_step, model)
+
+    return Clock()
 
 
 # ============================================================================ ours
@@ -393,7 +424,7 @@ def run_trl(run_dir: Path, model_dir: Path, seed: int, args: argparse.Namespace)
     writes plus ``trl_phases.json``."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
     from trl.rewards import get_soft_overlong_punishment
 
@@ -428,21 +459,6 @@ def run_trl(run_dir: Path, model_dir: Path, seed: int, args: argparse.Namespace)
     snapshots = Snapshots(str(run_dir), args.budget_min * 60, args.every_min * 60, args.clock,
                           args.cores, samples=lambda: phases["samples"])  # fmt: skip
 
-    class Clock(TrainerCallback):
-        def on_train_begin(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
-            snapshots.start()
-
-        def on_step_begin(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.t = time.perf_counter()
-
-        def on_step_end(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
-            phases["step_s"] += time.perf_counter() - self.t
-            if snapshots.after_update(state.global_step, model):
-                control.should_training_stop = True
-
-        def on_train_end(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
-            snapshots.finish(state.global_step, model)
-
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[
@@ -452,7 +468,7 @@ def run_trl(run_dir: Path, model_dir: Path, seed: int, args: argparse.Namespace)
         args=trl_config(recipe, run_dir, seed, args),
         train_dataset=dataset,
         processing_class=AutoTokenizer.from_pretrained(model_dir),
-        callbacks=[Clock()],
+        callbacks=[trl_clock(snapshots, model, phases)],
         optimizers=(optimizer, schedule),
     )
     check_same_prompt_ids(trainer, train)

@@ -123,8 +123,8 @@ if __package__ in (None, ""):  # run as a file: the repository importable
 
 import yaml
 
-from benchmarks._common import config_callbacks, out_dir
-from benchmarks.peer_race import ReasoningGymScore, Recipe, Snapshots, trl_config
+from benchmarks._common import out_dir
+from benchmarks.peer_race import ReasoningGymScore, Recipe, Snapshots, trl_clock, trl_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AGENT_RECIPE = "configs/smollm2_arithmetic.yaml"
@@ -200,33 +200,9 @@ class AgentRecipe:
     def load(cls, path: str = AGENT_RECIPE) -> AgentRecipe:  # noqa: D102
         cfg = yaml.safe_load((REPO_ROOT / path).read_text())
         model, data = cfg["model"]["init_args"], cfg["data"]["init_args"]
-        optim = model["optimizer"]["init_args"]
-        ds = data["dynamic_sampling"]
-        overlong = next(c for c in config_callbacks([path]) if "Overlong" in c["class_path"])
         if "lr_scheduler" in model:
             raise ValueError(f"{path} sets an lr_scheduler: AgentRecipe reads only the default.")
-        warmup = int(model["optimizer_step"].get("warmup_steps", 0))
-        if warmup:
-            raise ValueError(f"{path} warms up over {warmup} updates: AgentRecipe reads none.")
-        recipe = Recipe(
-            lr=float(optim["lr"]),
-            weight_decay=float(optim["weight_decay"]),
-            start_factor=1.0,  # the module's default schedule without warm-up: constant
-            end_factor=1.0,
-            total_iters=1,
-            grad_clip=float(model["optimizer_step"]["gradient_clip_val"]),
-            group_size=int(ds["n"]),
-            groups_per_step=int(ds["train_batch_size"]),
-            groups_per_update=int(model["batching"]["mini_batch_size"]),
-            max_tokens=int(data["sampling"]["max_tokens"]),
-            temperature=float(data["sampling"]["temperature"]),
-            overlong_buffer=int(overlong["init_args"]["buffer_length"]),
-            task_kwargs=dict(data["prompts"]["task_kwargs"]),
-            answer_format=data["scoring"]["reward_kwargs"]["answer_format"],
-            val_n=int(data["validation"]["n"]),
-            val_temperature=float(data["validation"]["temperature"]),
-            engine_kwargs=dict(data["engine_kwargs"]),
-        )
+        recipe = Recipe.load(path)  # the default schedule without warm-up: constant
         micro = int(model["batching"]["micro_batch_size"])
         return cls(recipe, int(data["environment"]["max_turns"]), micro, data)
 
@@ -350,7 +326,7 @@ def build_trl_tools(model_dir: str | Path, run_dir: Path, seed: int,
     """
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import GRPOTrainer
     from trl.rewards import get_soft_overlong_punishment
 
@@ -386,17 +362,6 @@ def build_trl_tools(model_dir: str | Path, run_dir: Path, seed: int,
     snapshots = Snapshots(str(run_dir), args.budget_min * 60, args.every_min * 60, args.clock,
                           args.cores)  # fmt: skip
 
-    class Clock(TrainerCallback):
-        def on_train_begin(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
-            snapshots.start()
-
-        def on_step_end(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
-            if snapshots.after_update(state.global_step, model):
-                control.should_training_stop = True
-
-        def on_train_end(self, a: Any, state: Any, control: Any, **kw: Any) -> None:
-            snapshots.finish(state.global_step, model)
-
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[
@@ -406,7 +371,7 @@ def build_trl_tools(model_dir: str | Path, run_dir: Path, seed: int,
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[Clock()],
+        callbacks=[trl_clock(snapshots, model)],
         optimizers=(optimizer, WarmupConstantLR(optimizer, 0)),
         tools=arithmetic_tools(),
     )
