@@ -114,9 +114,15 @@ def test_issue_bar_compares_minutes_to_trls_best() -> None:
         return {"side": side, "seed": seed, "clock": "cpu", "curve": curve, "final": curve[-1][1]}
 
     trl = [(2, 0.4), (8, 0.6), (10, 0.6), (12, 0.55)]
-    results = [run("ours", 0, [(1, 0.3), (3, 0.62), (12, 0.8)]), run("trl", 0, trl),
+    results = [run("ours", 0, [(1, 0.3), (3, 0.62), (12, 0.85)]), run("trl", 0, trl),
                run("ours", 1, [(4, 0.5), (12, 0.58)]), run("trl", 1, trl)]  # fmt: skip
     met, missed = issue_bar(results)
     assert (met["trl_best"], met["trl_min"], met["ours_min"]) == (0.6, 8.0, 3.0)
     assert met["ratio"] == 3.0 / 8.0 and met["met"]
     assert missed["ours_min"] is None and missed["ratio"] is None and not missed["met"]
+    # window 3 (the start counts): TRL's 0.6 at 8 was a one-snapshot peak; its smoothed best is
+    # (0.6 + 0.6 + 0.55) / 3 at 12 minutes; ours' smoothed (0.2 + 0.3 + 0.62) / 3 = 0.373 at 3,
+    # (0.3 + 0.62 + 0.85) / 3 = 0.59 at 12: reached at 12, ratio 1.0
+    met3, _ = issue_bar(results, window=3)
+    assert met3["trl_best"] == pytest.approx(1.75 / 3) and met3["trl_min"] == 12.0
+    assert met3["ours_min"] == 12.0 and met3["ratio"] == 1.0 and not met3["met"]
