@@ -27,7 +27,9 @@ one engine for both sides, the untrained model once as the common start.
 Budget: ``--clock cpu`` (default) counts the training process's CPU seconds divided by
 ``--cores`` (``smollm2_curve.process_cpu_s``: on shared cores the same work costs about the
 same CPU time whatever the neighbours do); ``--clock wall`` counts wall seconds (for 2 idle
-cores). Both are recorded either way. The clock starts when training starts (model load,
+cores; then the sides run one after the other). With ``--clock cpu`` both sides of a seed run
+at once, one core each (``--no-at-once``: in turn). Both clocks are recorded either way. The
+clock starts when training starts (model load,
 engine start and imports are outside it) and includes snapshot writes (the same model size at
 the same marks on both sides).
 
@@ -59,8 +61,10 @@ What cannot be set equal, and which side it favours:
 
 Usage::
 
-    .venv/bin/python -m benchmarks.peer_race --seeds 0 1 2          # 20 CPU-min each, in turn
-    .venv/bin/python -m benchmarks.peer_race --seeds 0 --budget-min 10 --at-once  # 1 core each
+    .venv/bin/python -m benchmarks.peer_race --seeds 0 1 2   # 20 CPU-min a side, both sides
+                                       # of a seed at once (1 core each), snapshots every minute
+    .venv/bin/python -m benchmarks.peer_race --seeds 0 --budget-min 10          # one seed, 10 min
+    .venv/bin/python -m benchmarks.peer_race --clock wall --cores 2   # 2 idle cores a side, in turn
     .venv/bin/python -m benchmarks.peer_race --quick   # smoke: tiny model, HF, 2 updates a side
                                                        # (at once), benchmarks/out/peer_race_quick.png
     .venv/bin/python -m benchmarks.peer_race --report --seeds 0      # tables + PNG from disk
@@ -813,10 +817,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--budget-min", type=float, default=20.0, help="budget per run (min)")
-    parser.add_argument("--every-min", type=float, default=2.0, help="minutes between snapshots")
+    parser.add_argument("--every-min", type=float, default=1.0, help="minutes between snapshots")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="budget clock")
     parser.add_argument("--cores", type=int, default=1, help="cores per run (OMP_NUM_THREADS)")
-    parser.add_argument("--at-once", action="store_true", help="both sides of a seed at once")
+    parser.add_argument("--at-once", action=argparse.BooleanOptionalAction, default=None,
+                        help="both sides of a seed at once, one core each (default with "
+                        "--clock cpu; --no-at-once: one after the other)")  # fmt: skip
     parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm",
                         help="ours' rollout engine and the evaluator's")  # fmt: skip
     parser.add_argument("--trl-generation", choices=["hf", "vllm"], default="hf",
@@ -838,6 +844,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
     parser.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)  # the TRL process
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.at_once is None:  # at once only where the clock is per process
+        args.at_once = args.clock == "cpu"
     if args.side == "trl":
         run_trl(args.run_dir, args.model_dir, args.seeds[0], args)
         return []
