@@ -11,8 +11,8 @@
 #   bash scripts/local_slurm.sh stop DIR      # stops the daemons by their PIDs
 #
 # No systemd, no cgroups: proctrack/linuxproc, task/none, select/cons_tres; the node is
-# `hostname -s` with CPUs=$(nproc). Runs as root (slurmd starts jobs as the submitting user;
-# munged runs as the munge user). A requeued job waits ~2 min (BeginTime) unless nudged:
+# `hostname -s` with CPUs = its cores (`nproc`, OMP_NUM_THREADS aside). Runs as root (slurmd
+# starts jobs as the submitting user; munged runs as the munge user). A requeued job waits ~2 min (BeginTime) unless nudged:
 # `scontrol update JobId=J StartTime=now`.
 set -euo pipefail
 
@@ -28,6 +28,13 @@ install() {
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq slurm-wlm munge >/dev/null
+}
+
+# The cores this machine may run on. Not plain `nproc`: it answers OMP_NUM_THREADS (1 under
+# the test suite's two workers), and a node of 1 CPU leaves a 2-task job pending forever
+# (Reason=PartitionConfig).
+cores() {
+  env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc
 }
 
 write_config() {
@@ -60,7 +67,7 @@ ReturnToService=2
 KillWait=30
 MinJobAge=300
 SchedulerType=sched/backfill
-NodeName=$node NodeAddr=127.0.0.1 CPUs=$(nproc) State=UNKNOWN
+NodeName=$node NodeAddr=127.0.0.1 CPUs=$(cores) State=UNKNOWN
 PartitionName=local Nodes=$node Default=YES MaxTime=INFINITE State=UP
 EOF
 }

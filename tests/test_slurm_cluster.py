@@ -159,6 +159,22 @@ def saved_after(ckpt: Path, t: float) -> float | None:
     return ckpt.stat().st_mtime if ckpt.exists() and ckpt.stat().st_mtime > t else None
 
 
+# ------------------------------------------------------------------------------- 0. the node
+def test_the_node_has_every_core_whatever_omp_num_threads_says(tmp_path, monkeypatch):
+    """The node's CPUs are the machine's cores, also when OMP_NUM_THREADS=1 (a pytest-xdist
+    worker after an in-process fit exports it; plain ``nproc`` answered 1, and every two-task
+    job pended forever with Reason=PartitionConfig)."""
+    if missing() is not None:
+        pytest.skip(missing())
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    own = start_cluster(tmp_path / "slurm")
+    try:
+        node = own.run("scontrol", "show", "node", "-o").stdout
+        assert re.search(r"\bCPUTot=(\d+)", node).group(1) == str(len(os.sched_getaffinity(0)))
+    finally:
+        own.stop()
+
+
 # ------------------------------------------------------------------------------- 1. time limit
 #: Rewards scored in a worker process: SLURM signals every process of the step, the worker too.
 WORKERS = ["--data.init_args.scoring.in_process", "false"]
