@@ -53,12 +53,18 @@ class BatchingConfig:
         max_tokens_per_micro_batch: Optional cap (>= 1) on padded tokens per micro-batch (rows
             sorted by length and packed greedily under it).
         ppo_epochs: Passes over each rollout batch (>= 1).
+        share_prompts: Run a prompt once for all rows of a micro-batch that share it (a
+            group's samples), then each row's response against its keys and values
+            (:func:`~dapo_lightning.logprobs.shared_prompt_log_probs`): the same log-probs and
+            gradients for fewer tokens. In one process or under DDP, without gradient
+            checkpointing; under FSDP and DeepSpeed every row runs whole (not tested there).
     """
 
     mini_batch_size: int | None = None
     micro_batch_size: int = 8
     max_tokens_per_micro_batch: int | None = None
     ppo_epochs: int = 1
+    share_prompts: bool = True
 
     def __post_init__(self) -> None:
         path = BATCHING_PATH
@@ -121,15 +127,22 @@ def split_groups(num_groups: int, parts: int) -> list[range]:
 
 
 def micro_batch_rows(
-    lengths: Tensor, max_rows: int, max_tokens: int | None = None
+    lengths: Tensor, max_rows: int, max_tokens: int | None = None, groups: Tensor | None = None
 ) -> list[list[int]]:
     """Split row indices into micro-batches of at most ``max_rows`` rows and, when
     ``max_tokens`` is set, at most ``max_tokens`` padded tokens (rows x longest row).
 
     Rows are first sorted by length so each micro-batch pads little; a single row longer
-    than ``max_tokens`` gets a micro-batch of its own.
+    than ``max_tokens`` gets a micro-batch of its own. With ``groups`` (a group id per row),
+    a group's rows stay together, groups ordered by their longest row: micro-batches then hold
+    few distinct prompts (:attr:`BatchingConfig.share_prompts`).
     """
     order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    if groups is not None:
+        rank: dict[int, int] = {}
+        for i in order:  # a group's place is its longest row's
+            rank.setdefault(int(groups[i]), len(rank))
+        order.sort(key=lambda i: rank[int(groups[i])])  # stable: by length inside a group
     chunks: list[list[int]] = []
     current: list[int] = []
     longest = 0

@@ -117,10 +117,16 @@ class StepContext:
 
 
 def batch_log_probs(
-    model: nn.Module, batch: RolloutBatch, *, with_entropy: bool = False, entropy_grad: bool = True
+    model: nn.Module,
+    batch: RolloutBatch,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    share_prompts: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``[B, T]`` log-probabilities (and entropies) of ``batch``'s response tokens under
-    ``model`` at the temperature the batch was sampled with."""
+    ``model`` at the temperature the batch was sampled with (``share_prompts``: each distinct
+    prompt run once)."""
     return response_log_probs(
         model,
         batch.input_ids,
@@ -129,6 +135,7 @@ def batch_log_probs(
         temperature=batch.sampling.temperature,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
+        share_prompts=share_prompts,
     )
 
 
@@ -258,17 +265,27 @@ class UpdateLoop:
             for rows in self.micro_batches(batch, list(range(batch.batch_size))):
                 self.context.fit_threads()
                 micro = micro_batch(batch, rows)
-                logp, _ = batch_log_probs(self.policy, micro)
+                logp, _ = batch_log_probs(self.policy, micro, share_prompts=self.share_prompts)
                 if rows:
                     out[rows, : micro.response_width] = logp
         return out
+
+    @property
+    def share_prompts(self) -> bool:
+        """Whether micro-batches run each shared prompt once (:class:`BatchingConfig`): in one
+        process or under DDP (tested there); under FSDP and DeepSpeed, whose hooks wrap each
+        forward, every row runs whole (not tested with two forwards per backward)."""
+        return self.batching.share_prompts and self.ranks.kind in ("single", "ddp")
 
     def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
         """Micro-batches of ``rows`` (by length, under the limits), padded with empty ones to
         the most any rank has: FSDP syncs in every backward, so the counts must match."""
         cut = self.batching
         lengths = batch.attention_mask[rows].sum(-1)
-        local = micro_batch_rows(lengths, cut.micro_batch_size, cut.max_tokens_per_micro_batch)
+        groups = batch.group_index[rows] if self.share_prompts else None
+        local = micro_batch_rows(
+            lengths, cut.micro_batch_size, cut.max_tokens_per_micro_batch, groups=groups
+        )
         local = [[rows[j] for j in chunk] for chunk in local]
         most = int(self.ranks.reduce(torch.tensor([float(len(local))]), "max").item())
         return local + [[]] * (most - len(local))
@@ -320,7 +337,11 @@ class UpdateLoop:
         micro = micro_batch(batch, idx)
         width = micro.response_width
         logp, entropy = batch_log_probs(
-            self.policy, micro, with_entropy=True, entropy_grad=self.state.entropy_coef != 0
+            self.policy,
+            micro,
+            with_entropy=True,
+            entropy_grad=self.state.entropy_coef != 0,
+            share_prompts=self.share_prompts,
         )
 
         def rows_of(t: Tensor) -> Tensor:
@@ -335,7 +356,9 @@ class UpdateLoop:
         ref_logp = None
         if self.loss.kl_coef > 0 and self.ref_policy is not None:
             with torch.no_grad():
-                ref_logp, _ = batch_log_probs(self.ref_policy, micro)
+                ref_logp, _ = batch_log_probs(
+                    self.ref_policy, micro, share_prompts=self.share_prompts
+                )
         config = replace(self.loss, entropy_coef=self.state.entropy_coef)
         if step.behaviour is not None:
             config = replace(config, rollout_correction=step.behaviour[1])

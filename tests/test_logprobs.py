@@ -13,8 +13,13 @@ from dapo_lightning.logprobs import (
     fused_linear_log_probs,
     output_head,
     response_log_probs,
+    shared_prompt_log_probs,
 )
-from dapo_lightning.testing import make_tiny_checkpoint, one_process_group
+from dapo_lightning.testing import (
+    make_random_rollout_batch,
+    make_tiny_checkpoint,
+    one_process_group,
+)
 
 B, L, T = 3, 24, 14
 
@@ -389,6 +394,85 @@ def test_grads_under_ddp_and_fsdp2_equal_naive(tiny_checkpoint, tmp_path, monkey
         _assert_grads_close(got, ref)
         assert len(fused_calls) == 2
         assert isinstance(sharded.lm_head.weight, DTensor)  # sharded again after the step
+
+
+# ---------------------------------------------------------------- shared prompts
+@pytest.fixture(scope="module")
+def model64(tiny_checkpoint):
+    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float64).train()
+
+
+def _grouped(response_lengths=None):
+    """3 prompts of different lengths (left padding) x 4 responses (right padding)."""
+    return make_random_rollout_batch(
+        num_groups=3, group_size=4, prompt_lengths=[5, 9, 3], response_lengths=response_lengths
+    )
+
+
+@pytest.mark.parametrize("chunk_size", [None, "auto"], ids=["naive", "fused"])
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+def test_shared_prompts_give_the_log_probs_and_gradients_of_whole_rows(model64, chunk_size, tau):
+    """Each prompt once, then the responses against its keys and values: the same numbers as
+    every row run whole (float64 model; the tiny Qwen2's RMSNorm computes in float32, so the
+    gradients agree to float32 rounding)."""
+    b = _grouped()
+    gen = torch.Generator().manual_seed(3)
+    w1, w2 = (torch.randn(b.response_mask.shape, generator=gen, dtype=torch.float64) for _ in "12")
+    out = {}
+    for share in (False, True):
+        model64.zero_grad(set_to_none=True)
+        logp, ent = response_log_probs(
+            model64, b.input_ids, b.attention_mask, b.response_width, temperature=tau,
+            with_entropy=True, chunk_size=chunk_size, share_prompts=share,
+        )  # fmt: skip
+        m = b.response_mask
+        (w1 * logp * m + w2 * ent * m).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model64.named_parameters()}
+        out[share] = (logp * m, ent * m, grads)
+    (logp, ent, grads), (logp_s, ent_s, grads_s) = out[False], out[True]
+    # the first response token comes from the prompt pass's logits (naive), the rest from the
+    # response pass (fused where the head is): the paths' own float32-level difference
+    atol = 1e-12 if chunk_size is None else 2e-6
+    torch.testing.assert_close(logp_s, logp, atol=atol, rtol=0)
+    torch.testing.assert_close(ent_s, ent, atol=atol, rtol=0)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_s[name], g, atol=1e-6 * float(g.abs().max()), rtol=0)
+
+
+def test_shared_prompts_run_each_prompt_once_and_fall_back_where_none_repeats(model64):
+    b = _grouped()
+    seen = []
+    hook = model64.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    try:
+        with torch.no_grad():
+            got = shared_prompt_log_probs(model64, b.input_ids, b.attention_mask, b.response_width)
+            assert got is not None and got[0].shape == b.response_mask.shape
+            # prompt pass: the 3 distinct prompts; response pass: the 12 responses
+            assert seen == [(3, b.prompt_width), (12, b.response_width)]
+            distinct = b.select([0, 4, 8]).trim()  # one row of each group
+            assert shared_prompt_log_probs(
+                model64, distinct.input_ids, distinct.attention_mask, distinct.response_width
+            ) is None  # fmt: skip
+            one = _grouped(response_lengths=[1]).trim()  # one response token: the prompt pass
+            logp, _ = shared_prompt_log_probs(
+                model64, one.input_ids, one.attention_mask, one.response_width
+            )
+            whole, _ = response_log_probs(
+                model64, one.input_ids, one.attention_mask, one.response_width, chunk_size=None
+            )
+            torch.testing.assert_close(logp, whole, atol=1e-12, rtol=0)
+    finally:
+        hook.remove()
+
+
+def test_no_shared_prompts_under_gradient_checkpointing(tiny_checkpoint):
+    """Hugging Face turns the cache off under gradient checkpointing: every row runs whole."""
+    m = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float64).train()
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    b = _grouped()
+    assert shared_prompt_log_probs(m, b.input_ids, b.attention_mask, b.response_width) is None
 
 
 # ---------------------------------------------------------------- benchmark smoke

@@ -10,6 +10,7 @@ from dapo_lightning.testing import make_random_rollout_batch
 from dapo_lightning.update import (
     behaviour_log_probs,
     micro_batch,
+    micro_batch_rows,
     mini_batch_ranges,
     rows_of_groups,
     split_groups,
@@ -32,6 +33,16 @@ def test_mini_batches_keep_the_update_count_of_a_full_batch():
         mini_batch_ranges(8, 3, 2, 8)
     with pytest.raises(ValueError, match="does not divide the rollout batch"):
         mini_batch_ranges(8, 6, 2, 8)
+
+
+def test_micro_batch_rows_by_length_or_with_each_group_together():
+    lengths = torch.tensor([5, 9, 2, 7, 8, 1])
+    assert micro_batch_rows(lengths, 2) == [[1, 4], [3, 0], [2, 5]]
+    assert micro_batch_rows(lengths, 4, max_tokens=20) == [[1, 4], [3, 0], [2, 5]]
+    # groups [0, 0, 1, 1, 2, 2]: group 0 holds the longest row (9), then group 2 (8), group 1
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert micro_batch_rows(lengths, 2, groups=groups) == [[1, 0], [4, 5], [3, 2]]
+    assert micro_batch_rows(lengths, 4, groups=groups) == [[1, 0, 4, 5], [3, 2]]
 
 
 def test_rows_of_groups_and_empty_micro_batch():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dapo_lightning import logprobs
 from dapo_lightning.contract import PolicyHandle, RolloutChannel, RolloutSpec, rollout_channel
 from dapo_lightning.interrupt import StopRequested, clear_stop_request, request_stop
 from dapo_lightning.loss import PolicyLossConfig
@@ -21,11 +22,13 @@ from tests._module_harness import fixed_batch
 from tests.test_module_absolute import LR, reference_updates, rel_diff
 
 
-def _loop(checkpoint, mini_batch_size):
+def _loop(checkpoint, mini_batch_size, share_prompts=True):
     policy = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).train()
     loop = UpdateLoop(
         PolicyLossConfig(),
-        BatchingConfig(mini_batch_size=mini_batch_size, micro_batch_size=3),
+        BatchingConfig(
+            mini_batch_size=mini_batch_size, micro_batch_size=3, share_prompts=share_prompts
+        ),
         StrategyAdapter(None),
         OptimizerStepConfig(gradient_clip_val=None),
     )
@@ -34,17 +37,28 @@ def _loop(checkpoint, mini_batch_size):
     return loop, policy, optimizer
 
 
+@pytest.mark.parametrize("share_prompts", [True, False], ids=["shared prompts", "whole rows"])
 @pytest.mark.parametrize(
     ("mini_batch_size", "groups_per_update"), [(None, 4), (2, 2)], ids=["one update", "2 updates"]
 )
 def test_the_loop_alone_equals_sgd_on_the_token_mean_objective(
-    tiny_checkpoint, mini_batch_size, groups_per_update
+    tiny_checkpoint, mini_batch_size, groups_per_update, share_prompts, monkeypatch
 ):
     torch.manual_seed(0)
-    loop, policy, _ = _loop(str(tiny_checkpoint), mini_batch_size)
+    loop, policy, _ = _loop(str(tiny_checkpoint), mini_batch_size, share_prompts)
     start = {k: v.detach().clone() for k, v in policy.named_parameters()}
     updates: list[dict[str, float]] = []
+    shared = []  # micro-batches that ran each shared prompt once
+    real = logprobs.shared_prompt_log_probs
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        shared.append(out is not None)
+        return out
+
+    monkeypatch.setattr(logprobs, "shared_prompt_log_probs", spy)
     loop.run(fixed_batch().trim(), StepContext(on_update=updates.append))
+    assert any(shared) == share_prompts
     ours = {k: v.detach() for k, v in policy.named_parameters()}
     ref = reference_updates(str(tiny_checkpoint), fixed_batch(), groups_per_update)
     assert rel_diff(ours, ref, start) < 1e-5
