@@ -117,6 +117,7 @@ class Recipe:
 
     lr: float
     weight_decay: float
+    fused: bool
     start_factor: float
     end_factor: float
     total_iters: int
@@ -151,6 +152,7 @@ class Recipe:
         return cls(
             lr=float(optim["lr"]),
             weight_decay=float(optim["weight_decay"]),
+            fused=bool(optim.get("fused", False)),
             start_factor=float(sched["start_factor"]),
             end_factor=float(sched["end_factor"]),
             total_iters=int(sched["total_iters"]),
@@ -443,7 +445,7 @@ def run_trl(run_dir: Path, model_dir: Path, seed: int, args: argparse.Namespace)
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay
+        model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay, fused=recipe.fused
     )
     schedule = torch.optim.lr_scheduler.LinearLR(
         optimizer, recipe.start_factor, recipe.end_factor, recipe.total_iters
