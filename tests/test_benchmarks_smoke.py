@@ -64,6 +64,17 @@ def test_model_flops_formula() -> None:
     assert mfu(100.0, 2.0, 100.0) == 0.5
 
 
+@pytest.mark.timeout(120)
+def test_shared_prompts_quick() -> None:
+    """Both layouts run a rollout step's updates, and their old log-probs agree."""
+    out = _run("benchmarks.shared_prompts", "shared_prompts_quick.png", timeout=110)
+    assert "every row whole vs each shared prompt once" in out
+    row = next(line for line in out.splitlines() if "tiny 4 x 4" in line and "│" in line)
+    cells = [c.strip() for c in row.split("│") if c.strip()]
+    assert int(cells[1]) > int(cells[2]) > 0  # fewer tokens through the model
+    assert float(cells[6]) < 1e-5  # the same old log-probs (float32)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_update_throughput_quick() -> None:
