@@ -2,7 +2,7 @@
 
 ``BatchingConfig.share_prompts`` (default on) keeps a group's rows in one micro-batch and runs
 each distinct prompt once; its responses then run against the prompt's keys and values
-(:func:`dapo_lightning.logprobs.shared_prompt_log_probs`). This measures what that buys on the
+(:func:`dapo_lightning.shared_prompts.shared_prompt_log_probs`). This measures what that buys on the
 update side of one rollout step, as :class:`~dapo_lightning.update_loop.UpdateLoop` runs it
 (the old-log-prob forward, then one optimizer update per mini-batch: forward, backward, clip,
 fused AdamW), with no Trainer.

@@ -35,6 +35,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from dapo_lightning.precision import reduced_input_float32_gemm as _reduced_input_float32_gemm
+
 #: Target size of one chunk's float32 logits in the fused path (``chunk_size="auto"``).
 AUTO_CHUNK_BYTES = 32 * 2**20
 
@@ -102,38 +104,6 @@ class _ChunkBuffers:
         m.masked_fill_(m.isinf(), 0.0)  # an all -inf (or +inf) row: lse = -inf (+inf)
         e = torch.sub(z, m, out=self.probs[: z.shape[0]]).exp_()
         return m, e.sum(-1, keepdim=True)
-
-
-#: Per device type: the backend whose float32 matmuls may round their inputs, to what, and for
-#: which compute dtypes that rounding is no coarser than the compute dtype's own.
-_REDUCED_FLOAT32_GEMM = {
-    "cpu": ("mkldnn", "bf16", (torch.bfloat16,)),
-    "cuda": ("cuda", "tf32", (torch.bfloat16, torch.float16)),
-}
-
-
-@contextlib.contextmanager
-def _reduced_input_float32_gemm(device_type: str, compute_dtype: torch.dtype) -> Iterator[None]:
-    """While active, float32 matmuls on ``device_type`` round their inputs (CPU, for a bf16
-    ``compute_dtype``: to bf16 through oneDNN, ``torch.backends.mkldnn.matmul.fp32_precision =
-    "bf16"``, kept float32 on a CPU without bf16 instructions; CUDA, for bf16 / fp16: to TF32 on
-    tensor cores) and return float32 (sums in float32 on this AVX512-bf16 CPU; on CI's CPU the
-    error reaches a bf16 GEMM's). Any other case: no change. Used for ``dL/dW`` under autocast: its
-    error is no worse than the autocast head's own bf16 GEMM, the chunks accumulate in float32,
-    and it runs at the reduced-precision rate (measured here: 17 ms instead of 32 ms per
-    170-row chunk, V = 49152; the CUDA branch is not run on these machines)."""
-    backend, precision, dtypes = _REDUCED_FLOAT32_GEMM.get(device_type, (None, None, ()))
-    matmul = getattr(getattr(torch.backends, backend, None), "matmul", None) if backend else None
-    usable = compute_dtype in dtypes and matmul is not None
-    if not usable or (backend == "mkldnn" and not torch.backends.mkldnn.is_available()):
-        yield
-        return
-    previous = matmul.fp32_precision
-    matmul.fp32_precision = precision
-    try:
-        yield
-    finally:
-        matmul.fp32_precision = previous
 
 
 class LinearLogProbs(torch.autograd.Function):
@@ -366,12 +336,12 @@ def _from_logits(
     logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool
 ) -> tuple[Tensor, Tensor | None]:
     """The naive path on the model's logits ``[B, >= T + 1, V]``: the ``T`` positions before
-    the last predict ``targets [B, T]`` (:func:`_log_probs_at`)."""
+    the last predict ``targets [B, T]`` (:func:`log_probs_at`)."""
     T = targets.shape[1]
-    return _log_probs_at(logits[:, -T - 1 : -1], targets, temperature, with_entropy, entropy_grad)
+    return log_probs_at(logits[:, -T - 1 : -1], targets, temperature, with_entropy, entropy_grad)
 
 
-def _log_probs_at(
+def log_probs_at(
     logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool
 ) -> tuple[Tensor, Tensor | None]:
     """``log_softmax(logits / temperature)[targets]`` for ``logits [B, T, V]``: float32."""
@@ -454,7 +424,6 @@ def response_log_probs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     chunk_size: int | Literal["auto"] | None = "auto",
-    share_prompts: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities of the response tokens under ``model`` at ``temperature``.
 
@@ -473,27 +442,17 @@ def response_log_probs(
     The fused path requires the head to run once per forward, not under a checkpoint of the
     whole model (per-layer gradient checkpointing is fine).
 
-    ``share_prompts``: rows with the same prompt (a GRPO group) run it once
-    (:func:`shared_prompt_log_probs`): the same numbers for fewer tokens of forward and backward.
-
     Returns:
         ``(logp [B, T], entropy [B, T] or None)``, float32.
     """
-    if share_prompts:
-        shared = shared_prompt_log_probs(
-            model, input_ids, attention_mask, response_width, temperature=temperature,
-            with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_size=chunk_size,
-        )  # fmt: skip
-        if shared is not None:
-            return shared
     targets = input_ids[:, input_ids.shape[1] - response_width :]
     run = partial(_response_forward, model, input_ids, attention_mask, response_width)
-    return _log_probs_of_run(
+    return log_probs_of_run(
         model, run, targets, temperature, with_entropy, entropy_grad, chunk_size
     )
 
 
-def _log_probs_of_run(
+def log_probs_of_run(
     model: nn.Module,
     run: Callable[[], Any],
     targets: Tensor,
@@ -529,86 +488,3 @@ def _log_probs_of_run(
         )
         return naive(run().logits)
     return packed[..., 0], _packed_entropy(packed, with_entropy, entropy_grad)
-
-
-# ============================================================================ shared prompts
-def _can_share_prompts(model: nn.Module) -> bool:
-    """The model keeps a key/value cache in this forward: not under gradient checkpointing
-    (Hugging Face turns the cache off there)."""
-    return not getattr(model, "is_gradient_checkpointing", False)
-
-
-def shared_prompt_log_probs(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    response_width: int,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    chunk_size: int | Literal["auto"] | None = "auto",
-) -> tuple[Tensor, Tensor | None] | None:
-    """:func:`response_log_probs` with each distinct prompt run once; None where no two rows
-    share a prompt (or the model cannot keep a cache): then the caller runs every row.
-
-    With ``P = input_ids.shape[1] - response_width``, the ``G`` distinct prompt rows ``u_g``
-    (tokens and mask of ``input_ids[:, :P]``) and ``g(b)`` the prompt of row ``b``::
-
-        (kv_g, z_g) = model(u_g)                       # prompt pass: cache, last position's logits
-        logp[b, 0]  = log_softmax(z_g(b) / temperature)[y_b0]
-        logp[b, t]  = response_log_probs(model(y_b | kv_g(b)))[t],   t >= 1   (response pass)
-
-    The response pass attends to its row's copy of the prompt's keys and values
-    (``DynamicCache.batch_select_indices``), at positions ``cumsum(mask) - 1`` of the whole
-    row, so every number is the one the full forward gives (float64: equal to ~1e-12), and the
-    prompt's gradient is the sum of its rows' gradients. Forward and backward run over
-    ``G * P + B * T`` tokens instead of ``B * (P + T)``: with 8 samples per prompt and prompts
-    3x the responses, ~3x fewer.
-    """
-    width = input_ids.shape[1] - response_width
-    if width < 1 or response_width < 1 or not _can_share_prompts(model):
-        return None
-    prompt_rows = torch.cat([input_ids[:, :width], attention_mask[:, :width].to(input_ids)], 1)
-    unique, of_row = torch.unique(prompt_rows, dim=0, return_inverse=True)
-    if unique.shape[0] == input_ids.shape[0]:
-        return None
-    prompt_ids, prompt_mask = unique[:, :width], unique[:, width:].to(attention_mask.dtype)
-    first = model(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        position_ids=position_ids_from_mask(prompt_mask),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache = first.past_key_values
-    if cache is None or not hasattr(cache, "batch_select_indices"):
-        return None
-    targets = input_ids[:, width:]
-    logp0, entropy0 = _log_probs_at(
-        first.logits[of_row], targets[:, :1], temperature, with_entropy, entropy_grad
-    )
-    if response_width == 1:
-        return logp0, entropy0
-    cache.batch_select_indices(of_row)
-    positions = position_ids_from_mask(attention_mask)[:, width:]
-
-    def run() -> Any:  # the cache cropped back to the prompt: a second run sees the same
-        extra = cache.get_seq_length() - width
-        if extra > 0:
-            cache.crop(-extra)
-        return model(
-            input_ids=targets,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=response_width,
-        )
-
-    rest_logp, rest_entropy = _log_probs_of_run(
-        model, run, targets[:, 1:], temperature, with_entropy, entropy_grad, chunk_size
-    )
-    logp = torch.cat([logp0, rest_logp], 1)
-    entropy = None if entropy0 is None else torch.cat([entropy0, rest_entropy], 1)
-    return logp, entropy

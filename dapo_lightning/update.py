@@ -55,7 +55,7 @@ class BatchingConfig:
         ppo_epochs: Passes over each rollout batch (>= 1).
         share_prompts: Run a prompt once for all rows of a micro-batch that share it (a
             group's samples), then each row's response against its keys and values
-            (:func:`~dapo_lightning.logprobs.shared_prompt_log_probs`): the same log-probs and
+            (:func:`~dapo_lightning.shared_prompts.shared_prompt_log_probs`): the same log-probs and
             gradients for fewer tokens. In one process or under DDP, without gradient
             checkpointing; under FSDP and DeepSpeed every row runs whole (not tested there).
     """

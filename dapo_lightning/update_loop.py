@@ -51,6 +51,7 @@ from dapo_lightning.loss import LossInputs, PolicyLossConfig
 from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.policy_loss import policy_loss
 from dapo_lightning.policy_state import PolicyState
+from dapo_lightning.shared_prompts import shared_prompt_log_probs
 from dapo_lightning.step_guard import NonFiniteGuard, StepStart, all_finite, nonfinite_step_input
 from dapo_lightning.strategy import StrategyAdapter
 from dapo_lightning.trace import phase
@@ -127,16 +128,19 @@ def batch_log_probs(
     """``[B, T]`` log-probabilities (and entropies) of ``batch``'s response tokens under
     ``model`` at the temperature the batch was sampled with (``share_prompts``: each distinct
     prompt run once)."""
-    return response_log_probs(
-        model,
-        batch.input_ids,
-        batch.attention_mask,
-        batch.response_width,
-        temperature=batch.sampling.temperature,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        share_prompts=share_prompts,
+    args = (model, batch.input_ids, batch.attention_mask, batch.response_width)
+    kwargs = dict(
+        temperature=batch.sampling.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
     )
+    shared = shared_prompt_log_probs(*args, **kwargs) if share_prompts else None
+    return shared if shared is not None else response_log_probs(*args, **kwargs)
+
+
+def shares_prompts(batching: BatchingConfig, ranks: StrategyAdapter) -> bool:
+    """Whether micro-batches run each shared prompt once (:class:`BatchingConfig`): in one
+    process or under DDP (tested there); under FSDP and DeepSpeed, whose hooks wrap each
+    forward, every row runs whole (not tested with two forwards per backward)."""
+    return batching.share_prompts and ranks.kind in ("single", "ddp")
 
 
 class UpdateLoop:
@@ -261,31 +265,23 @@ class UpdateLoop:
         """Log-probs of the policy before this step's updates, in eval mode (dropout off, as
         the engine samples)."""
         out = torch.zeros_like(batch.rollout_log_probs, dtype=self.logp_dtype())
+        share = shares_prompts(self.batching, self.ranks)
         with eval_mode(self.policy):
             for rows in self.micro_batches(batch, list(range(batch.batch_size))):
                 self.context.fit_threads()
                 micro = micro_batch(batch, rows)
-                logp, _ = batch_log_probs(self.policy, micro, share_prompts=self.share_prompts)
+                logp, _ = batch_log_probs(self.policy, micro, share_prompts=share)
                 if rows:
                     out[rows, : micro.response_width] = logp
         return out
-
-    @property
-    def share_prompts(self) -> bool:
-        """Whether micro-batches run each shared prompt once (:class:`BatchingConfig`): in one
-        process or under DDP (tested there); under FSDP and DeepSpeed, whose hooks wrap each
-        forward, every row runs whole (not tested with two forwards per backward)."""
-        return self.batching.share_prompts and self.ranks.kind in ("single", "ddp")
 
     def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
         """Micro-batches of ``rows`` (by length, under the limits), padded with empty ones to
         the most any rank has: FSDP syncs in every backward, so the counts must match."""
         cut = self.batching
         lengths = batch.attention_mask[rows].sum(-1)
-        groups = batch.group_index[rows] if self.share_prompts else None
-        local = micro_batch_rows(
-            lengths, cut.micro_batch_size, cut.max_tokens_per_micro_batch, groups=groups
-        )
+        groups = batch.group_index[rows] if shares_prompts(cut, self.ranks) else None
+        local = micro_batch_rows(lengths, cut.micro_batch_size, cut.max_tokens_per_micro_batch, groups)  # fmt: skip  # noqa: E501
         local = [[rows[j] for j in chunk] for chunk in local]
         most = int(self.ranks.reduce(torch.tensor([float(len(local))]), "max").item())
         return local + [[]] * (most - len(local))
@@ -336,13 +332,11 @@ class UpdateLoop:
         ``seqs``: the loss shares of all micro-batches of all ranks sum to the loss)."""
         micro = micro_batch(batch, idx)
         width = micro.response_width
-        logp, entropy = batch_log_probs(
-            self.policy,
-            micro,
-            with_entropy=True,
-            entropy_grad=self.state.entropy_coef != 0,
-            share_prompts=self.share_prompts,
+        share, entropy_grad = (
+            shares_prompts(self.batching, self.ranks),
+            self.state.entropy_coef != 0,
         )
+        logp, entropy = batch_log_probs(self.policy, micro, with_entropy=True, entropy_grad=entropy_grad, share_prompts=share)  # fmt: skip  # noqa: E501
 
         def rows_of(t: Tensor) -> Tensor:
             return t[idx, :width].to(logp.dtype) if idx else torch.zeros_like(logp)
@@ -356,9 +350,7 @@ class UpdateLoop:
         ref_logp = None
         if self.loss.kl_coef > 0 and self.ref_policy is not None:
             with torch.no_grad():
-                ref_logp, _ = batch_log_probs(
-                    self.ref_policy, micro, share_prompts=self.share_prompts
-                )
+                ref_logp, _ = batch_log_probs(self.ref_policy, micro, share_prompts=share)
         config = replace(self.loss, entropy_coef=self.state.entropy_coef)
         if step.behaviour is not None:
             config = replace(config, rollout_correction=step.behaviour[1])

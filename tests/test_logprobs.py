@@ -13,8 +13,8 @@ from dapo_lightning.logprobs import (
     fused_linear_log_probs,
     output_head,
     response_log_probs,
-    shared_prompt_log_probs,
 )
+from dapo_lightning.shared_prompts import shared_prompt_log_probs
 from dapo_lightning.testing import (
     make_random_rollout_batch,
     make_tiny_checkpoint,
@@ -421,9 +421,10 @@ def test_shared_prompts_give_the_log_probs_and_gradients_of_whole_rows(model64, 
     out = {}
     for share in (False, True):
         model64.zero_grad(set_to_none=True)
-        logp, ent = response_log_probs(
+        run = shared_prompt_log_probs if share else response_log_probs
+        logp, ent = run(
             model64, b.input_ids, b.attention_mask, b.response_width, temperature=tau,
-            with_entropy=True, chunk_size=chunk_size, share_prompts=share,
+            with_entropy=True, chunk_size=chunk_size,
         )  # fmt: skip
         m = b.response_mask
         (w1 * logp * m + w2 * ent * m).sum().backward()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dapo_lightning import logprobs
+from dapo_lightning import update_loop
 from dapo_lightning.contract import PolicyHandle, RolloutChannel, RolloutSpec, rollout_channel
 from dapo_lightning.interrupt import StopRequested, clear_stop_request, request_stop
 from dapo_lightning.loss import PolicyLossConfig
@@ -49,14 +49,14 @@ def test_the_loop_alone_equals_sgd_on_the_token_mean_objective(
     start = {k: v.detach().clone() for k, v in policy.named_parameters()}
     updates: list[dict[str, float]] = []
     shared = []  # micro-batches that ran each shared prompt once
-    real = logprobs.shared_prompt_log_probs
+    real = update_loop.shared_prompt_log_probs
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         shared.append(out is not None)
         return out
 
-    monkeypatch.setattr(logprobs, "shared_prompt_log_probs", spy)
+    monkeypatch.setattr(update_loop, "shared_prompt_log_probs", spy)
     loop.run(fixed_batch().trim(), StepContext(on_update=updates.append))
     assert any(shared) == share_prompts
     ours = {k: v.detach() for k, v in policy.named_parameters()}
