@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from dapo_lightning.precision import reduced_input_float32_gemm as _reduced_input_float32_gemm
+from dapo_lightning.precision import reduced_input_float32_gemm
 
 #: Target size of one chunk's float32 logits in the fused path (``chunk_size="auto"``).
 AUTO_CHUNK_BYTES = 32 * 2**20
@@ -127,8 +127,8 @@ class LinearLogProbs(torch.autograd.Function):
     in-place float32 GEMM on the float32 ``dL/dz`` (no bf16 rounding of the chunk products; on
     CPU it also beats a bf16 GEMM followed by a float32 add of its ``[V, H]`` result); with a
     bf16 / fp16 compute dtype that GEMM rounds its inputs (bf16 on CPU, TF32 on CUDA:
-    :func:`_reduced_input_float32_gemm`). Every ``[rows, V]`` intermediate lives in one
-    set of :class:`_ChunkBuffers` per call.
+    :func:`~dapo_lightning.precision.reduced_input_float32_gemm`). Every ``[rows, V]``
+    intermediate lives in one set of :class:`_ChunkBuffers` per call.
     """
 
     @staticmethod
@@ -202,7 +202,7 @@ class LinearLogProbs(torch.autograd.Function):
                     dz /= tau
                 if need_w:
                     h_acc = h.to(acc)
-                    with _reduced_input_float32_gemm(hidden.device.type, cd):
+                    with reduced_input_float32_gemm(hidden.device.type, cd):
                         grad_w = dz.T @ h_acc if grad_w is None else grad_w.addmm_(dz.T, h_acc)
                 if grad_b is not None:
                     grad_b += dz.sum(0)

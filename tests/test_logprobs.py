@@ -8,12 +8,12 @@ from transformers import AutoModelForCausalLM
 
 from dapo_lightning.logprobs import (
     LinearLogProbs,
-    _reduced_input_float32_gemm,
     auto_chunk_rows,
     fused_linear_log_probs,
     output_head,
     response_log_probs,
 )
+from dapo_lightning.precision import reduced_input_float32_gemm
 from dapo_lightning.shared_prompts import shared_prompt_log_probs
 from dapo_lightning.testing import (
     make_random_rollout_batch,
@@ -261,16 +261,16 @@ def test_reduced_input_float32_gemm_is_no_coarser_than_a_bf16_gemm_and_restores(
     bf16_gemm = (a.bfloat16() @ b.bfloat16()).double()  # output rounded to bf16, as autocast's
     flag = torch.backends.mkldnn.matmul.fp32_precision
     rel = lambda x, ref: float((x.double() - ref).abs().max() / ref.abs().max())  # noqa: E731
-    with _reduced_input_float32_gemm("cpu", torch.bfloat16):
+    with reduced_input_float32_gemm("cpu", torch.bfloat16):
         assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
         got = torch.zeros(64, 48).addmm_(a, b)  # the in-place form the head's backward uses
     assert got.dtype == torch.float32
     assert rel(got, exact) <= 1.5 * rel(bf16_gemm, exact), (rel(got, exact), rel(bf16_gemm, exact))
     assert rel(a @ b, exact) < 1e-6  # outside: float32
     for device, dtype in (("cpu", torch.float32), ("cpu", torch.float16), ("meta", torch.bfloat16)):
-        with _reduced_input_float32_gemm(device, dtype):  # no rounding coarser than the dtype's
+        with reduced_input_float32_gemm(device, dtype):  # no rounding coarser than the dtype's
             assert rel(a @ b, exact) < 1e-6
-    with pytest.raises(RuntimeError), _reduced_input_float32_gemm("cpu", torch.bfloat16):
+    with pytest.raises(RuntimeError), reduced_input_float32_gemm("cpu", torch.bfloat16):
         raise RuntimeError
     assert torch.backends.mkldnn.matmul.fp32_precision == flag
 
