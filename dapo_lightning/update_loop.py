@@ -143,6 +143,20 @@ def shares_prompts(batching: BatchingConfig, ranks: StrategyAdapter) -> bool:
     return batching.share_prompts and ranks.kind in ("single", "ddp")
 
 
+def rank_micro_batches(
+    batch: RolloutBatch, rows: list[int], batching: BatchingConfig, ranks: StrategyAdapter
+) -> list[list[int]]:
+    """This rank's micro-batches of ``rows`` of ``batch`` (by length, under ``batching``'s
+    limits, a group's rows together where prompts are shared), padded with empty ones to the
+    most any rank has: FSDP syncs in every backward, so the counts must match."""
+    lengths = batch.attention_mask[rows].sum(-1)
+    groups = batch.group_index[rows] if shares_prompts(batching, ranks) else None
+    size, tokens = batching.micro_batch_size, batching.max_tokens_per_micro_batch
+    local = [[rows[j] for j in chunk] for chunk in micro_batch_rows(lengths, size, tokens, groups)]
+    most = int(ranks.reduce(torch.tensor([float(len(local))]), "max").item())
+    return local + [[]] * (most - len(local))
+
+
 class UpdateLoop:
     """The policy updates of each rollout step (see the module docstring).
 
@@ -266,25 +280,15 @@ class UpdateLoop:
         the engine samples)."""
         out = torch.zeros_like(batch.rollout_log_probs, dtype=self.logp_dtype())
         share = shares_prompts(self.batching, self.ranks)
+        every_row = list(range(batch.batch_size))
         with eval_mode(self.policy):
-            for rows in self.micro_batches(batch, list(range(batch.batch_size))):
+            for rows in rank_micro_batches(batch, every_row, self.batching, self.ranks):
                 self.context.fit_threads()
                 micro = micro_batch(batch, rows)
                 logp, _ = batch_log_probs(self.policy, micro, share_prompts=share)
                 if rows:
                     out[rows, : micro.response_width] = logp
         return out
-
-    def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
-        """Micro-batches of ``rows`` (by length, under the limits), padded with empty ones to
-        the most any rank has: FSDP syncs in every backward, so the counts must match."""
-        cut = self.batching
-        lengths = batch.attention_mask[rows].sum(-1)
-        groups = batch.group_index[rows] if shares_prompts(cut, self.ranks) else None
-        local = micro_batch_rows(lengths, cut.micro_batch_size, cut.max_tokens_per_micro_batch, groups)  # fmt: skip  # noqa: E501
-        local = [[rows[j] for j in chunk] for chunk in local]
-        most = int(self.ranks.reduce(torch.tensor([float(len(local))]), "max").item())
-        return local + [[]] * (most - len(local))
 
     # ------------------------------------------------------------------ one update
     def update(self, batch: RolloutBatch, rows: list[int], step: StepTensors) -> dict[str, float]:
@@ -298,7 +302,7 @@ class UpdateLoop:
         acc = MetricAccumulator()
         if tokens == 0:  # the same on every rank: no forward, no step
             return self.finish_update(acc, tokens, stepped=False, skipped_empty=True)
-        micro_batches = self.micro_batches(batch, rows)
+        micro_batches = rank_micro_batches(batch, rows, self.batching, self.ranks)
         acc.add("micro_batches", float(len(micro_batches)), op="max")
         acc.add("empty_micro_batches", float(sum(not m for m in micro_batches)), op="sum")
         for i, idx in enumerate(micro_batches):
@@ -332,11 +336,14 @@ class UpdateLoop:
         ``seqs``: the loss shares of all micro-batches of all ranks sum to the loss)."""
         micro = micro_batch(batch, idx)
         width = micro.response_width
-        share, entropy_grad = (
-            shares_prompts(self.batching, self.ranks),
-            self.state.entropy_coef != 0,
+        share = shares_prompts(self.batching, self.ranks)
+        logp, entropy = batch_log_probs(
+            self.policy,
+            micro,
+            with_entropy=True,
+            entropy_grad=self.state.entropy_coef != 0,
+            share_prompts=share,
         )
-        logp, entropy = batch_log_probs(self.policy, micro, with_entropy=True, entropy_grad=entropy_grad, share_prompts=share)  # fmt: skip  # noqa: E501
 
         def rows_of(t: Tensor) -> Tensor:
             return t[idx, :width].to(logp.dtype) if idx else torch.zeros_like(logp)
