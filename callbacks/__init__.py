@@ -1,10 +1,12 @@
 """Callbacks for DAPO runs, importable as ``dapo_lightning.callbacks``.
 
-Besides Lightning's hooks they implement two DAPO hooks, called by the library on every
+Besides Lightning's hooks they implement three DAPO hooks, called by the library on every
 :class:`DAPOCallback` (subclass it for your own; it is declared in :mod:`dapo_lightning.hooks`):
 
 * ``on_rollouts_scored(trainer, pl_module, rollouts)``: after scoring, before the
   dynamic-sampling filter (reward shaping, loss masks). No logging there.
+* ``on_rollouts_discarded(trainer, pl_module, batch_index)``: the rounds scored for that batch
+  and later ones were thrown away (a stop); they are scored again, so drop their counts.
 * ``on_dapo_update(trainer, pl_module, metrics)``: after every optimizer update.
 """
 

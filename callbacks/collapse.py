@@ -193,6 +193,13 @@ class CollapseDetector(DAPOCallback):
         self._pending.add(rollouts.batch_index, counts)
 
     @override
+    def on_rollouts_discarded(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_index: int
+    ) -> None:
+        """Forget the counts of rounds that will be scored again."""
+        self._pending.discard(batch_index)
+
+    @override
     def on_dapo_update(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float]
     ) -> None:

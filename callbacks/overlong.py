@@ -116,6 +116,9 @@ class OverlongRewardShaping(DAPOCallback):
       ``rollouts.truncated``) get ``loss_mask = False``: they leave the loss and its token
       count. Their reward still counts for their group's advantages.
 
+    A round that is discarded (``on_rollouts_discarded``: a stop during its generation, or one
+    that undid its step) is forgotten: it is scored again and counted once.
+
     Logged in ``on_train_batch_end`` (rank-local values over every response generated for the
     step, including groups the filter later drops):
 
@@ -163,7 +166,8 @@ class OverlongRewardShaping(DAPOCallback):
         self.apply_penalty = apply_penalty
         # each round's counts, taken by the rollout step that trains its rollouts
         self._pending = RoundCounts(self._zero_counts)
-        # running totals over the whole run
+        #: Running totals over the rounds of the steps trained so far (added when a step takes
+        #: its rounds, so a discarded round is never in them).
         self.totals = self._zero_counts()
 
     @staticmethod
@@ -210,8 +214,13 @@ class OverlongRewardShaping(DAPOCallback):
             "filtered": filtered,
         }
         self._pending.add(rollouts.batch_index, counts)
-        for key, value in counts.items():
-            self.totals[key] += value
+
+    @override
+    def on_rollouts_discarded(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_index: int
+    ) -> None:
+        """Forget the counts of rounds that will be scored again."""
+        self._pending.discard(batch_index)
 
     @override
     def on_train_batch_end(
@@ -223,6 +232,8 @@ class OverlongRewardShaping(DAPOCallback):
         batch_idx: int,
     ) -> None:
         p = self._pending.take(batch)
+        for key, value in p.items():
+            self.totals[key] += value
         if p["responses"] > 0:
             n = p["responses"]
             values = {

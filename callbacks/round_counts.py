@@ -10,7 +10,10 @@ one dict). Each round is therefore kept under the batch it was generated for
 (``ScoredRollouts.batch_index``, the producer's count), and a step takes the rounds of its
 batch and earlier ones (``RolloutBatch.batch_index``): never the next batch's, even where both
 were sampled with the same weights (the first two batches of a one-step-off run, or a step
-whose updates were all skipped).
+whose updates were all skipped). When the producer goes back to before a batch (a stop during
+its generation, or one that undid the step training it), ``on_rollouts_discarded`` drops that
+batch's rounds and later ones (:meth:`RoundCounts.discard`): they are scored again, and
+counted once.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ class RoundCounts:
                 for key, value in self._by_batch.pop(b).items():
                     out[key] = out.get(key, 0.0) + value
         return out
+
+    def discard(self, batch_index: int) -> None:
+        """Drop the rounds of ``batch_index`` and later batches (``on_rollouts_discarded``: the
+        producer went back to before them, so they are scored again)."""
+        with self._lock:
+            self._by_batch = {b: c for b, c in self._by_batch.items() if b < batch_index}
 
     def state_dict(self) -> dict[str, dict[int, Counts]]:
         with self._lock:

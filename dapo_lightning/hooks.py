@@ -1,6 +1,6 @@
-"""The two DAPO hooks, declared once: :class:`DAPOCallback` and its dispatcher.
+"""The three DAPO hooks, declared once: :class:`DAPOCallback` and its dispatcher.
 
-Lightning calls its own hooks on every callback; a DAPO run has two more moments a callback
+Lightning calls its own hooks on every callback; a DAPO run has three more moments a callback
 may act on, and the library calls them through :func:`call_dapo_hook` on every callback of the
 trainer that is a :class:`DAPOCallback` (exported as ``dapo_lightning.callbacks.DAPOCallback``;
 this module is the library core's, so the module and the data module need nothing from
@@ -9,6 +9,12 @@ this module is the library core's, so the module and the data module need nothin
 * ``on_rollouts_scored(trainer, pl_module, rollouts)``: after a generation round is scored,
   before the dynamic-sampling filter (reward shaping, loss masks; see docs/design.md, "One
   training step, as data"). Called on every rank for its own rollouts; do not log here.
+* ``on_rollouts_discarded(trainer, pl_module, batch_index)``: the rounds scored for batch
+  ``batch_index`` and later batches were thrown away (a stop or an error during their
+  generation, or a stop that undid the step training them): they will be generated and scored
+  again, so whatever a callback counted of them in ``on_rollouts_scored`` is dropped here
+  (:class:`~dapo_lightning.callbacks.round_counts.RoundCounts.discard`). Called on every rank,
+  possibly from the rollout thread.
 * ``on_dapo_update(trainer, pl_module, metrics)``: after every optimizer update, with that
   update's metrics (reduced over ranks, names without the ``update/`` prefix).
 
@@ -32,7 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from dapo_lightning.batch import ScoredRollouts
 
 #: The hooks :func:`call_dapo_hook` dispatches.
-DAPO_HOOKS = ("on_rollouts_scored", "on_dapo_update")
+DAPO_HOOKS = ("on_rollouts_scored", "on_rollouts_discarded", "on_dapo_update")
 
 
 class DAPOCallback(Callback):
@@ -49,6 +55,12 @@ class DAPOCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, rollouts: ScoredRollouts
     ) -> None:
         """Shape ``rollouts.reward`` / ``rollouts.loss_mask`` in place before the filter."""
+
+    def on_rollouts_discarded(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_index: int
+    ) -> None:
+        """Forget what ``on_rollouts_scored`` counted of batch ``batch_index`` and later ones
+        (``rollouts.batch_index``): they are generated and scored again."""
 
     def on_dapo_update(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float]

@@ -131,7 +131,7 @@ def _episode_settings() -> dict[str, Any]:
 def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
     torch.set_num_threads(1)
     import lightning.pytorch as pl
-    from dapo_lightning.callbacks import CollapseDetector, RunGuard
+    from dapo_lightning.callbacks import CollapseDetector, OverlongRewardShaping, RunGuard
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from transformers import AutoTokenizer
 
@@ -150,8 +150,13 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
     ckpt_dir = run / "checkpoints"
     records = run / "steps.jsonl"
 
+    # counts every scored round (no penalty: the rewards stay as they are); its totals per step
+    # show a round counted twice or lost across a stop
+    overlong = OverlongRewardShaping(buffer_length=1, apply_penalty=False)
+
     class StepRecorder(Callback):
-        """Appends (step, drawn uids, policy_version, global_step) per rollout step, fsynced."""
+        """Appends (step, drawn uids, policy_version, global_step, the responses scored for the
+        steps trained so far) per rollout step, fsynced."""
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             done = pl_module.rollout_step  # restored from the checkpoint (0 on a fresh start)
@@ -172,6 +177,7 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
                 "policy_version": pl_module.policy_version,
                 "sample_version": batch.policy_version,
                 "global_step": trainer.global_step,
+                "responses": overlong.totals["responses"],
             }
             with open(records, "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -225,6 +231,7 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
         default_root_dir=run,
         plugins=[AtomicCheckpointIO()],
         callbacks=[
+            overlong,  # before the recorder: its totals include the step just trained
             StepRecorder(),
             CollapseDetector(),
             ModelCheckpoint(

@@ -166,4 +166,8 @@ def test_logs_stashed_rates_at_batch_end_and_state_round_trip() -> None:
     for c in (cb, restored):
         c.on_rollouts_scored(None, module, make_rollouts([19, 3], [False, False], 20))
     assert restored.state_dict() == cb.state_dict()
+    assert restored.totals["penalty_sum"] == pytest.approx(-0.5 - 2.0)  # a step takes a round
+    for c in (cb, restored):
+        c.on_train_batch_end(None, module, None, None, 0)
+    assert restored.totals == cb.totals
     assert restored.totals["penalty_sum"] == pytest.approx(-0.5 - 2.0 - 0.75)

@@ -80,7 +80,7 @@ def test_dispatch_goes_by_the_declared_type():
 
 
 def test_undeclared_hooks_are_found_and_warned_once_per_trainer():
-    assert DAPO_HOOKS == ("on_rollouts_scored", "on_dapo_update")
+    assert DAPO_HOOKS == ("on_rollouts_scored", "on_rollouts_discarded", "on_dapo_update")
     callbacks = [Declared(), PlainScorer(), Unrelated()]
     assert undeclared_dapo_hooks(callbacks) == [
         ("PlainScorer", "on_rollouts_scored"),

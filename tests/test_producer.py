@@ -342,6 +342,27 @@ def test_a_stop_request_stops_between_rounds():
     assert len(calls) == 2  # the round in progress finished, no new one started
 
 
+def test_going_back_before_a_batch_discards_the_rounds_scored_for_it():
+    """``on_discarded`` gets the index of the batch the producer went back to before: after a
+    rewind (a stop undid its step) and after a stop inside its generation (the round that
+    finished was scored, then thrown away)."""
+    discarded: list[int] = []
+    producer = make_producer()
+    producer.on_discarded = discarded.append
+    producer.next_batch()
+    producer.next_batch()
+    assert producer.rewind() and discarded == [1]
+    assert not producer.rewind() and discarded == [1]  # nothing made since: nothing void
+    scored = []
+    producer.rounds.on_scored = lambda r: scored.append(r.batch_index) or request_stop("SIGTERM")
+    try:
+        with pytest.raises(StopRequested):
+            producer.next_batch()
+    finally:
+        clear_stop_request()
+    assert scored == [1] and discarded == [1, 1] and producer.batches_made == 1
+
+
 def test_settings_errors_name_the_field():
     with pytest.raises(ValueError, match="multiple of world_size"):
         make_producer(train_batch_size=7, world_size=2)

@@ -29,6 +29,18 @@ def test_a_step_takes_its_own_rounds_not_the_next_batchs():
     assert counts.take(batch(4)) == {"responses": 16.0, "truncated": 4.0}
 
 
+def test_discard_drops_the_rounds_of_a_batch_and_later_ones_only():
+    counts = RoundCounts(zero)
+    counts.add(2, {"responses": 8, "truncated": 1})  # the step under way
+    counts.add(3, {"responses": 16})  # the next batch, two rounds
+    counts.add(3, {"responses": 4, "truncated": 2})
+    counts.add(4, {"responses": 2})
+    counts.discard(3)  # the producer went back to before batch 3
+    assert counts.state_dict() == {BY_BATCH: {2: {"responses": 8.0, "truncated": 1.0}}}
+    counts.add(3, {"responses": 16})  # batch 3 scored again: counted once
+    assert counts.take(batch(3)) == {"responses": 24.0, "truncated": 1.0}
+
+
 def test_state_round_trips_and_older_states_go_to_the_next_step():
     counts = RoundCounts(zero)
     counts.add(7, {"responses": 8})

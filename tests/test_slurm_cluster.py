@@ -108,11 +108,13 @@ def text(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def wait_for(what: str, ready, timeout: float, poll: float = 0.05):
-    """Poll ``ready()`` until it returns something true (returned); fail after ``timeout``."""
+def wait_for(what: str, ready, timeout: float, poll: float = 0.05, explain=None):
+    """Poll ``ready()`` until it returns something true (returned); fail after ``timeout``,
+    with what ``explain()`` says (the job's state and log) when given."""
     deadline = time.monotonic() + timeout
     while not (value := ready()):
-        assert time.monotonic() < deadline, f"{what}: not after {timeout} s"
+        if time.monotonic() >= deadline:
+            pytest.fail(f"{what}: not after {timeout} s" + (f"\n{explain()}" if explain else ""))
         time.sleep(poll)
     return value
 
@@ -189,15 +191,28 @@ def requeue_once(
     it trains again. Returns the update it resumed at, the seconds from the signal to the
     requeue and from the release to training again."""
     start = len(text(out))
-    wait_for(f"update {after_update}", lambda: update_seen(out, after_update, start), timeout=180)
+
+    def explain() -> str:
+        return (
+            f"job: {cluster.job(job)}\nits log since the last resume:\n{text(out)[start:][-4000:]}"
+        )
+
+    wait_for(
+        f"update {after_update}",
+        lambda: update_seen(out, after_update, start),
+        180,
+        explain=explain,
+    )
     signalled = time.monotonic()
     cluster.run("scancel", "--signal=USR1", job)
-    wait_for("the requeue", lambda: "Requeued SLURM job" in text(out)[start:], timeout=60)
+    wait_for("the requeue", lambda: "Requeued SLURM job" in text(out)[start:], 60, explain=explain)
     requeued = time.monotonic()
     cluster.wait(job, {"PENDING", "RUNNING"}, timeout=60, restarts=restart)
     released = time.monotonic()
     cluster.wait(job, {"RUNNING", "COMPLETED"}, timeout=60, restarts=restart)
-    resumed = wait_for("the resume", lambda: RESUMED.search(text(out)[start:]), timeout=120)
+    resumed = wait_for(
+        "the resume", lambda: RESUMED.search(text(out)[start:]), 120, explain=explain
+    )
     assert f"job {job} restart {restart}:" in text(out)  # SLURM_RESTART_COUNT, as the script saw it
     return int(resumed.group(1)), requeued - signalled, time.monotonic() - released
 

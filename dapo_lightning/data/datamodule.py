@@ -422,7 +422,7 @@ def _rollout_producer(
     dm: DAPODataModule, session: EngineSession, rank: int, world: int
 ) -> RolloutProducer:
     """``dm``'s dynamic-sampling producer of ``rank`` on ``session`` (its sums over ranks and
-    its ``on_rollouts_scored`` hook go through ``dm``)."""
+    its ``on_rollouts_scored`` and ``on_rollouts_discarded`` hooks go through ``dm``)."""
     pad = dm.tokenizer.pad_token_id
     pad = pad if pad is not None else dm.tokenizer.eos_token_id
     return RolloutProducer(
@@ -437,5 +437,6 @@ def _rollout_producer(
         layout=RankLayout(rank, world, dm._tp_size),
         sync=dm._sum_over_ranks,
         on_scored=lambda rollouts: call_dapo_hook(dm.trainer, "on_rollouts_scored", rollouts),
+        on_discarded=lambda index: call_dapo_hook(dm.trainer, "on_rollouts_discarded", index),
         demonstrations=unsolved_demonstrations(session, dm.sampling.max_tokens),
     )

@@ -99,6 +99,9 @@ class RolloutProducer:
             default: :func:`~dapo_lightning.ranks.sum_over_ranks` over the default process
             group when one is initialised).
         on_scored: Called with every round's scored rollouts before the filter (shaping).
+        on_discarded: Called with a batch index when the producer goes back to before that
+            batch (:meth:`rewind`, or an exception inside :meth:`next_batch`): the rounds
+            ``on_scored`` saw for it and later batches are void (they are scored again).
         demonstrations: Plays the environment's demonstrations of records (one completion or
             None each), put into the groups with no right answer
             (``environment.demonstrate_unsolved``; :class:`GenerationRounds`); None: off.
@@ -121,6 +124,7 @@ class RolloutProducer:
         layout: RankLayout | None = None,
         sync: SumOverRanks | None = None,
         on_scored: Callable[[ScoredRollouts], None] | None = None,
+        on_discarded: Callable[[int], None] | None = None,
         demonstrations: Demonstrate | None = None,
     ) -> None:
         layout = layout if layout is not None else RankLayout()
@@ -130,6 +134,7 @@ class RolloutProducer:
             raise ValueError(f"{len(missing)} prompts are not tokenized (e.g. uid {missing[0]}).")
         self.session = session
         self.reward_runner = reward_runner
+        self.on_discarded = on_discarded
         self.scorer = RolloutScorer(session, reward_runner, decode)
         self.records = list(records)
         self.config = config
@@ -244,8 +249,11 @@ class RolloutProducer:
         return True
 
     def _restore(self, start: BatchStart) -> None:
+        """Go back to ``start``; the rounds scored since are void (``on_discarded``)."""
         self.load_state_dict(start.producer)
         self.session.load_state_dict(start.engine)
+        if self.on_discarded is not None:
+            self.on_discarded(self.batches_made)
 
     def _next_batch(self, policy_version: int) -> RolloutBatch:
         stats = StepStats()  # the same names on every rank (reduced over ranks)
