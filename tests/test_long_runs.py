@@ -100,7 +100,7 @@ def test_sigterm_mid_run_and_resume_end_where_the_uninterrupted_run_ends(
             del expected[key]
     assert expected.keys() <= got.keys(), sorted(expected.keys() - got.keys())[:10]
     differ = [(k, expected[k], got[k]) for k in expected if got[k] != expected[k]]
-    assert not differ, differ[:10]
+    assert not differ, (f"stopped at update {stopped_at}", differ[:10])
 
 
 def test_every_two_rank_line_of_the_readme_is_run_here():
