@@ -5,14 +5,16 @@
 For each model shape (random weights, float32, every weight trainable) it times, side by side in
 one process (medians of repeats): the AdamW step itself, the guard's pre-step snapshot
 (``StepSnapshot.take``: a copy of the parameters and of AdamW's two moments into reused buffers),
-its after-check (``all_finite``: one fused ``max |p|`` over the parameters) and, for scale, one
-forward + backward of 8 x 128 tokens. The guard's memory is one more copy of the trainable
+its after-check (``all_finite``: the extremes of every parameter; on a CPU ``aminmax`` per
+tensor) beside the fused ``_foreach_norm(ord=inf)`` check it replaced on a CPU (the baseline,
+timed in the same process) and, for scale, one forward + backward of 8 x 128 tokens. The guard's memory is one more copy of the trainable
 parameters and their optimizer state (printed). Writes ``benchmarks/out/nonfinite_guard.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 import torch
@@ -34,6 +36,13 @@ def _model(shape: dict[str, Any]) -> torch.nn.Module:
     return Qwen2ForCausalLM(Qwen2Config(**config)).float()
 
 
+def _inf_norm_check(params: list[torch.Tensor]) -> bool:
+    """The baseline: ``max_i ||p_i||_inf`` in one ``_foreach_norm`` call (the check before
+    2026-12-07; a fused kernel on CUDA, a loop of slow per-tensor norms on a CPU)."""
+    norms = torch._foreach_norm([p.detach() for p in params], math.inf)
+    return bool(torch.isfinite(torch.stack(norms)).all())
+
+
 def measure(shape: dict[str, Any], repeats: int) -> dict[str, float]:
     """Seconds per step of each part (see the module docstring) and the guard's bytes."""
     model = _model(shape)
@@ -53,6 +62,7 @@ def measure(shape: dict[str, Any], repeats: int) -> dict[str, float]:
         "adamw_step_s": median_time(opt.step, repeats=repeats)[0],
         "snapshot_s": median_time(lambda: snap.take(opt), repeats=repeats)[0],
         "check_s": median_time(lambda: all_finite(params), repeats=repeats)[0],
+        "inf_norm_check_s": median_time(lambda: _inf_norm_check(params), repeats=repeats)[0],
     }
     out["guard_MiB"] = 3 * sum(p.numel() * p.element_size() for p in params) / 2**20
     return out
@@ -79,6 +89,8 @@ def main() -> None:
                 r["adamw_step_s"] * 1e3,
                 r["snapshot_s"] * 1e3,
                 r["check_s"] * 1e3,
+                r["inf_norm_check_s"] * 1e3,
+                r["inf_norm_check_s"] / r["check_s"],
                 guard / r["adamw_step_s"],
                 r["guard_MiB"],
             ]
@@ -92,6 +104,8 @@ def main() -> None:
             "AdamW step (ms)",
             "snapshot (ms)",
             "check (ms)",
+            "inf-norm check (ms)",
+            "inf-norm / check",
             "guard / step",
             "guard memory (MiB)",
         ],
@@ -105,6 +119,7 @@ def main() -> None:
             "AdamW step": [r["adamw_step_s"] * 1e3 for r in results.values()],
             "snapshot": [r["snapshot_s"] * 1e3 for r in results.values()],
             "check": [r["check_s"] * 1e3 for r in results.values()],
+            "inf-norm check (before)": [r["inf_norm_check_s"] * 1e3 for r in results.values()],
         },
         ylabel="ms",
         log_y=True,

@@ -373,6 +373,14 @@ def test_all_finite_is_exact():
     assert not all_finite([*ok, torch.tensor([0.0, float("nan")])])
     assert not all_finite([torch.tensor([-float("inf")])])
     assert not all_finite([torch.tensor([6.0e4, float("inf")], dtype=torch.float16)])
+    # every position of a vectorised reduction (lanes, the tail) and every float dtype
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for at in (0, 5, 16, 31, 1000, 4098):
+                x = torch.zeros(4099, dtype=dtype)
+                x[at] = bad
+                assert not all_finite([torch.ones(2), x[:, None].expand(4099, 2)]), (dtype, at)
+    assert all_finite([torch.zeros(4099).to(dtype) for dtype in (torch.bfloat16, torch.float16)])
 
 
 def test_checkpoint_of_nonfinite_weights_is_refused(tmp_path):
