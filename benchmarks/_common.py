@@ -93,6 +93,15 @@ def median_time(
 
 
 # ----------------------------------------------------------------------------- memory
+def bf16_autocast(enabled: bool = True) -> Any:
+    """CPU bf16 autocast as Lightning's ``bf16-mixed`` runs a training step: without the cast
+    cache (``cache_enabled=False``; a cached cast would outlive the optimizer steps taken inside
+    one context and feed the later updates stale weights). ``enabled=False``: float32."""
+    import torch
+
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled, cache_enabled=False)
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far, in bytes (Linux ``ru_maxrss`` is KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

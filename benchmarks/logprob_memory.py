@@ -34,6 +34,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 from benchmarks._common import (
     GIB,
     bar_chart,
+    bf16_autocast,
     current_rss_bytes,
     emit_result,
     out_dir,
@@ -93,8 +94,6 @@ def _model(shape: str) -> Any:
 
 
 def worker(case: Case, chunk_size: str | None) -> dict[str, Any]:
-    import contextlib
-
     import torch
 
     from dapo_lightning.logprobs import response_log_probs
@@ -106,11 +105,7 @@ def worker(case: Case, chunk_size: str | None) -> dict[str, Any]:
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (case.rows, case.prompt_len + case.response_len), generator=gen)
     mask = torch.ones_like(ids)
-    autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16)
-        if case.bf16_autocast
-        else contextlib.nullcontext()
-    )
+    autocast = bf16_autocast(case.bf16_autocast)
     rss_before = current_rss_bytes()
     t = time.perf_counter()
     with autocast:

@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 import torch
 from torch import Tensor, nn
 
-from benchmarks._common import bar_chart, out_dir, print_table
+from benchmarks._common import bar_chart, bf16_autocast, out_dir, print_table
 
 
 def recipe_lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -210,12 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         model.train()
-        ctx = (
-            torch.autocast("cpu", dtype=torch.bfloat16)
-            if dtype == torch.bfloat16
-            else torch.autocast("cpu", enabled=False)
-        )
-        with ctx:
+        with bf16_autocast(dtype == torch.bfloat16):
             results.append(run_case(name, model, batch, micro, repeats))
         r = results[-1]
         print(

@@ -24,7 +24,6 @@ picks it on this machine (bf16 autocast where the CPU has bf16, else float32); t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import statistics
@@ -39,7 +38,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 
 import torch
 
-from benchmarks._common import bar_chart, out_dir, print_table
+from benchmarks._common import bar_chart, bf16_autocast, out_dir, print_table
 
 #: SmolLM2-135M-Instruct as `make-model` writes it (the recipes' model).
 SMOLLM2 = Path("runs/smollm2/model")
@@ -138,7 +137,7 @@ def run_case(case: Case, model_dir: str, repeats: int, bf16: bool) -> dict[str, 
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
     batch = make_batch(case, min(policy.config.vocab_size, 40_000)).trim()
     loops = {share: make_loop(policy, case, share) for share in (False, True)}
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    autocast = bf16_autocast(bf16)
     with autocast:  # the same weights, both layouts: the old log-probs (exactness)
         old = {share: loop.old_log_probs(batch) for share, loop in loops.items()}
     mask = batch.response_mask.bool()
