@@ -69,6 +69,7 @@ from _common import bar_chart, out_dir, print_table  # noqa: E402
 
 from dapo_lightning.data.prompts.sources import PromptRecord  # noqa: E402
 from dapo_lightning.data.sampling.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
+from dapo_lightning.data.sampling.rounds import RoundHooks  # noqa: E402
 from dapo_lightning.rewards.base import RewardResult, RewardRunner  # noqa: E402
 from dapo_lightning.rollout.base import (  # noqa: E402
     DRAIN,
@@ -323,7 +324,7 @@ def simulate(name: str, settings: dict[str, Any], steps: int, prompts: int, seed
         pad_token_id=0,
         sampling=SamplingConfig(max_tokens=32),
         seed=seed,
-        on_scored=on_scored,
+        hooks=RoundHooks(scored=on_scored),
     )
     update = producer.tracker.update
 

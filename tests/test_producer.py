@@ -23,6 +23,7 @@ from dapo_lightning.data.sampling.producer import (
     TrainingComplete,
 )
 from dapo_lightning.data.sampling.rank_layout import RankLayout
+from dapo_lightning.data.sampling.rounds import RoundHooks
 from dapo_lightning.data.selection.difficulty import (
     DifficultyTracker,
     PredictiveSelector,
@@ -101,6 +102,7 @@ def make_producer(
     world_size=1,
     sync=None,
     on_scored=None,
+    on_discarded=None,
     reward=None,
     tp_size=1,
     **config,
@@ -130,7 +132,7 @@ def make_producer(
         seed=seed,
         layout=RankLayout(rank, world_size, tp_size),
         sync=sync,
-        on_scored=on_scored,
+        hooks=RoundHooks(scored=on_scored, discarded=on_discarded),
     )
 
 
@@ -347,8 +349,7 @@ def test_going_back_before_a_batch_discards_the_rounds_scored_for_it():
     rewind (a stop undid its step) and after a stop inside its generation (the round that
     finished was scored, then thrown away)."""
     discarded: list[int] = []
-    producer = make_producer()
-    producer.on_discarded = discarded.append
+    producer = make_producer(on_discarded=discarded.append)
     producer.next_batch()
     producer.next_batch()
     assert producer.rewind() and discarded == [1]

@@ -42,6 +42,7 @@ from dapo_lightning.data.prompts.loading import (
 from dapo_lightning.data.prompts.sources import PromptRecord
 from dapo_lightning.data.sampling.producer import DynamicSamplingConfig, RolloutProducer
 from dapo_lightning.data.sampling.rank_layout import RankLayout
+from dapo_lightning.data.sampling.rounds import RoundHooks
 from dapo_lightning.data.sampling.settings import OneStepOffConfig
 from dapo_lightning.data.selection.difficulty import PromptSelectionConfig
 from dapo_lightning.data.streams.one_step_off import (
@@ -436,7 +437,9 @@ def _rollout_producer(
         seed=dm.seed,
         layout=RankLayout(rank, world, dm._tp_size),
         sync=dm._sum_over_ranks,
-        on_scored=lambda rollouts: call_dapo_hook(dm.trainer, "on_rollouts_scored", rollouts),
-        on_discarded=lambda index: call_dapo_hook(dm.trainer, "on_rollouts_discarded", index),
+        hooks=RoundHooks(
+            scored=lambda rollouts: call_dapo_hook(dm.trainer, "on_rollouts_scored", rollouts),
+            discarded=lambda index: call_dapo_hook(dm.trainer, "on_rollouts_discarded", index),
+        ),
         demonstrations=unsolved_demonstrations(session, dm.sampling.max_tokens),
     )

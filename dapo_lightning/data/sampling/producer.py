@@ -2,7 +2,7 @@
 
 One call of :meth:`RolloutProducer.next_batch` runs *generation rounds*: each draws
 ``gen_batch_size / world_size`` prompts for this rank, samples ``n`` responses per prompt,
-scores them (:mod:`~dapo_lightning.data.sampling.scoring`), hands them to ``on_scored`` (the data module
+scores them (:mod:`~dapo_lightning.data.sampling.scoring`), hands them to ``hooks.scored`` (the data module
 dispatches the ``on_rollouts_scored`` callback hook there: overlong punishment, masks), then
 keeps only groups whose *filter metric* varies within the group (a group where every response
 is equally right or wrong has zero advantage and only dilutes the batch). Rounds repeat until
@@ -53,7 +53,7 @@ from dapo_lightning.data.sampling.groups import (
 )
 from dapo_lightning.data.sampling.rank_layout import RankLayout, member_rows
 from dapo_lightning.data.sampling.round_report import RoundReport, Shortfall, SumOverRanks
-from dapo_lightning.data.sampling.rounds import Demonstrate, GenerationRounds
+from dapo_lightning.data.sampling.rounds import Demonstrate, GenerationRounds, RoundHooks
 from dapo_lightning.data.sampling.scoring import RolloutScorer
 from dapo_lightning.data.sampling.settings import (
     KEPT_FRAC_DECAY,
@@ -98,10 +98,8 @@ class RolloutProducer:
         sync: Sums integer lists over ranks (the data module passes the strategy's reduce;
             default: :func:`~dapo_lightning.ranks.sum_over_ranks` over the default process
             group when one is initialised).
-        on_scored: Called with every round's scored rollouts before the filter (shaping).
-        on_discarded: Called with a batch index when the producer goes back to before that
-            batch (:meth:`rewind`, or an exception inside :meth:`next_batch`): the rounds
-            ``on_scored`` saw for it and later batches are void (they are scored again).
+        hooks: Told of every scored round (shaping) and of the rounds a rewind voids
+            (:class:`~dapo_lightning.data.sampling.rounds.RoundHooks`; default: none).
         demonstrations: Plays the environment's demonstrations of records (one completion or
             None each), put into the groups with no right answer
             (``environment.demonstrate_unsolved``; :class:`GenerationRounds`); None: off.
@@ -123,8 +121,7 @@ class RolloutProducer:
         seed: int = 0,
         layout: RankLayout | None = None,
         sync: SumOverRanks | None = None,
-        on_scored: Callable[[ScoredRollouts], None] | None = None,
-        on_discarded: Callable[[int], None] | None = None,
+        hooks: RoundHooks | None = None,
         demonstrations: Demonstrate | None = None,
     ) -> None:
         layout = layout if layout is not None else RankLayout()
@@ -134,7 +131,7 @@ class RolloutProducer:
             raise ValueError(f"{len(missing)} prompts are not tokenized (e.g. uid {missing[0]}).")
         self.session = session
         self.reward_runner = reward_runner
-        self.on_discarded = on_discarded
+        self.hooks = hooks if hooks is not None else RoundHooks()
         self.scorer = RolloutScorer(session, reward_runner, decode)
         self.records = list(records)
         self.config = config
@@ -156,7 +153,7 @@ class RolloutProducer:
         )
         self.rounds = GenerationRounds(
             self.records, config, sampling, self.scorer, self.sampler,
-            tracker=self.tracker, selector=self.selector, on_scored=on_scored,
+            tracker=self.tracker, selector=self.selector, on_scored=self.hooks.scored,
             demonstrations=demonstrations,
         )  # fmt: skip
         #: Decayed (kept, generated) group counts over all ranks: the round-sizing estimate.
@@ -238,10 +235,9 @@ class RolloutProducer:
             raise
 
     def rewind(self) -> bool:
-        """Put the producer and the engine's sampling RNG back to :attr:`batch_start`, the state
-        before the last :meth:`next_batch` (a stop dropped its update: the same rollouts are
-        generated again), and forget it; False when there is none (nothing since the last
-        rewind)."""
+        """Put the producer and the engine's sampling RNG back to :attr:`batch_start` (before
+        the last :meth:`next_batch`: a stop dropped its update, the same rollouts are generated
+        again) and forget it; False when there is none (nothing since the last rewind)."""
         start, self.batch_start = self.batch_start, None
         if start is None:
             return False
@@ -249,11 +245,11 @@ class RolloutProducer:
         return True
 
     def _restore(self, start: BatchStart) -> None:
-        """Go back to ``start``; the rounds scored since are void (``on_discarded``)."""
+        """Go back to ``start``; the rounds scored since are void (``hooks.discarded``)."""
         self.load_state_dict(start.producer)
         self.session.load_state_dict(start.engine)
-        if self.on_discarded is not None:
-            self.on_discarded(self.batches_made)
+        if self.hooks.discarded is not None:
+            self.hooks.discarded(self.batches_made)
 
     def _next_batch(self, policy_version: int) -> RolloutBatch:
         stats = StepStats()  # the same names on every rank (reduced over ranks)

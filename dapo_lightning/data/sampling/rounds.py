@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from dapo_lightning.batch import ScoredRollouts
 from dapo_lightning.data.prompts.sources import PromptRecord
@@ -36,6 +37,22 @@ from dapo_lightning.rollout.base import DRAIN, Completion, SamplingConfig
 
 #: Plays the environment's demonstration of each record: a completion, or None where none.
 Demonstrate = Callable[[Sequence[PromptRecord]], list[Completion | None]]
+
+
+@dataclass(frozen=True)
+class RoundHooks:
+    """What the producer tells its owner about its rounds (the data module passes the DAPO
+    callbacks' ``on_rollouts_scored`` and ``on_rollouts_discarded``).
+
+    Args:
+        scored: Called with every round's scored rollouts before the filter (shaping).
+        discarded: Called with a batch index when the producer goes back to before that batch
+            (a rewind, or an exception inside ``next_batch``): the rounds ``scored`` saw for it
+            and for later batches are void (they are scored again).
+    """
+
+    scored: Callable[[ScoredRollouts], None] | None = None
+    discarded: Callable[[int], None] | None = None
 
 
 class GenerationRounds:
