@@ -61,10 +61,14 @@ def usable_cores() -> int:
 
 def prefer_passive_wait(environ: MutableMapping[str, str] = os.environ) -> str:
     """Set ``OMP_WAIT_POLICY=PASSIVE`` when it is unset and torch is not imported yet; returns
-    the policy in effect (also kept in :data:`wait_policy` for the start-up line)."""
+    the policy in effect (also kept in :data:`wait_policy` for the start-up line). A set
+    ``GOMP_SPINCOUNT`` (libgomp's spin before sleeping; PASSIVE would make it 0) is the user's
+    own wait policy and is kept as it is: docs/running.md, "Threads"."""
     global wait_policy
     if "OMP_WAIT_POLICY" in environ:
         wait_policy = f"OMP_WAIT_POLICY={environ['OMP_WAIT_POLICY']}"
+    elif "GOMP_SPINCOUNT" in environ:
+        wait_policy = f"GOMP_SPINCOUNT={environ['GOMP_SPINCOUNT']}"
     elif "torch" in sys.modules:
         wait_policy = "OMP_WAIT_POLICY unset: torch was imported before dapo_lightning"
     else:

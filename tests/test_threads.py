@@ -69,6 +69,8 @@ def test_wait_policy_is_kept_when_set_and_never_set_after_torch():
     assert (
         prefer_passive_wait(env) == "OMP_WAIT_POLICY=ACTIVE" and env["OMP_WAIT_POLICY"] == "ACTIVE"
     )
+    env = {"GOMP_SPINCOUNT": "10000"}  # a bounded spin of the user's own: not made PASSIVE
+    assert prefer_passive_wait(env) == "GOMP_SPINCOUNT=10000" and env == {"GOMP_SPINCOUNT": "10000"}
     env = {}
     assert "torch was imported before" in prefer_passive_wait(env)  # torch is loaded here
     assert env == {}
