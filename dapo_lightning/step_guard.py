@@ -10,8 +10,9 @@ Around every optimizer step of :class:`~dapo_lightning.module.DAPOModule` (with
    gradient). :func:`nonfinite_step_input` names it. Otherwise :class:`StepSnapshot` copies the
    trainable parameters and their optimizer state into buffers kept between steps.
 2. **After**: one check of the parameters, :func:`all_finite` (the extremes of every
-   parameter, stacked: NaN propagates through them and they cannot overflow); when it fails (a step that overflowed, e.g. an ``eps=0`` Adam dividing 0
-   by 0), the snapshot is put back: parameters and optimizer state exactly as before the step.
+   parameter, stacked: NaN propagates through them and they cannot overflow); when it fails
+   (a step that overflowed, e.g. an ``eps=0`` Adam dividing 0 by 0), the snapshot is put back:
+   parameters and optimizer state exactly as before the step.
 
 Either way the update counts as skipped (``update/skipped_nonfinite``), the learning-rate
 scheduler does not advance, and :class:`NonFiniteGuard` stops the run after
