@@ -7,8 +7,9 @@ one process (medians of repeats): the AdamW step itself, the guard's pre-step sn
 (``StepSnapshot.take``: a copy of the parameters and of AdamW's two moments into reused buffers),
 its after-check (``all_finite``: the extremes of every parameter; on a CPU ``aminmax`` per
 tensor) beside the fused ``_foreach_norm(ord=inf)`` check it replaced on a CPU (the baseline,
-timed in the same process) and, for scale, one forward + backward of 8 x 128 tokens. The guard's memory is one more copy of the trainable
-parameters and their optimizer state (printed). Writes ``benchmarks/out/nonfinite_guard.png``.
+timed in the same process) and, for scale, one forward + backward of 8 x 128 tokens. The
+guard's memory is one more copy of the trainable parameters and their optimizer state
+(printed). Writes ``benchmarks/out/nonfinite_guard.png``.
 """
 
 from __future__ import annotations
