@@ -35,6 +35,7 @@ from dapo_lightning.testing import completions_to_batch, make_tiny_tokenizer
 from dapo_lightning.update import BatchingConfig
 from tests._harness import fit as fit_module
 from tests._module_harness import FixedBatches, fixed_batch
+from tests._tolerance import float32_reorder_bound
 from tests.test_module_absolute import EPS_HIGH, EPS_LOW, _grpo, _sequences
 
 LR = 0.5
@@ -157,8 +158,9 @@ def test_lora_update_equals_sgd_on_the_adapters(
     ref = reference_adapter_updates(str(tiny_checkpoint), fixed_batch(), groups_per_update, start)
     a_moved = max(float((ours[k] - start[k]).abs().max()) for k in ours if "lora_A" in k)
     assert a_moved > 1e-3  # A is trained too (B != 0), not only B
-    # measured 8.6e-8 (one update) / float32 log-prob arithmetic of the update path
-    assert _rel_diff(ours, ref, start) < 1e-6
+    # measured 8.6e-8 (one update): float32 log-prob arithmetic of the update path, dot products
+    # over the 128-wide hidden state in another order (tests/_tolerance.py)
+    assert _rel_diff(ours, ref, start) < float32_reorder_bound(128)
     # negative control: the same comparison catches a wrong LoRA scale (alpha instead of alpha/r)
     wrong = reference_adapter_updates(
         str(tiny_checkpoint), fixed_batch(), groups_per_update, start, scaling=SETTINGS.alpha

@@ -18,8 +18,19 @@ from dapo_lightning.testing import free_port
 from dapo_lightning.update import BatchingConfig, micro_batch_rows
 from tests._harness import fit as _fit
 from tests._module_harness import FixedBatches, fit_update, fixed_batch
+from tests._tolerance import float32_reorder_bound
 
 HARNESS = Path(__file__).with_name("_module_harness.py")
+
+
+#: How far two float32 updates of the fixed batch may differ when it is split another way (over
+#: micro-batches, token budgets or ranks): each parameter's gradient sums one term per token, in
+#: another order (tests/_tolerance.py). 330 tokens: 3.9e-05 (measured: below 1e-6 on AVX-512
+#: and AMX, 1.4e-06 on AVX2 for 2 DDP ranks); the per-micro-batch-mean bug moves it > 1e-3.
+PARTITION_BOUND = float32_reorder_bound(int(fixed_batch().attention_mask.sum()))
+#: How far two float32 evaluations of the same log-prob may differ in other batch shapes: the
+#: logits are dot products over ``hidden_size`` (128) terms of the tiny model.
+LOGPROB_BOUND = float32_reorder_bound(128)
 
 
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -37,14 +48,14 @@ def one_micro_batch(tiny_checkpoint):
 def test_micro_batches_give_the_same_update(tiny_checkpoint, one_micro_batch):
     for micro in (1, 3, 5):
         delta, _ = fit_update(str(tiny_checkpoint), micro_batch_size=micro)
-        assert max_rel_diff(one_micro_batch, delta) <= 1e-5, micro
+        assert max_rel_diff(one_micro_batch, delta) <= PARTITION_BOUND, micro
 
 
 def test_token_budget_micro_batches_give_the_same_update(tiny_checkpoint, one_micro_batch):
     delta, _ = fit_update(
         str(tiny_checkpoint), micro_batch_size=16, batching={"max_tokens_per_micro_batch": 60}
     )
-    assert max_rel_diff(one_micro_batch, delta) <= 1e-5
+    assert max_rel_diff(one_micro_batch, delta) <= PARTITION_BOUND
 
 
 def test_negative_control_per_micro_batch_mean_differs(tiny_checkpoint, one_micro_batch):
@@ -71,7 +82,7 @@ def test_negative_control_per_micro_batch_mean_differs(tiny_checkpoint, one_micr
         for p in model.parameters():
             p -= 1.0 * p.grad
     delta = {k: v.detach() - before[k] for k, v in model.named_parameters()}
-    assert max_rel_diff(one_micro_batch, delta) > 1e-3
+    assert max_rel_diff(one_micro_batch, delta) > max(1e-3, 10 * PARTITION_BOUND)
 
 
 def run_two_ranks(checkpoint, tmp_path, micro, strategy="ddp", **module_kwargs):
@@ -111,7 +122,7 @@ def test_a_metric_one_rank_adds_alone_fails_the_fit_naming_it(tiny_checkpoint, t
 @pytest.mark.timeout(240)
 def test_two_ddp_ranks_give_the_same_update(tiny_checkpoint, one_micro_batch, tmp_path):
     delta = two_rank_update(tiny_checkpoint, tmp_path, 3)
-    assert max_rel_diff(one_micro_batch, delta) <= 1e-6
+    assert max_rel_diff(one_micro_batch, delta) <= PARTITION_BOUND
 
 
 @pytest.mark.distributed
@@ -119,7 +130,7 @@ def test_two_ddp_ranks_give_the_same_update(tiny_checkpoint, one_micro_batch, tm
 def test_two_fsdp2_ranks_give_the_same_update(tiny_checkpoint, one_micro_batch, tmp_path):
     """Real DTensor shards (ModelParallelStrategy, FSDP2 fully_shard per layer and root)."""
     delta = two_rank_update(tiny_checkpoint, tmp_path, 3, strategy="fsdp2")
-    assert max_rel_diff(one_micro_batch, delta) <= 1e-5
+    assert max_rel_diff(one_micro_batch, delta) <= PARTITION_BOUND
 
 
 @pytest.mark.distributed
@@ -143,7 +154,7 @@ def test_fsdp2_ranks_run_equal_micro_batch_counts_under_a_token_budget(
         strategy="fsdp2",
         batching={"max_tokens_per_micro_batch": 60},
     )
-    assert max_rel_diff(one_micro_batch, delta) <= 1e-5
+    assert max_rel_diff(one_micro_batch, delta) <= PARTITION_BOUND
     (update,) = torch.load(str(tmp_path / "delta.pt") + ".updates")
     assert update["micro_batches"] == max(per_rank)
     assert update["empty_micro_batches"] == abs(per_rank[0] - per_rank[1])
@@ -166,7 +177,7 @@ def test_reinforce_baseline_std_is_global_over_ranks(tiny_checkpoint, tmp_path):
     two = two_rank_update(
         tiny_checkpoint, tmp_path, 3, loss={"advantage_estimator": "reinforce_baseline"}
     )
-    assert max_rel_diff(one, two) <= 1e-5
+    assert max_rel_diff(one, two) <= PARTITION_BOUND
 
 
 @pytest.mark.distributed
@@ -180,7 +191,7 @@ def test_stale_groups_on_one_rank_only_give_the_single_process_update(tiny_check
     fresh, _ = fit_update(str(tiny_checkpoint), micro_batch_size=3)
     assert max_rel_diff(one, fresh) > 1e-3  # the correction changes this update
     two = two_rank_update(tiny_checkpoint, tmp_path, 3, stale_groups=[0])
-    assert max_rel_diff(one, two) <= 1e-5
+    assert max_rel_diff(one, two) <= PARTITION_BOUND
     (update,) = torch.load(str(tmp_path / "delta.pt") + ".updates")
     (single,) = module.recorded_updates
     for name in ("tis_weight_mean", "tis_weight_min", "sampling/importance_sampling_ratio/max"):
@@ -234,7 +245,7 @@ def test_later_mini_batches_see_ratio_not_one_and_clipping(tiny_checkpoint):
     _fit(module, FixedBatches(fixed_batch()), [rec])
     assert len(rec.updates) == 8  # 4 prompts / 1 per update x 2 epochs
     assert module.global_step == 8 and module.policy_version == 8 and module.rollout_step == 1
-    assert rec.updates[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert rec.updates[0]["ratio_mean"] == pytest.approx(1.0, abs=LOGPROB_BOUND)
     assert rec.updates[0]["clipfrac_high"] == 0 and rec.updates[0]["clipfrac_low"] == 0
     later = rec.updates[4:]  # second epoch: every mini-batch was already updated on
     assert all(abs(u["ratio_mean"] - 1) > 1e-3 for u in later)
@@ -359,7 +370,7 @@ def test_old_log_probs_are_taken_in_eval_mode(tmp_path):
         module.policy.train()
         train_logp, _ = response_log_probs(module.policy, *args)
     mask = batch.response_mask.bool()
-    assert torch.allclose(old[mask], eval_logp[mask], atol=1e-6)
+    assert torch.allclose(old[mask], eval_logp[mask], atol=LOGPROB_BOUND)
     assert (train_logp[mask] - eval_logp[mask]).abs().max() > 1e-3  # dropout is really on
 
 

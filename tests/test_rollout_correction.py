@@ -114,6 +114,8 @@ def test_loss_with_correction_equals_trl_compute_loss(mode):
     correction = RolloutCorrection(mode, clip_max=1.2)
     got, grad, _ = ours(logp, old, adv, mask, rollout_log_probs=engine,
                         config=PolicyLossConfig(rollout_correction=correction))  # fmt: skip
+    # float64 on both sides (tests/test_objectives.py's bound): a formula difference, never
+    # float64 reordering (1e-16), could reach 1e-6
     assert abs(float(got - want)) <= 1e-6
     assert float((grad - want_grad).abs().max()) <= 1e-6
 
