@@ -24,6 +24,7 @@ from dapo_lightning.callbacks.initial_validation import ValidateAtStart
 from dapo_lightning.callbacks.overlong import OverlongRewardShaping, overlong_penalty
 from dapo_lightning.callbacks.progress import DAPOProgressBar, run_summary, stop_reason
 from dapo_lightning.callbacks.run_guard import RunDirLockedError, RunGuard
+from dapo_lightning.callbacks.sample_log import SampleLog, SampleLogConfig
 from dapo_lightning.callbacks.snapshot import TrainingSnapshot
 from dapo_lightning.callbacks.step_checkpoint import StepCheckpoint
 from dapo_lightning.callbacks.summary import DAPOModelSummary
@@ -43,6 +44,8 @@ __all__ = [
     "PhaseTrace",
     "RunDirLockedError",
     "RunGuard",
+    "SampleLog",
+    "SampleLogConfig",
     "SignalState",
     "StepCheckpoint",
     "TrainingSnapshot",

@@ -20,6 +20,12 @@ from dapo_lightning.rollout.base import SamplingConfig
 #: ``finish_reason`` -> the code of ``RolloutBatch.finish``.
 FINISH_CODES = {"stop": 0, "length": 1, "demonstration": 2}
 
+#: The :attr:`ScoredRollouts.extra` keys the library sets beside the reward's: the response text
+#: the reward scored and the prompt as text (set by the scorer), and the dynamic-sampling
+#: filter's decision per response (``"kept"`` or ``"dropped: <metric> all <value>"``, set right
+#: after ``on_rollouts_scored``). ``dapo_lightning.callbacks.SampleLog`` writes them.
+RESPONSE_TEXT, PROMPT_TEXT, FILTER_DECISION = "response_text", "prompt_text", "filter"
+
 
 @dataclass
 class ScoredRollouts:
@@ -46,7 +52,9 @@ class ScoredRollouts:
             maximum response length).
         policy_version: Weight version (optimizer updates applied) the responses were
             sampled with.
-        extra: Per-response extra information from the reward function (lists of length N).
+        extra: Per-response extra information from the reward function (lists of length N),
+            and the texts and the filter decision the library adds (:data:`RESPONSE_TEXT`,
+            :data:`PROMPT_TEXT`, :data:`FILTER_DECISION`).
         token_mask: Per response, a per-token 0/1 list: 1 on tokens the policy sampled, 0 on
             tokens it did not (observations of a multi-turn episode); those leave the loss,
             its token count, the entropy, the KL and the parity check

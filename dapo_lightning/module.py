@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
-from dapo_lightning.checkpoint import check_checkpoint_fits
+from dapo_lightning.checkpoint.checks import check_checkpoint_fits
 from dapo_lightning.checks import check_optimizer_settings, optimizer_error
 from dapo_lightning.contract import PolicyHandle, RolloutChannel, rollout_channel
 from dapo_lightning.data.sampling.metrics import ValidationMetrics, rollout_step_metrics
@@ -325,12 +325,16 @@ class DAPOModule(LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.publish_policy()  # after each rollout step's updates
 
-    def training_step(self, batch: RolloutBatch | EndOfTraining, batch_idx: int) -> None:
+    def training_step(
+        self, batch: RolloutBatch | EndOfTraining, batch_idx: int
+    ) -> dict[str, Tensor] | None:
+        """One rollout step's updates; returns its ``advantages`` per row of ``batch`` (the
+        callbacks' ``on_train_batch_end`` ``outputs``: ``SampleLog`` writes them)."""
         if isinstance(batch, EndOfTraining):
             self.stop_reason = batch.reason
             rank_zero_info(f"DAPO: stopping: {batch.reason}")
             self.trainer.should_stop = True
-            return
+            return None
         t_start, version = time.perf_counter(), self.policy_version  # the version it was drawn for
         batch = batch.trim()
         step = self.updater.run(batch, self._step_context())  # counts the rollout step
@@ -340,6 +344,7 @@ class DAPOModule(LightningModule):
         # updates done - 1, as with one (update/* are at global_step; plot's x axis is updates).
         log_rollout_step(self.trainer, values, self.global_step - 1)
         set_logging_step(self.trainer, self.global_step - 1)
+        return {"advantages": step.advantages.detach().cpu()}
 
     def _step_context(self) -> StepContext:
         """What the loop needs of Lightning and of the data side for one rollout step."""

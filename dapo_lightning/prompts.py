@@ -66,4 +66,18 @@ def encode_prompt(
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
-__all__ = ["ROW_META_KEYS", "Prompt", "PromptDataError", "PromptRecord", "encode_prompt"]
+def prompt_text(prompt: Prompt) -> str:
+    """A prompt as one text: itself, or chat messages as ``role: content`` lines."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in prompt)
+
+
+__all__ = [
+    "ROW_META_KEYS",
+    "Prompt",
+    "PromptDataError",
+    "PromptRecord",
+    "encode_prompt",
+    "prompt_text",
+]

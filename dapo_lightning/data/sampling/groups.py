@@ -1,6 +1,6 @@
 """Operations on groups of scored rollouts (pure; no producer state): concatenating rounds,
-replacing rows, a group's best value, the dynamic-sampling filter's variance test, the group
-size of a set of groups."""
+replacing rows, a group's best value, the dynamic-sampling filter's variance test and its
+decision per row, the group size of a set of groups."""
 
 from __future__ import annotations
 
@@ -93,6 +93,18 @@ def group_has_variance(values: Tensor, group_index: Tensor) -> Tensor:
     hi = torch.full((num_groups,), -torch.inf).scatter_reduce(0, group_index, v, "amax")
     lo = torch.full((num_groups,), torch.inf).scatter_reduce(0, group_index, v, "amin")
     return hi > lo
+
+
+def filter_decisions(
+    values: Tensor, group_index: Tensor, keep_group: Tensor, metric: str
+) -> list[str]:
+    """Per row, its group's filter decision: ``"kept"``, or ``"dropped: <metric> all <v>"``
+    where the group's ``values`` (of the filter ``metric``) are all ``v``."""
+    keep, vals = keep_group.tolist(), values.float().tolist()
+    return [
+        "kept" if keep[g] else f"dropped: {metric} all {v:g}"
+        for g, v in zip(group_index.tolist(), vals)
+    ]
 
 
 def group_sizes(group_index: Tensor) -> set[int]:

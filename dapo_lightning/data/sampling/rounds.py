@@ -19,11 +19,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from dapo_lightning.batch import ScoredRollouts
+from dapo_lightning.batch import FILTER_DECISION, ScoredRollouts
 from dapo_lightning.data.prompts.sources import PromptRecord
 from dapo_lightning.data.sampling.draw import draw_round
 from dapo_lightning.data.sampling.groups import (
     concat_rollouts,
+    filter_decisions,
     group_has_variance,
     group_max,
     replace_rows,
@@ -117,7 +118,7 @@ class GenerationRounds:
         stats: StepStats,
     ) -> ScoredRollouts | None:
         """Record the visits (in the epochs they were drawn in), shape, keep groups with
-        variance."""
+        variance (each response's decision in ``extra[FILTER_DECISION]``)."""
         if self.tracker is not None:
             per_group: list[list[float]] = [[] for _ in records]
             for g, a in zip(rollouts.group_index.tolist(), rollouts.acc.tolist()):
@@ -135,8 +136,12 @@ class GenerationRounds:
         metric = self.config.filter_metric
         if metric is None:
             stats.kept_groups += float(len(records))
+            rollouts.extra[FILTER_DECISION] = ["kept"] * len(rollouts)
             return rollouts
         keep_group = group_has_variance(getattr(rollouts, metric), rollouts.group_index)
+        rollouts.extra[FILTER_DECISION] = filter_decisions(
+            getattr(rollouts, metric), rollouts.group_index, keep_group, metric
+        )
         stats.kept_groups += float(keep_group.sum())
         keep_idx = keep_group[rollouts.group_index].nonzero().flatten().tolist()
         return rollouts.select(keep_idx) if keep_idx else None

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from dapo_lightning.batch import ScoredRollouts
+from dapo_lightning.batch import PROMPT_TEXT, RESPONSE_TEXT, ScoredRollouts
 from dapo_lightning.data.prompts.sources import PromptRecord
 from dapo_lightning.data.sampling.step_stats import StepStats, numeric_extras
 from dapo_lightning.envs.runner import episode_results, episode_tool_calls, token_masks
+from dapo_lightning.prompts import prompt_text
 from dapo_lightning.rewards.base import RewardRunner
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
@@ -113,6 +114,8 @@ class RolloutScorer:
             token_mask=token_masks([c for *_, c in flat]),
             tool_calls=episode_tool_calls([c for *_, c in flat]),
         )
+        rollouts.extra[RESPONSE_TEXT] = texts
+        rollouts.extra[PROMPT_TEXT] = [prompt_text(rec.prompt) for _, rec, _ in flat]
         stats.score_seconds += t2 - t1
         stats.generated_samples += float(len(flat))
         # the policy's own tokens; a multi-turn episode's observations (tool output) apart

@@ -1,0 +1,222 @@
+"""SampleLog (issue 65): rollout and validation samples on disk, read back with pandas.
+
+One module-scoped run of ``configs/quickstart.yaml`` through the real CLI (a short warm-up
+checkpoint made here, 4 rollout steps, a validation every 2), stopped with SIGTERM once step 2
+is on disk and resumed with ``--ckpt_path auto``; the files it leaves are checked against the
+run's own metrics.csv. The rest are unit tests of the pure parts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from dapo_lightning.callbacks import SampleLog, SampleLogConfig
+from dapo_lightning.callbacks.sample_files import SampleFile
+from dapo_lightning.callbacks.sample_rows import (
+    mark_trained,
+    rollout_rows,
+    row_fingerprints,
+    step_rows,
+)
+
+from dapo_lightning.batch import FILTER_DECISION, RESPONSE_TEXT, RolloutBatch, ScoredRollouts
+from dapo_lightning.checks import ConfigError
+from dapo_lightning.data.sampling.groups import filter_decisions
+from dapo_lightning.rollout.base import SamplingConfig
+from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = str(Path(sys.executable).parent / "dapo-lightning")
+STEPS = 4  # rollout steps (2 optimizer updates each)
+#: The columns docs/samples.md documents.
+ROLLOUT_COLUMNS = {
+    "step", "group", "sample", "batch_index", "policy_version", "staleness", "prompt_id",
+    "prompt", "response", "reward", "score", "shaping", "has_answer", "acc", "advantage",
+    "filter", "trained", "in_loss", "truncated", "finish_reason", "length", "tool_calls", "extra",
+}  # fmt: skip
+
+
+def _fit_command(run: Path, *extra: str) -> list[str]:
+    return [
+        CLI, "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
+        "--trainer.default_root_dir", str(run), "--trainer.max_steps", str(2 * STEPS),
+        "--trainer.val_check_interval", "2", "--ckpt_path", "auto", *extra,
+    ]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+
+
+def _steps_on_disk(path: Path) -> set[int]:
+    if not path.exists():
+        return set()
+    return set(pd.read_json(path, lines=True)["step"]) if path.stat().st_size else set()
+
+
+@pytest.fixture(scope="module")
+def stopped_and_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The quickstart for 4 rollout steps: SIGTERM once step 2's samples are written (exit
+    143), then resumed to the end (exit 0). Returns the run directory."""
+    run = tmp_path_factory.mktemp("samples") / "run"
+    make_quickstart_checkpoint(run / "model", seed=0, sums_steps=100, steps=30)
+    rollouts = run / "samples" / "rollouts-rank0.jsonl"
+    proc = subprocess.Popen(
+        _fit_command(run), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        if 2 in _steps_on_disk(rollouts):
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err.decode()[-3000:]
+    done = subprocess.run(_fit_command(run), env=_env(), capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return run
+
+
+def _metrics(run: Path) -> pd.DataFrame:
+    frames = [pd.read_csv(p) for p in sorted(run.glob("logs/version_*/metrics.csv"))]
+    return pd.concat(frames, ignore_index=True)
+
+
+def test_rollout_samples_hold_each_step_once_and_match_the_logged_metrics(stopped_and_resumed):
+    df = pd.read_json(stopped_and_resumed / "samples" / "rollouts-rank0.jsonl", lines=True)
+    assert ROLLOUT_COLUMNS <= set(df.columns)
+    assert sorted(df["step"].unique()) == list(range(1, STEPS + 1))
+    assert not df.duplicated(["step", "group", "sample"]).any()  # no step written twice
+    metrics = _metrics(stopped_and_resumed).dropna(subset=["rollout/step"])
+    assert sorted(metrics["rollout/step"]) == list(range(1, STEPS + 1))  # each step logged once
+    trained = df[df["trained"]]
+    for _, m in metrics.iterrows():
+        rows = trained[trained["step"] == int(m["rollout/step"])]
+        assert len(rows) == 16 * 16  # train_batch_size groups of n
+        assert rows["reward"].mean() == pytest.approx(m["rollout/reward_mean"], abs=1e-6)
+        assert rows["acc"].mean() == pytest.approx(m["rollout/acc"], abs=1e-6)
+        assert rows["staleness"].mean() == pytest.approx(m["data/staleness_mean"], abs=1e-6)
+        assert rows["length"].mean() == pytest.approx(m["rollout/response_length_mean"], abs=1e-4)
+    # GRPO: a trained group's advantages sum to 0 and follow its rewards; others have none
+    for _, group in trained.groupby(["step", "group"]):
+        assert group["advantage"].sum() == pytest.approx(0.0, abs=1e-4)
+        assert group["filter"].eq("kept").all() and group["reward"].nunique() > 1
+        best = group.loc[group["reward"].idxmax()]
+        assert best["advantage"] == group["advantage"].max()
+    assert df.loc[~df["trained"], "advantage"].isna().all()
+    assert set(df["filter"]) <= {"kept", "dropped: acc all 0", "dropped: acc all 1"}
+    dropped = df[df["filter"] != "kept"]
+    assert (dropped["acc"] == dropped["filter"].str.endswith("1").astype(float)).all()
+    # the text the reward scored: a bare right answer scores 1, a hedge ("~7") does not
+    assert df["response"].map(type).eq(str).all() and df["prompt"].str.endswith("=").all()
+    assert (df.loc[df["acc"] == 1.0, "score"] == 1.0).all()
+    assert df.loc[df["response"].str.contains("~"), "acc"].eq(0.0).all()
+    assert (df["shaping"] == df["reward"] - df["score"]).all()
+    assert df.groupby("step")["group"].nunique().max() <= 24  # quickstart.yaml's max_groups
+
+
+def test_validation_samples_carry_correctness_and_match_val_acc(stopped_and_resumed):
+    val = pd.read_json(stopped_and_resumed / "samples" / "validation-rank0.jsonl", lines=True)
+    assert {0, STEPS} <= set(val["step"])  # ValidateAtStart, and after the last step
+    logged = _metrics(stopped_and_resumed)["val/acc"].dropna().tolist()
+    for step, rows in val.groupby("step"):
+        assert len(rows) == 20 * 16  # 20 held-out prompts, n=16
+        assert not rows.duplicated(["group", "sample"]).any()
+        assert any(math.isclose(rows["acc"].mean(), v, abs_tol=1e-6) for v in logged), step
+        assert set(rows["acc"]) <= {0.0, 1.0}
+
+
+# ------------------------------------------------------------------------------- pure parts
+def _rollouts(responses: list[list[int]], acc: list[float], n: int = 2) -> ScoredRollouts:
+    groups = [i // n for i in range(len(responses))]
+    prompts = [[5 + g] * (1 + g) for g in groups]
+    r = ScoredRollouts(
+        prompt_ids=prompts, response_ids=responses,
+        rollout_log_probs=[[-0.5] * len(x) for x in responses],
+        finish_reason=["stop"] * len(responses), group_index=torch.tensor(groups),
+        prompt_uid=[f"p{g}" for g in groups], score=torch.tensor(acc) * 2 - 1,
+        acc=torch.tensor(acc), sampling=SamplingConfig(max_tokens=8),
+    )  # fmt: skip
+    r.extra[RESPONSE_TEXT] = [" ".join(map(str, x)) for x in responses]
+    keep = torch.tensor([len(set(acc[g * n : g * n + n])) > 1 for g in range(len(acc) // n)])
+    r.extra[FILTER_DECISION] = filter_decisions(r.acc, r.group_index, keep, "acc")
+    return r
+
+
+def test_fingerprints_find_the_trained_rows_whatever_the_padding():
+    r = _rollouts([[1, 2, 3], [4], [9, 9], [9, 9, 9, 9, 9], [7], [7]], [1, 0, 0, 1, 1, 1])
+    rows = rollout_rows(r, round_id=1)
+    assert [row["filter"] for row in rows] == ["kept"] * 4 + ["dropped: acc all 1"] * 2
+    batch = RolloutBatch.from_rollouts(r.select([2, 3, 0, 1]), group_size=2, pad_token_id=3)
+    keys = row_fingerprints(batch.input_ids, batch.attention_mask, batch.response_width)
+    mark_trained(rows, keys.tolist(), [0.5, -0.5, 1.0, -1.0], version=3)
+    assert [row["advantage"] for row in rows] == [1.0, -1.0, 0.5, -0.5, None, None]
+    assert [row["staleness"] for row in rows[:4]] == [3] * 4
+    out = step_rows(rows, step=7, max_groups=2)
+    assert [(o["step"], o["group"], o["sample"]) for o in out] == [
+        (7, 0, 0), (7, 0, 1), (7, 1, 0), (7, 1, 1),
+    ]  # fmt: skip
+    assert not any(k.startswith("#") for o in out for k in o)
+    assert len(rollout_rows(r, round_id=2, dropped=False)) == 4
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("every_n_steps", 0), ("max_groups", 0), ("logger_samples", -1), ("dropped", "yes")],
+)
+def test_a_bad_setting_names_its_field(field, value):
+    with pytest.raises(ConfigError, match=f"SampleLog.settings.{field}"):
+        SampleLogConfig(**{field: value})
+    with pytest.raises(ConfigError, match=f"SampleLog.settings.{field}"):
+        SampleLog({field: value})
+
+
+def test_a_bad_setting_is_one_error_line_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "trainer:\n  callbacks:\n    - class_path: dapo_lightning.callbacks.SampleLog\n"
+        "      init_args:\n        settings:\n          every_n_steps: 0\n"
+    )
+    cmd = [CLI, "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
+           "--config", str(bad), "--trainer.default_root_dir", str(tmp_path / "run")]  # fmt: skip
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "every_n_steps" in errors[0], proc.stderr[-3000:]
+
+
+def test_an_unwritable_folder_or_a_full_disk_warns_once_and_goes_on(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING):
+        unwritable = SampleFile(blocker / "samples" / "rollouts-rank0.jsonl")  # not a folder
+        unwritable.append([{"step": 1}])
+        unwritable.append([{"step": 2}])
+        full = SampleFile(Path("/dev/full"))
+        full.append([{"step": 1}])
+        full.append([{"step": 2}])
+    warnings = [
+        r.getMessage() for r in caplog.records if "SampleLog: cannot write" in r.getMessage()
+    ]
+    assert len(warnings) == 2 and unwritable.failed and full.failed
+    assert "No space left" in warnings[1] and "\n" not in warnings[0]
+
+
+def test_a_resumed_file_is_cut_back_to_the_restored_step(tmp_path):
+    file = SampleFile(tmp_path / "rollouts-rank0.jsonl")
+    file.append([{"step": s, "group": 0} for s in (1, 2, 3)])
+    with open(file.path, "a") as f:
+        f.write('{"step": 4, "gro')  # a killed writer's torn line
+    assert [r["step"] for r in file.keep_only(lambda r: r["step"] <= 2)] == [1, 2]
+    file.append([{"step": 3, "group": 1}])
+    assert pd.read_json(file.path, lines=True)["step"].tolist() == [1, 2, 3]
