@@ -54,6 +54,7 @@ __all__ = [
     "SIGNALS",
     "Action",
     "CollapseDetector",
+    "CollapseStopError",
     "Detector",
     "Signal",
     "SignalSpec",
@@ -64,6 +65,7 @@ __all__ = [
     "ema_update",
     "judge",
     "judged_value",
+    "raise_if_collapsed",
     "ngram_repetition",
     "relative_drop",
     "spike_ratio",
@@ -71,6 +73,24 @@ __all__ = [
     "tally_rollouts",
     "update_readings",
 ]
+
+
+class CollapseStopError(RuntimeError):
+    """A :class:`CollapseDetector` ``stop`` action ended the run (the CLI prints it as one
+    error line and exits 1: a collapse is not a successful end)."""
+
+
+def raise_if_collapsed(trainer: pl.Trainer) -> None:
+    """Raise :class:`CollapseStopError` with the reason when a :class:`CollapseDetector` of
+    ``trainer`` stopped the fit that just ended (after the run guard saved its state)."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, CollapseDetector) and callback.stopped_at is not None:
+            raise CollapseStopError(
+                f"{callback.stop_reason} The run stopped at update {callback.stopped_at} (a "
+                "detector's action: stop) with its state saved. Fix: look at the collapse/ "
+                "metrics, change the settings (the detector's threshold, the learning rate) and "
+                "resume with --ckpt_path auto, or start over."
+            )
 
 
 # ---------------------------------------------------------------------------- callback
@@ -160,6 +180,9 @@ class CollapseDetector(DAPOCallback):
         self.fired: dict[str, int] = dict.fromkeys(names, 0)
         self.last_value: dict[str, float] = {}
         self.stop_reason: str | None = None
+        #: The update at which a ``stop`` action of this fit stopped it (not saved: a resume
+        #: starts with None), read by :func:`raise_if_collapsed`.
+        self.stopped_at: int | None = None
         self.rollbacks = 0
         self.healthy_updates = 0  # healthy updates since the last snapshot
         self.snapshot: TrainingSnapshot | None = None
@@ -277,6 +300,7 @@ class CollapseDetector(DAPOCallback):
                 rank_zero_warn(message)
             elif action == "stop":
                 self.stop_reason, trainer.should_stop = message, True
+                self.stopped_at = trainer.global_step
                 rank_zero_warn(f"{message} Stopping training.")
             elif not rolled_back:
                 self.rollback(trainer, pl_module)

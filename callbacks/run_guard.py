@@ -57,12 +57,11 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from dapo_lightning.checkpoint import (
-    AtomicCheckpointIO,
-    CheckpointDiskFullError,
-    NonFiniteCheckpointError,
+from dapo_lightning.checkpoint.files import CheckpointWriteError, newest_checkpoint
+from dapo_lightning.checkpoint.io import AtomicCheckpointIO, NonFiniteCheckpointError
+from dapo_lightning.checkpoint.optimizer import (
     apply_optimizer_settings,
-    newest_checkpoint,
+    check_same_optimizer,
     optimizer_settings,
 )
 from dapo_lightning.checks import ConfigError
@@ -159,6 +158,8 @@ class RunGuard(DAPOCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         reassert_stop_handlers()  # Lightning composed ours into its own (see that function)
+        if trainer.ckpt_path:  # another optimizer class: one line, before anything is saved
+            check_same_optimizer(trainer, self._configured_optim)
         self._started = True
         self._saved_step = trainer.global_step  # a fresh start has nothing new; a resume is on disk
         if trainer.ckpt_path:
@@ -254,8 +255,8 @@ class RunGuard(DAPOCallback):
             return f"not saved; {kept}."
         if self._already_saved(trainer, checkpoint):
             return f"update {trainer.global_step} is already saved in {where}."
-        if isinstance(exception, CheckpointDiskFullError):
-            return f"not saved again (the disk is full); the complete checkpoints are in {where}."
+        if isinstance(exception, CheckpointWriteError):
+            return f"not saved again ({exception.why}); the complete checkpoints are in {where}."
         if self._in_optimizer_step:
             return (
                 "not saved: it came in the middle of an optimizer step (the weights may be half "

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from dapo_lightning.checkpoint import is_sharded_checkpoint
+from dapo_lightning.checkpoint.checks import is_sharded_checkpoint
 from dapo_lightning.lora import (
     LoraSettings,
     apply_lora,

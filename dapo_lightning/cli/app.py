@@ -13,8 +13,9 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
 from dapo_lightning.callbacks import RunGuard
+from dapo_lightning.callbacks.collapse import raise_if_collapsed
 from dapo_lightning.callbacks.summary import replace_default_summary
-from dapo_lightning.checkpoint import check_ckpt_path
+from dapo_lightning.checkpoint.checks import check_ckpt_path
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.cli.errors import class_error, trainer_fix
 from dapo_lightning.cli.model_source import (
@@ -31,6 +32,7 @@ from dapo_lightning.cli.parser import (
 )
 from dapo_lightning.cli.run_setup import (
     AUTO_CKPT,
+    check_resume_ranks,
     check_world_split,
     choose_run_threads,
     continue_update_count,
@@ -196,7 +198,9 @@ class DAPOLightningCLI(LightningCLI):
         with exit_at_once_on_stop_signals(outcome):
             check_world_split(self.trainer, datamodule)
             ckpt_path = self._resolve_ckpt_path(ckpt_path)
+            check_resume_ranks(self.trainer, datamodule, ckpt_path)  # before any rank starts
             self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+        raise_if_collapsed(self.trainer)  # a collapse detector's stop: one line, exit 1
 
     def validate(
         self,

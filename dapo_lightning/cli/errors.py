@@ -2,8 +2,9 @@
 status 2, wherever it is found (a class's constructor, Lightning's Trainer, a check before the
 fit), and so is a reward or environment of the config that fails a round (too many responses or
 episodes failed: it raised, hung past its timeout or returned garbage; the message names the
-settings to fix); a stop the library reports in one line (a held run directory, a full disk,
-non-finite weights) exits 1 the same way; anything else is a traceback and exit status 1.
+settings to fix); a stop the library reports in one line (a held run directory, a full disk or
+a checkpoint folder that refuses writes, non-finite weights, a collapse detector's stop) exits 1
+the same way; anything else is a traceback and exit status 1.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from dapo_lightning.checkpoint import CheckpointDiskFullError, NonFiniteCheckpointError
+from dapo_lightning.callbacks.collapse import CollapseStopError
+from dapo_lightning.checkpoint.files import CheckpointWriteError
+from dapo_lightning.checkpoint.io import NonFiniteCheckpointError
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.envs.runner import EnvironmentFailureError
 from dapo_lightning.metrics import MetricNamesMismatch
@@ -27,7 +30,8 @@ ONE_LINE_ERRORS: tuple[tuple[tuple[type[BaseException], ...], int], ...] = (
     (
         (
             RunDirLockedError,
-            CheckpointDiskFullError,
+            CheckpointWriteError,
+            CollapseStopError,
             NonFiniteCheckpointError,
             NonFiniteUpdatesError,
             MetricNamesMismatch,

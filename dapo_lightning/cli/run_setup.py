@@ -15,7 +15,8 @@ from jsonargparse import Namespace
 from lightning.pytorch import Trainer
 
 from dapo_lightning import plot
-from dapo_lightning.checkpoint import find_resume_checkpoint
+from dapo_lightning.checkpoint.checks import check_rank_count
+from dapo_lightning.checkpoint.resume import find_resume_checkpoint
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.streams.one_step_off import check_pipeline
 from dapo_lightning.lightning_internals import restore_fit_loop
@@ -180,6 +181,16 @@ def resolve_auto_checkpoint(trainer: Trainer) -> str | None:
             print(f"--ckpt_path auto: {line}", file=sys.stderr)
 
     return find_resume_checkpoint(trainer, report)
+
+
+def check_resume_ranks(trainer: Trainer, datamodule: Any, ckpt_path: Any) -> None:
+    """Raise :class:`ConfigError` before any rank starts when the checkpoint file
+    ``ckpt_path`` holds the data state of another number of ranks than ``trainer.world_size``
+    (:func:`~dapo_lightning.checkpoint.checks.check_rank_count`; the data state is saved
+    under the data module's class name, as Lightning saves it)."""
+    if ckpt_path is None or datamodule is None or not os.path.isfile(str(ckpt_path)):
+        return
+    check_rank_count(ckpt_path, trainer.world_size, type(datamodule).__qualname__)
 
 
 def continue_update_count(trainer: Trainer, ckpt_path: str | os.PathLike[str]) -> int:
