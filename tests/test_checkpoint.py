@@ -5,6 +5,8 @@ settings put back after a resume. (Killed writers: tests/test_resume_kill.py.)""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,14 +18,20 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from dapo_lightning.checkpoint import (
+    MANIFEST_KEY,
     AtomicCheckpointIO,
     CheckpointDiskFullError,
+    CheckpointNotWritableError,
+    NonFiniteCheckpointError,
     apply_optimizer_settings,
     atomic_torch_save,
     checkpoint_error,
     find_resume_checkpoint,
+    inspect_checkpoint,
+    manifest_error,
     optimizer_settings,
     previous_path,
+    read_update,
     resume_candidates,
 )
 from tests._harness import make_trainer
@@ -205,3 +213,135 @@ def test_config_optimizer_settings_replace_the_checkpoints(tmp_path):
     assert group["lr"] == pytest.approx(1e-4)  # the schedule goes on, at the new peak
     assert torch.equal(new_opt.state[group["params"][0]]["step"], torch.tensor(2.0))
     assert apply_optimizer_settings(trainer, optimizer_settings(trainer)) == []
+
+
+# ----------------------------------------------------------------------------- the manifest
+def _adamw_checkpoint(step: int, scale: float = 1.0) -> dict:
+    """A checkpoint holding real AdamW state (two steps on a 64-element parameter)."""
+    weight = torch.nn.Parameter(torch.linspace(-1, 1, 64) * scale)
+    optimizer = torch.optim.AdamW([weight], lr=1e-3)
+    for _ in range(2):
+        weight.grad = torch.ones(64) * scale
+        optimizer.step()
+    return {
+        "global_step": step,
+        "state_dict": {"w": weight.detach().clone()},
+        "optimizer_states": [optimizer.state_dict()],
+    }
+
+
+def _overwrite_in_tensor(path: Path, tensor: torch.Tensor, data: bytes) -> None:
+    """``data`` written over the middle of ``tensor``'s bytes in the file ``path``."""
+    raw = path.read_bytes()
+    at = raw.find(tensor.contiguous().numpy().tobytes())
+    assert at > 0
+    middle = at + tensor.numel() * tensor.element_size() // 2
+    path.write_bytes(raw[:middle] + data + raw[middle + len(data) :])
+
+
+def test_every_save_carries_a_manifest_that_finds_damaged_tensors(tmp_path):
+    """The manifest names each tensor by its place with the CRC-32 of its bytes; bytes changed
+    inside the file (``torch.load`` takes them) are found and named, with a finite value too."""
+    path = tmp_path / "last.ckpt"
+    saved = _adamw_checkpoint(7)
+    AtomicCheckpointIO().save_checkpoint(saved, path)
+    loaded = torch.load(path, weights_only=True)
+    tensors = loaded[MANIFEST_KEY]["tensors"]
+    assert {"state_dict.w", "optimizer_states.0.state.0.exp_avg_sq"} <= set(tensors)
+    assert MANIFEST_KEY not in saved  # the caller's dict is left as it was
+    assert manifest_error(loaded) is None and checkpoint_error(path) is None
+    assert inspect_checkpoint(path) == (7, None)
+    moment = saved["optimizer_states"][0]["state"][0]["exp_avg_sq"]
+    _overwrite_in_tensor(path, moment, torch.tensor([0.5, 0.25]).numpy().tobytes())  # finite
+    assert torch.load(path, weights_only=True)["global_step"] == 7  # torch.load takes it
+    assert checkpoint_error(path) == (
+        "optimizer_states.0.state.0.exp_avg_sq does not match its checksum: the file is damaged"
+    )
+    assert read_update(path) == (7, None)  # the header alone cannot tell
+
+
+def test_checkpoint_without_a_manifest_is_checked_for_non_finite_values(tmp_path):
+    """A checkpoint of an older version (no manifest) loads; one whose optimizer state holds
+    NaN is refused on load, naming the tensor."""
+    path = tmp_path / "old.ckpt"
+    old = _adamw_checkpoint(3)
+    torch.save(old, path)
+    assert checkpoint_error(path) is None
+    old["optimizer_states"][0]["state"][0]["exp_avg_sq"][5] = float("nan")
+    torch.save(old, path)
+    assert checkpoint_error(path) == "optimizer_states.0.state.0.exp_avg_sq holds NaN / inf values"
+
+
+def test_non_finite_optimizer_state_is_never_written(tmp_path):
+    """Finite weights over a NaN moment (what a skipped update leaves after a bad resume): the
+    save is refused, naming the moment; the good checkpoint and its previous stay."""
+    io, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
+    io.save_checkpoint(_adamw_checkpoint(1), path)
+    io.save_checkpoint(_adamw_checkpoint(2), path)
+    bad = _adamw_checkpoint(3)
+    bad["optimizer_states"][0]["state"][0]["exp_avg_sq"][0] = float("inf")
+    with pytest.raises(NonFiniteCheckpointError, match=r"would hold non-finite optimizer state "
+                       r"\(optimizer_states\.0\.state\.0\.exp_avg_sq has NaN / inf values\)"):  # fmt: skip
+        io.save_checkpoint(bad, path)
+    assert inspect_checkpoint(path) == (2, None)
+    assert inspect_checkpoint(previous_path(path)) == (1, None)
+
+
+def test_rotation_never_keeps_a_damaged_file_over_the_good_previous_one(tmp_path, capsys):
+    """A ``last.ckpt`` damaged on disk (not as this writer left it) is replaced by the next save
+    without becoming ``last-previous.ckpt``: the good previous one stays, and one line says so.
+    A file this writer wrote itself is rotated without being read again."""
+    path = tmp_path / "last.ckpt"
+    first = AtomicCheckpointIO()
+    first.save_checkpoint(_adamw_checkpoint(2), path)
+    damaged = _adamw_checkpoint(4)
+    first.save_checkpoint(damaged, path)
+    good = previous_path(path).read_bytes()
+    _overwrite_in_tensor(path, damaged["state_dict"]["w"], b"\xff" * 16)
+    resumed = AtomicCheckpointIO()  # a new process: it did not write last.ckpt
+    resumed.save_checkpoint(_adamw_checkpoint(3), path)
+    assert previous_path(path).read_bytes() == good
+    assert inspect_checkpoint(path) == (3, None)
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"not keeping {path} as last-previous.ckpt: it fails verification (")
+    assert line.endswith("last-previous.ckpt stays as it was")
+    resumed.save_checkpoint(_adamw_checkpoint(5), path)  # its own file: rotated
+    assert inspect_checkpoint(previous_path(path)) == (3, None)
+
+
+def test_auto_skips_a_damaged_newest_and_takes_the_next_good_one(tmp_path):
+    """``--ckpt_path auto`` reads every candidate's update, then verifies from the highest
+    down: a damaged update-4 file is skipped with one line naming why, the update-2 one taken."""
+    trainer = _trainer(tmp_path)
+    io, path = AtomicCheckpointIO(), tmp_path / "ckpts" / "last.ckpt"
+    io.save_checkpoint(_adamw_checkpoint(2), path)
+    damaged = _adamw_checkpoint(4)
+    io.save_checkpoint(damaged, path)
+    _overwrite_in_tensor(path, damaged["optimizer_states"][0]["state"][0]["exp_avg"], b"\0" * 16)
+    lines: list[str] = []
+    assert find_resume_checkpoint(trainer, lines.append) == str(previous_path(path))
+    assert lines == [
+        f"skipping {path}: it fails verification (optimizer_states.0.state.0.exp_avg does not "
+        "match its checksum: the file is damaged)",
+        f"resuming from {previous_path(path)} (update 2)",
+    ]
+
+
+def test_read_only_folder_is_one_clear_error(tmp_path):
+    """A folder that refuses the write (``chattr +i`` as root, whom modes do not stop; a real
+    EPERM from the kernel) raises CheckpointNotWritableError naming it; nothing changes."""
+    if shutil.which("chattr") is None:
+        pytest.skip("needs chattr")
+    path = tmp_path / "ckpts" / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint(_adamw_checkpoint(1), path)
+    before = path.read_bytes()
+    subprocess.run(["chattr", "+i", str(path.parent)], check=True)
+    try:
+        with pytest.raises(CheckpointNotWritableError) as info:
+            AtomicCheckpointIO().save_checkpoint(_adamw_checkpoint(2), path)
+    finally:
+        subprocess.run(["chattr", "-i", str(path.parent)], check=True)
+    message = str(info.value)
+    assert f"the checkpoint folder {path.parent} is not writable (" in message
+    assert "--ckpt_path auto" in message and isinstance(info.value, OSError)
+    assert path.read_bytes() == before and not list(path.parent.glob(".*.tmp"))
