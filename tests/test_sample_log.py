@@ -28,6 +28,7 @@ from dapo_lightning.callbacks.sample_rows import (
     row_fingerprints,
     step_rows,
 )
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dapo_lightning.batch import FILTER_DECISION, RESPONSE_TEXT, RolloutBatch, ScoredRollouts
 from dapo_lightning.checks import ConfigError
@@ -125,6 +126,15 @@ def test_rollout_samples_hold_each_step_once_and_match_the_logged_metrics(stoppe
     assert df.groupby("step")["group"].nunique().max() <= 24  # quickstart.yaml's max_groups
 
 
+def test_the_documented_pandas_line_reads_the_run_files(stopped_and_resumed):
+    """docs/samples.md's one line, on this run's files (the quickstart's layout)."""
+    line = 'df = pd.read_json("runs/quickstart/samples/rollouts-rank0.jsonl", lines=True)'
+    assert line in (REPO / "docs" / "samples.md").read_text()
+    path = line.split('"')[1].replace("runs/quickstart", str(stopped_and_resumed))
+    df = pd.read_json(path, lines=True)
+    assert len(df) > 0 and df["response"].notna().all()
+
+
 def test_validation_samples_carry_correctness_and_match_val_acc(stopped_and_resumed):
     val = pd.read_json(stopped_and_resumed / "samples" / "validation-rank0.jsonl", lines=True)
     assert {0, STEPS} <= set(val["step"])  # ValidateAtStart, and after the last step
@@ -220,3 +230,32 @@ def test_a_resumed_file_is_cut_back_to_the_restored_step(tmp_path):
     assert [r["step"] for r in file.keep_only(lambda r: r["step"] <= 2)] == [1, 2]
     file.append([{"step": 3, "group": 1}])
     assert pd.read_json(file.path, lines=True)["step"].tolist() == [1, 2, 3]
+
+
+def test_tensorboard_shows_samples_and_an_unwritable_folder_only_warns(tmp_path):
+    """The quickstart with ``--trainer.logger lightning.pytorch.loggers.TensorBoardLogger`` (one
+    rollout step) and SampleLog's folder under a regular file: one warning line, the run ends
+    normally, and the event file holds the scalars and the samples as text."""
+    run = tmp_path / "run"
+    make_quickstart_checkpoint(run / "model", seed=0, sums_steps=100, steps=30)
+    (tmp_path / "a-file").write_text("")
+    override = tmp_path / "override.yaml"
+    override.write_text(
+        "trainer:\n  callbacks:\n    - class_path: dapo_lightning.callbacks.SampleLog\n"
+        f"      init_args:\n        settings:\n          dir: {tmp_path / 'a-file' / 'samples'}\n"
+    )
+    cmd = [*_fit_command(run, "--config", str(override)), "--trainer.max_steps", "2",
+           "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger"]  # fmt: skip
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [line for line in proc.stderr.splitlines() if "SampleLog: cannot write" in line]
+    assert len(warned) == 1, proc.stderr[-3000:]
+    (events,) = run.glob("logs/version_0/events.out.tfevents.*")
+    acc = EventAccumulator(str(events), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("rollout/step")] == [1.0]
+    (text,) = acc.Tensors("samples/rollouts/text_summary")
+    table = text.tensor_proto.string_val[0].decode()
+    assert text.step == 1 and table.startswith("| prompt | response | reward | acc |")
+    assert len(table.splitlines()) == 2 + 4  # header, rule, logger_samples rows
+    assert "| kept |" in table and "=" in table.splitlines()[2]
