@@ -84,9 +84,9 @@ def raise_if_collapsed(trainer: pl.Trainer) -> None:
     """Raise :class:`CollapseStopError` with the reason when a :class:`CollapseDetector` of
     ``trainer`` stopped the fit that just ended (after the run guard saved its state)."""
     for callback in trainer.callbacks:
-        if isinstance(callback, CollapseDetector) and callback.stopped_at is not None:
+        if isinstance(callback, CollapseDetector) and callback.stopped:
             raise CollapseStopError(
-                f"{callback.stop_reason} The run stopped at update {callback.stopped_at} (a "
+                f"{callback.stop_reason} The run stopped at update {trainer.global_step} (a "
                 "detector's action: stop) with its state saved. Fix: look at the collapse/ "
                 "metrics, change the settings (the detector's threshold, the learning rate) and "
                 "resume with --ckpt_path auto, or start over."
@@ -180,9 +180,9 @@ class CollapseDetector(DAPOCallback):
         self.fired: dict[str, int] = dict.fromkeys(names, 0)
         self.last_value: dict[str, float] = {}
         self.stop_reason: str | None = None
-        #: The update at which a ``stop`` action of this fit stopped it (not saved: a resume
-        #: starts with None), read by :func:`raise_if_collapsed`.
-        self.stopped_at: int | None = None
+        #: A ``stop`` action of this fit stopped it (not saved: a resume starts without), read
+        #: by :func:`raise_if_collapsed`.
+        self.stopped = False
         self.rollbacks = 0
         self.healthy_updates = 0  # healthy updates since the last snapshot
         self.snapshot: TrainingSnapshot | None = None
@@ -300,7 +300,7 @@ class CollapseDetector(DAPOCallback):
                 rank_zero_warn(message)
             elif action == "stop":
                 self.stop_reason, trainer.should_stop = message, True
-                self.stopped_at = trainer.global_step
+                self.stopped = True
                 rank_zero_warn(f"{message} Stopping training.")
             elif not rolled_back:
                 self.rollback(trainer, pl_module)
