@@ -259,3 +259,19 @@ def test_a_collapse_stop_exits_non_zero_with_one_line(tmp_path, trained):
     assert "CollapseDetector" in lines[0] and "length_low" in lines[0], lines[0]
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == 1
+
+
+def test_two_rank_checkpoint_resumed_on_one_rank_is_one_error_line(tmp_path, trained):
+    """Item 10 (2 -> 1): a checkpoint of a real 2-rank DDP fit resumed on one rank: one line
+    naming both rank counts and the fix, exit 2, where each rank printed a ValueError
+    traceback."""
+    shutil.copytree(trained["cwd"] / "run" / "model", tmp_path / "run" / "model")
+    config = _config(tmp_path / "two.yaml", max_steps=2)
+    two = _fit(tmp_path, config, "--trainer.devices", "2", "--trainer.strategy", "ddp")
+    assert two.returncode == 0, two.stderr[-4000:]
+    proc = _fit(tmp_path, config, "--ckpt_path", "auto", "--trainer.max_steps", "4")
+    lines = _errors(proc)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert "saved by 2 ranks and this run has 1" in lines[0], lines[0]
+    assert "trainer.devices x trainer.num_nodes = 2" in lines[0], lines[0]
