@@ -16,8 +16,10 @@ Around every optimizer step of :class:`~dapo_lightning.module.DAPOModule` (with
 
 Either way the update counts as skipped (``update/skipped_nonfinite``), the learning-rate
 scheduler does not advance, and :class:`NonFiniteGuard` stops the run after
-``max_in_a_row`` (5) such updates in a row with :class:`NonFiniteUpdatesError`. Checkpoints are
-refused from non-finite weights anyway (:class:`~dapo_lightning.checkpoint.AtomicCheckpointIO`).
+``max_in_a_row`` (5) such updates in a row with :class:`NonFiniteUpdatesError` (the CLI: one
+line, exit 1). Checkpoints are refused from non-finite weights or optimizer state anyway
+(:class:`~dapo_lightning.checkpoint.io.AtomicCheckpointIO`), and a checkpoint holding them is
+not resumed from (:func:`~dapo_lightning.checkpoint.checks.verify_checkpoint`).
 
 Cost (one copy of the trainable parameters and their optimizer state per step, plus one read
 of the parameters): ``benchmarks/RESULTS.md`` ("Non-finite update guard"). Under several ranks

@@ -174,7 +174,7 @@ def check_world_split(trainer: Trainer, datamodule: Any) -> None:
 # ----------------------------------------------------------------------------- resuming
 def resolve_auto_checkpoint(trainer: Trainer) -> str | None:
     """The checkpoint ``--ckpt_path auto`` resumes ``trainer`` from, or None to start fresh:
-    :func:`~dapo_lightning.checkpoint.find_resume_checkpoint`, reporting skipped files."""
+    :func:`~dapo_lightning.checkpoint.resume.find_resume_checkpoint`, reporting skipped files."""
 
     def report(line: str) -> None:
         if trainer.is_global_zero:
