@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
 from tests._harness import CLI, QUICKSTART, REPO, cli_env
 
 SEED = 2
@@ -100,8 +99,3 @@ def metrics_by_step(run: Path) -> dict[tuple[int, str], str]:
                 if value != "" and name != "step" and not TIMING.search(name):
                     out[int(row["step"]), name] = value
     return out
-
-
-def quickstart_model_at(folder: Path) -> Path:
-    """The quickstart's warmed-up model (what `create_model_if_missing` writes for seed 0)."""
-    return make_quickstart_checkpoint(folder)

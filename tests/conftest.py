@@ -1,10 +1,19 @@
-"""Shared pytest fixtures: the tiny checkpoint, and the harness (tests/_harness.py: the base run
-config, the CLI fit, the in-process fit; tests/_module_harness.py: fixed rollout batches) as
-fixtures."""
+"""Shared pytest fixtures: the tiny checkpoint, the quickstart's warmed-up model, and the harness
+(tests/_harness.py: the base run config, the CLI fit, the in-process fit;
+tests/_module_harness.py: fixed rollout batches) as fixtures.
+
+The quickstart's warm-up (a deterministic fit of 1-3 minutes on 2 cores) runs at most once per
+test run and settings: the run shares one warm-up cache folder
+(:mod:`dapo_lightning.tasks.warmup_cache`) among its pytest-xdist workers and every command line
+they start, and the summary says how many warm-ups it built.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -14,6 +23,8 @@ import pytest
 from lightning.pytorch import LightningDataModule, Trainer
 
 from dapo_lightning.sandbox import close_shared_sandboxes
+from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
+from dapo_lightning.tasks.warmup_cache import CACHE_ENV
 from dapo_lightning.testing import make_tiny_checkpoint, tiny_num_parameters
 from dapo_lightning.threads import apply_threads, choose_threads
 from tests import _harness, _module_harness
@@ -23,10 +34,43 @@ from tests import _harness, _module_harness
 apply_threads(choose_threads(tiny_num_parameters()), export=False)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's warm-up cache, made by the main process before it starts its xdist workers
+    (they and their subprocesses inherit the variable); one the caller set is kept."""
+    if not hasattr(config, "workerinput") and not os.environ.get(CACHE_ENV):
+        folder = tempfile.mkdtemp(prefix="dapo-warmup-cache-")
+        os.environ[CACHE_ENV] = config._dapo_warmup_cache = folder  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """One line: the warm-ups this run built (each a new setting; the quickstart's is one)."""
+    log = Path(os.environ.get(CACHE_ENV, "/nonexistent")) / "builds.log"
+    if not hasattr(config, "workerinput") and log.is_file():
+        builds = log.read_text().splitlines()
+        terminalreporter.write_line(f"warm-ups built in this run: {len(builds)} ({CACHE_ENV})")
+        for line in builds:
+            terminalreporter.write_line(f"  {line}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = getattr(config, "_dapo_warmup_cache", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        del os.environ[CACHE_ENV]
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 checkpoint (tokenizer + float32 model, tied embeddings) written once per session."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def quickstart_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The quickstart's warmed-up model (what ``create_model_if_missing`` writes for seed 0),
+    from the run's warm-up cache. A test that uses it sets ``timeout(..., func_only=True)``:
+    the first warm-up of a run takes minutes on a slow CPU and is not the test's time."""
+    return make_quickstart_checkpoint(tmp_path_factory.mktemp("quickstart") / "model")
 
 
 @pytest.fixture(scope="module")

@@ -28,19 +28,12 @@ from tests._long_run import (
     final_update,
     finish,
     metrics_by_step,
-    quickstart_model_at,
     start,
     wait_for_update,
 )
 from tests._save_recorder import saved_updates
 
 pytestmark = [pytest.mark.distributed]
-
-
-@pytest.fixture(scope="module")
-def quickstart_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The quickstart's warmed-up model, written once for the module."""
-    return quickstart_model_at(tmp_path_factory.mktemp("quickstart") / "model")
 
 
 #: The README's lines in CI; the one-step-off variant (not shown on 2 ranks) with ``-m slow``.
@@ -59,7 +52,7 @@ def reference(request, quickstart_model: Path, tmp_path_factory) -> tuple[str, P
     return mode, run, text
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(900, func_only=True)  # setup: the warm-up and the reference run
 def test_each_two_rank_command_trains_to_the_target_with_periodic_saves(reference):
     """Exit 0 at the EarlyStopping target after 100+ updates; a checkpoint at every crossing of
     a multiple of every_n_train_steps (within the rollout step that crosses it), and the
@@ -74,7 +67,7 @@ def test_each_two_rank_command_trains_to_the_target_with_periodic_saves(referenc
     assert saves[-1] == last
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(900, func_only=True)  # setup: the warm-up and the reference run
 def test_sigterm_mid_run_and_resume_end_where_the_uninterrupted_run_ends(
     reference, quickstart_model, tmp_path
 ):

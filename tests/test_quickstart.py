@@ -24,6 +24,7 @@ from dapo_lightning.tasks.arithmetic_warmup import (
     make_quickstart_checkpoint,
     quickstart_answer_distribution,
 )
+from dapo_lightning.tasks.warmup_cache import CACHE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "dapo-lightning")
@@ -76,9 +77,9 @@ def test_warmup_progress_estimates_from_the_measured_rate(monkeypatch):
     clock = iter(float(t) for t in [0, *range(2, 202, 2)])  # start, then 2 s per step
     monkeypatch.setattr(arithmetic_warmup.time, "monotonic", lambda: next(clock))
     lines: list[str] = []
-    progress = arithmetic_warmup.WarmupProgress(100, lines.append, every_s=60.0)
+    progress = arithmetic_warmup.WarmupProgress([(100, 7)], lines.append, every_s=60.0)
     for _ in range(100):
-        progress.step()
+        progress.step(7)
     # step 10 at 20 s: 0.5 steps/s, 90 steps left = 180 s; then every 60 s; then done
     assert lines == [
         "warm-up step 10/100 (0.5 steps/s): about 3 min 0 s left",
@@ -88,7 +89,34 @@ def test_warmup_progress_estimates_from_the_measured_rate(monkeypatch):
     ]
 
 
-def test_quickstart_checkpoint_reports_its_progress(tmp_path):
+def test_warmup_progress_estimates_each_stage_by_its_cost(monkeypatch):
+    """Issue 68: the quickstart's stage 2 costs 6x stage 1 per step (596 rows, 3949 tokens,
+    against 100 rows, 645 tokens). At 0.1 ms per token the warm-up takes 150 * 64.5 ms + 300 *
+    395 ms = 128 s; counting steps, the line at step 10 said about 28 s were left (the issue's
+    "about 44 s left" for 2.5 minutes). Every estimate must be within 30% of the time left."""
+    costs = [(150, 645), (300, 3949)]
+    times = [0.0]
+    for n, c in costs:
+        for _ in range(n):
+            times.append(times[-1] + c * 1e-4)
+    clock = iter(times)
+    monkeypatch.setattr(arithmetic_warmup.time, "monotonic", lambda: next(clock))
+    lines: list[str] = []
+    progress = arithmetic_warmup.WarmupProgress(costs, lines.append, every_s=10.0)
+    at: list[int] = []  # the step of each line
+    for n, c in costs:
+        for _ in range(n):
+            progress.step(c)
+            at += [progress.done] * (len(lines) - len(at))
+    assert len(lines) >= 5 and lines[-1].endswith("done"), lines
+    for done, line in zip(at[:-1], lines[:-1]):
+        m = re.search(r"about (?:(\d+) min )?(\d+) s left", line)
+        said, truly = 60 * int(m[1] or 0) + int(m[2]), times[-1] - times[done]
+        assert abs(said - truly) <= 0.3 * truly, (line, truly)
+
+
+def test_quickstart_checkpoint_reports_its_progress(tmp_path, monkeypatch):
+    monkeypatch.delenv(CACHE_ENV, raising=False)  # the warm-up itself, not the run's cache
     lines: list[str] = []
     make_quickstart_checkpoint(tmp_path / "m", sums_steps=4, steps=8, report=lines.append)
     # a line at step 10 at the latest (sooner on a slow machine: every 10 s), then at the end
@@ -150,7 +178,7 @@ def _signal_during_warmup(cwd: Path, sig: signal.Signals) -> tuple[int, str, flo
     """Run the quickstart's first fit (it writes run/model, warming it up) and send ``sig`` at
     its first warm-up progress line. Returns the exit status, stderr and the seconds from the
     signal to the exit."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2", CACHE_ENV: ""}
     proc = subprocess.Popen(
         QUICKSTART_FIT, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True,
@@ -194,7 +222,7 @@ def test_sigterm_during_the_warmup_exits_143_and_the_next_run_writes_the_model(t
     assert code == 143, err[-4000:]
     assert stopped_s < 20, stopped_s  # 10 s promised; the cores are shared
     _nothing_left(tmp_path, err, signal.SIGTERM)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2", CACHE_ENV: ""}
     again = subprocess.run(
         QUICKSTART_FIT, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=800
     )

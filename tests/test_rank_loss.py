@@ -8,20 +8,13 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
-from tests._long_run import EVERY, finish, output, quickstart_model_at, start, wait_for_update
+from tests._long_run import EVERY, finish, output, start, wait_for_update
 
 pytestmark = [pytest.mark.distributed]
-
-
-@pytest.fixture(scope="module")
-def quickstart_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The quickstart's warmed-up model, written once for the module."""
-    return quickstart_model_at(tmp_path_factory.mktemp("quickstart") / "model")
 
 
 def rank_one(proc: subprocess.Popen, timeout: float = 60) -> psutil.Process:
@@ -38,7 +31,7 @@ def rank_one(proc: subprocess.Popen, timeout: float = 60) -> psutil.Process:
     pytest.fail("no rank-1 process found")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600, func_only=True)  # setup: the run's first warm-up (conftest)
 @pytest.mark.parametrize("killed", [1, 0])
 def test_a_killed_rank_ends_the_run_within_60_s_naming_it(quickstart_model, tmp_path, killed):
     """SIGKILL of one rank after the periodic checkpoint at update 20: the other rank's process
