@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from dapo_lightning.callbacks.sample_rows import (
     row_fingerprints,
     step_rows,
 )
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dapo_lightning.batch import FILTER_DECISION, RESPONSE_TEXT, RolloutBatch, ScoredRollouts
@@ -259,3 +262,63 @@ def test_tensorboard_shows_samples_and_an_unwritable_folder_only_warns(tmp_path)
     assert text.step == 1 and table.startswith("| prompt | response | reward | acc |")
     assert len(table.splitlines()) == 2 + 4  # header, rule, logger_samples rows
     assert "| kept |" in table and "=" in table.splitlines()[2]
+
+
+# ----------------------------------------------------------------------------- the inspector
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None and os.environ.get("DAPO_REQUIRE_CHROMIUM") != "1",
+    reason="chromium missing: bash scripts/setup.sh installs it (CI sets DAPO_REQUIRE_CHROMIUM=1)",
+)
+
+
+def _chromium(*args: str) -> subprocess.CompletedProcess:
+    assert CHROMIUM is not None, "chromium is not installed (scripts/setup.sh installs it)"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           "--no-first-run", "--virtual-time-budget=5000", *args]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def _shown(page: Path, fragment: str) -> int:
+    """The number of samples the page shows at ``page#fragment``, read from the DOM a real
+    browser built (the page's script ran)."""
+    dom = _chromium("--dump-dom", f"{page.as_uri()}#{fragment}").stdout
+    match = re.search(r'<span id="count">(\d+)</span>', dom)
+    assert match, dom[-2000:]
+    return int(match.group(1))
+
+
+@needs_chromium
+def test_the_inspector_page_loads_filters_and_draws_in_a_real_browser(stopped_and_resumed):
+    out = subprocess.run([CLI, "inspect", str(stopped_and_resumed)], capture_output=True,
+                         text=True, timeout=120, env=_env())  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    page = Path(out.stdout.strip().splitlines()[-1])
+    assert page == stopped_and_resumed / "samples.html"
+    html = page.read_text()
+    assert "http://" not in html and "https://" not in html  # self-contained: no network
+    df = pd.read_json(stopped_and_resumed / "samples" / "rollouts-rank0.jsonl", lines=True)
+    step1 = df[df["step"] == 1]
+    assert _shown(page, "step=1") == len(step1)
+    assert _shown(page, "step=1&show=dropped") == (step1["filter"] != "kept").sum()
+    assert (
+        _shown(page, "step=1&show=kept,right")
+        == ((step1["filter"] == "kept") & (step1["acc"] == 1.0)).sum()
+    )
+    val = pd.read_json(stopped_and_resumed / "samples" / "validation-rank0.jsonl", lines=True)
+    assert (
+        _shown(page, "source=validation&step=0&show=right")
+        == ((val["step"] == 0) & (val["acc"] == 1.0)).sum()
+    )
+    shot = page.with_suffix(".png")
+    _chromium(f"--screenshot={shot}", "--window-size=1200,800", f"{page.as_uri()}#step=1")
+    image = Image.open(shot).convert("L")
+    assert image.size == (1200, 800)
+    assert len(set(image.getdata())) > 8  # text and cards drawn, not a blank page
+
+
+def test_inspect_without_sample_files_is_one_error_line(tmp_path):
+    out = subprocess.run([CLI, "inspect", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, env=_env())  # fmt: skip
+    assert out.returncode == 2
+    assert [line for line in out.stderr.splitlines() if "error:" in line] == [out.stderr.strip()]

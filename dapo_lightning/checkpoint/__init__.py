@@ -11,8 +11,8 @@ before a checkpoint is taken (docs/design.md, "Stopping and resuming"). One conc
 * :mod:`.resume`: ``--ckpt_path auto``'s candidates and choice;
 * :mod:`.optimizer`: the config's optimizer settings on resume, a changed optimizer class.
 
-Every name is importable from here (``trainer.plugins: dapo_lightning.checkpoint.AtomicCheckpointIO``
-in a config); the library imports each from its module.
+Every name is importable from here (a config's ``trainer.plugins`` names
+``dapo_lightning.checkpoint.AtomicCheckpointIO``); the library imports each from its module.
 """
 
 from dapo_lightning.checkpoint.checks import (

@@ -130,12 +130,11 @@ def check_checkpoint_fits(module: Any, checkpoint: dict[str, Any]) -> None:
 
 
 def check_rank_count(path: str | os.PathLike[str], world_size: int, data_key: str) -> None:
-    """Raise :class:`~dapo_lightning.checks.ConfigError` when the checkpoint file ``path``
+    """Raise :class:`~dapo_lightning.checks.ConfigError` when the checkpoint at ``path``
     holds the data state (its ``data_key`` entry: ``{"ranks": [one per rank]}``) of another
     number of ranks than ``world_size``; checkpoints without one pass. Made before any rank
-    starts, so the run ends with one line instead of a traceback on every rank."""
-    if Path(path).is_dir():
-        return
+    starts, so the run ends with one line instead of a traceback on every rank. A sharded
+    folder is read through its ``meta.pt`` (where Lightning keeps the non-tensor state)."""
     try:
         state = load_header(path).get(data_key)
     except Exception:  # noqa: BLE001 - unreadable here: Lightning's load reports it

@@ -1,5 +1,5 @@
 """The ``dapo-lightning`` command: LightningCLI for ``fit`` / ``validate``, plus ``plot``,
-``export``, ``make-model`` and ``sft``.
+``inspect``, ``export``, ``make-model`` and ``sft``.
 
 Examples::
 
@@ -8,6 +8,7 @@ Examples::
     dapo-lightning fit --config configs/quickstart.yaml --ckpt_path auto   # resume if possible
     dapo-lightning validate --config configs/quickstart.yaml --ckpt_path auto
     dapo-lightning plot runs/quickstart            # writes runs/quickstart/metrics.png
+    dapo-lightning inspect runs/quickstart         # writes runs/quickstart/samples.html
 
 Several ``--config`` files apply in order, later ones overriding earlier ones (lists such as
 ``trainer.callbacks`` are replaced whole), e.g.
@@ -84,6 +85,7 @@ from dapo_lightning.interrupt import NOTHING_SAVED, exit_at_once_on_stop_signals
 from dapo_lightning.logging_setup import quiet_known_warnings
 from dapo_lightning.models import make_model_main
 from dapo_lightning.plot import plot_main
+from dapo_lightning.sample_page import inspect_main
 
 __all__ = [
     "AUTO_CKPT",
@@ -101,6 +103,7 @@ __all__ = [
 #: Subcommands outside LightningCLI: name -> one line of help (dispatched in :func:`main`).
 OTHER_COMMANDS = {
     "plot": "draw a run's metrics.csv into RUN_DIR/metrics.png",
+    "inspect": "write a run's samples (SampleLog) as one HTML page, RUN_DIR/samples.html",
     "export": "write a checkpoint's policy as a Hugging Face model folder",
     "make-model": "write a real model folder from a file an installed package ships",
     "sft": "supervised warm-up on an environment's demonstrations (agent RL's cold start)",
@@ -174,6 +177,7 @@ def main(args: list[str] | None = None) -> None:
     quiet_known_warnings()
     other = {
         "plot": plot_main,
+        "inspect": inspect_main,
         "export": export_main,
         "make-model": make_model_main,
         "sft": _sft_main,

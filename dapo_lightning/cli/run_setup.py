@@ -184,11 +184,11 @@ def resolve_auto_checkpoint(trainer: Trainer) -> str | None:
 
 
 def check_resume_ranks(trainer: Trainer, datamodule: Any, ckpt_path: Any) -> None:
-    """Raise :class:`ConfigError` before any rank starts when the checkpoint file
-    ``ckpt_path`` holds the data state of another number of ranks than ``trainer.world_size``
-    (:func:`~dapo_lightning.checkpoint.checks.check_rank_count`; the data state is saved
-    under the data module's class name, as Lightning saves it)."""
-    if ckpt_path is None or datamodule is None or not os.path.isfile(str(ckpt_path)):
+    """Raise :class:`ConfigError` before any rank starts when the checkpoint (a file or a
+    sharded folder) ``ckpt_path`` holds the data state of another number of ranks than
+    ``trainer.world_size`` (:func:`~dapo_lightning.checkpoint.checks.check_rank_count`; the
+    data state is saved under the data module's class name, as Lightning saves it)."""
+    if ckpt_path is None or datamodule is None or not os.path.exists(str(ckpt_path)):
         return
     check_rank_count(ckpt_path, trainer.world_size, type(datamodule).__qualname__)
 
