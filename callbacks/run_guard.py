@@ -12,10 +12,11 @@ resuming").
   it (and a step with an odd count shifts every later one off the multiples). When a step
   passes a multiple without landing on it, it saves all the same: the guard makes each plain
   ``ModelCheckpoint`` a :class:`~dapo_lightning.callbacks.step_checkpoint.StepCheckpoint`.
-* **SIGTERM / SIGINT** (:mod:`dapo_lightning.interrupt`): the signal only records a stop request.
-  The rollout step under way finishes (or, during generation, the producer raises
-  :class:`~dapo_lightning.interrupt.StopRequested` between rounds), the state is saved, and the
-  command exits with 143 / 130. Lightning's own SIGTERM handling (``SIGTERMException`` at the end
+* **SIGTERM / SIGINT / SIGHUP / SIGQUIT / SIGUSR1 / SIGUSR2** (:mod:`dapo_lightning.interrupt`):
+  the signal only records a stop request. The rollout step under way finishes (or, during
+  generation, the producer raises :class:`~dapo_lightning.interrupt.StopRequested` between
+  rounds), the state is saved, and the command exits with 128 + the signal (143 / 130 / 129).
+  A second or third signal never cuts the save (:func:`~dapo_lightning.interrupt.saving`). Lightning's own SIGTERM handling (``SIGTERMException`` at the end
   of the step, SLURM's requeue signal) keeps working: the guard's handler is composed into it.
   Ctrl-C twice abandons the update under way.
 * **SLURM's requeue signal** (SIGUSR1 under ``srun``; :mod:`dapo_lightning.slurm`): handled like
@@ -73,6 +74,7 @@ from dapo_lightning.interrupt import (
     install_stop_handlers,
     reassert_stop_handlers,
     request_stop,
+    saving,
     stop_requested,
 )
 from dapo_lightning.lightning_internals import (
@@ -204,12 +206,13 @@ class RunGuard(DAPOCallback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         checkpoint = _model_checkpoint(trainer)
         why = f"stopped ({self._stopping})" if self._stopping else "final"
-        if checkpoint is not None and trainer.global_step > 0:  # checkpointing on, trained
-            if self._already_saved(trainer, checkpoint):
-                self._report(trainer, _last_path(checkpoint), why)
-            else:
-                self._save(trainer, checkpoint, why)
-        self._requeue_if_asked(trainer, self._stopping)  # also with nothing saved: a fresh start
+        with saving():  # a second signal never cuts the save
+            if checkpoint is not None and trainer.global_step > 0:  # checkpointing on, trained
+                if self._already_saved(trainer, checkpoint):
+                    self._report(trainer, _last_path(checkpoint), why)
+                else:
+                    self._save(trainer, checkpoint, why)
+            self._requeue_if_asked(trainer, self._stopping)  # also with nothing saved
 
     @override
     def on_save_checkpoint(
@@ -221,16 +224,17 @@ class RunGuard(DAPOCallback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._stop_guarding()
-        try:
-            checkpoint = _model_checkpoint(trainer)
-            why_not = self._why_not_save(trainer, checkpoint, exception)
-            if why_not is None and checkpoint is not None:
-                self._save(trainer, checkpoint, f"saved on {_describe(exception)}")
-            elif why_not:
-                _say(trainer, f"{_describe(exception)}: {why_not}")
-            self._requeue_if_asked(trainer, stop_requested())
+        try:  # the handlers stay while it saves: a second signal never cuts the save
+            with saving():
+                checkpoint = _model_checkpoint(trainer)
+                why_not = self._why_not_save(trainer, checkpoint, exception)
+                if why_not is None and checkpoint is not None:
+                    self._save(trainer, checkpoint, f"saved on {_describe(exception)}")
+                elif why_not:
+                    _say(trainer, f"{_describe(exception)}: {why_not}")
+                self._requeue_if_asked(trainer, stop_requested())
         finally:
+            self._stop_guarding()
             self._release()
 
     @override

@@ -11,12 +11,23 @@ generation rounds (the rollout producer) and between rollout steps
 producer returns to the step's start state, as on any exception); the state of the last
 completed update is saved.
 The run guard then saves and the command exits with ``128 + signal number`` (143 for SIGTERM,
-130 for SIGINT), as a shell reports a process killed by that signal (see docs/design.md,
-"Stopping and resuming").
+130 for SIGINT, 129 for SIGHUP), as a shell reports a process killed by that signal (see
+docs/design.md, "Stopping and resuming").
 
-:func:`install_stop_handlers` installs the handlers: the first SIGTERM or SIGINT requests the
-stop; a second SIGINT (Ctrl-C pressed again) raises :class:`AbortRequested` at once, abandoning
-the update under way; a second SIGTERM is ignored (the first one is being honoured).
+Every catchable stop signal is a stop request (:data:`STOP_SIGNALS`): SIGTERM (schedulers,
+``timeout``, ``kill``), SIGINT (Ctrl-C), SIGHUP (the terminal or ssh session closed), SIGQUIT
+(Ctrl-\\), SIGUSR1 / SIGUSR2 (under ``srun`` SIGUSR1 is SLURM's requeue signal: the same stop,
+then a requeue, :mod:`dapo_lightning.slurm`).
+
+:func:`install_stop_handlers` installs the handlers: the first stop signal requests the stop; a
+second SIGINT (Ctrl-C pressed again) before the stop's save starts raises
+:class:`AbortRequested` at once, abandoning the update under way; any other later signal is
+ignored with one line (the first one is being honoured). Once the save has started
+(:func:`saving`) nothing interrupts it, and from the first request to the process's exit no
+stop signal ends the process early: the handlers stay in place until the exit
+(:func:`exit_on_stop`), and the handlers they were composed with (Lightning's, restored at the
+fit's teardown; :func:`exit_at_once_on_stop_signals`'s) ignore a signal while a stop is under
+way (:func:`stopping`).
 """
 
 from __future__ import annotations
@@ -62,9 +73,22 @@ class StopRequested(Exception):
 
 
 _reason: str | None = None
+#: A stop ended the run (:func:`exit_on_stop` is exiting): later signals are ignored.
+_honoured = False
+#: The stop's save is under way (:func:`saving`): no signal interrupts it.
+_saving = False
+#: The line about a repeated signal was written (once per stop).
+_said_again = False
 
-#: The signals :func:`install_stop_handlers` turns into stop requests.
-STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+#: The signals that request a stop (see the module docstring).
+STOP_SIGNALS: tuple[signal.Signals, ...] = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
 
 
 def request_stop(reason: str) -> None:
@@ -92,8 +116,27 @@ def raise_stop() -> None:
 
 def clear_stop_request() -> None:
     """Forget a stop request (a new run in the same process starts clean)."""
-    global _reason
+    global _reason, _said_again
     _reason = None
+    _said_again = False
+
+
+def stopping() -> bool:
+    """True from a stop request to the process's exit (a stop is being honoured): a stop
+    signal then changes nothing."""
+    return _reason is not None or _honoured
+
+
+@contextlib.contextmanager
+def saving() -> Iterator[None]:
+    """The stop's save (and what decides it): no signal interrupts the block, a second
+    Ctrl-C included (it would otherwise raise :class:`AbortRequested`)."""
+    global _saving
+    outer, _saving = _saving, True
+    try:
+        yield
+    finally:
+        _saving = outer
 
 
 def raise_if_stop_requested() -> None:
@@ -118,14 +161,13 @@ _signals: tuple[signal.Signals, ...] = STOP_SIGNALS
 
 
 def _handle(signum: int, frame: FrameType | None) -> None:
+    if stopping():
+        _again(signum)
+        return
     if not _active:  # put back by someone else (Lightning) after the run: act as before
         _call_previous(signum, frame)
         return
     name = signal.Signals(signum).name
-    if _reason is not None:
-        if signum == signal.SIGINT:
-            raise AbortRequested  # pressed again: abandon the update under way
-        return
     request_stop(name)
     again = "; press Ctrl-C again to abort at once" if signum == signal.SIGINT else ""
     # os.write, not print: a handler may interrupt a print to the same stream
@@ -134,8 +176,23 @@ def _handle(signum: int, frame: FrameType | None) -> None:
     )
 
 
-def _call_previous(signum: int, frame: FrameType | None) -> None:
-    handler = _previous.get(signum, signal.SIG_DFL)
+def _again(signum: int) -> None:
+    """A stop signal while a stop is under way: a second Ctrl-C before the save aborts; any
+    other is ignored, with one line per stop."""
+    global _said_again
+    if signum == signal.SIGINT and _active and not _saving and not _honoured:
+        raise AbortRequested  # pressed again: abandon the update under way
+    if not _said_again:
+        _said_again = True
+        what = "the save under way finishes first" if _saving else "the stop goes on"
+        name = signal.Signals(signum).name
+        os.write(2, f"\n{name} received while stopping: ignored; {what}.\n".encode())
+
+
+def _call_previous(
+    signum: int, frame: FrameType | None, previous: dict[int, Any] | None = None
+) -> None:
+    handler = (_previous if previous is None else previous).get(signum, signal.SIG_DFL)
     if callable(handler):
         handler(signum, frame)
     elif handler != signal.SIG_IGN:  # SIG_DFL: die of the signal, as without a handler
@@ -161,10 +218,11 @@ def install_stop_handlers(extra: tuple[signal.Signals, ...] = ()) -> Callable[[]
         finally:
             restore()
     """
-    global _active, _signals
+    global _active, _signals, _honoured
     if threading.current_thread() is not threading.main_thread() or _active:
         return lambda: None
-    _signals = (*STOP_SIGNALS, *extra)
+    _honoured = False
+    _signals = tuple(dict.fromkeys((*STOP_SIGNALS, *extra)))
     for sig in _signals:
         current = signal.getsignal(sig)
         if current is not _handle:  # ours, left behind by a previous run: keep what it replaced
@@ -177,6 +235,8 @@ def install_stop_handlers(extra: tuple[signal.Signals, ...] = ()) -> Callable[[]
         if not _active:
             return
         _active = False
+        if stopping():  # ours stay until the exit: they ignore the signals (module docstring)
+            return
         for sig, handler in _previous.items():
             if signal.getsignal(sig) is _handle and handler is not None:
                 signal.signal(sig, handler)
@@ -197,6 +257,19 @@ def reassert_stop_handlers() -> None:
             signal.signal(sig, _handle)
 
 
+def _hold_signals(handler: Callable[[int, FrameType | None], None]) -> dict[int, Any]:
+    """Install ``handler`` for :data:`STOP_SIGNALS` (main thread only); the ones it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+
+
+def _put_back(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
 @contextlib.contextmanager
 def exit_on_stop() -> Iterator[None]:
     """Exit with :func:`exit_code` when the block was stopped by a stop request: a
@@ -205,26 +278,46 @@ def exit_on_stop() -> Iterator[None]:
     recorded while it ran and honoured at a clean point (``trainer.should_stop``). The request
     is cleared on the way out.
 
+    Inside, a stop signal that no other handler takes acts as before (it ends the process),
+    except while a stop is under way (:func:`stopping`): then it is ignored, also after the
+    block, until the process exits (a second signal never cuts the save or turns the exit
+    status into the second signal's).
+
     Example::
 
         with exit_on_stop():
             trainer.fit(module, datamodule=dm)   # SIGTERM: saved, then exit status 143
     """
+    global _honoured
+    _honoured = False
+    before: dict[int, Any] = {}
+
+    def _late(signum: int, frame: FrameType | None) -> None:
+        if stopping():
+            _again(signum)
+        else:
+            _call_previous(signum, frame, before)
+
+    before.update(_hold_signals(_late))
+    code: int | None = None
     try:
         yield
+        reason = stop_requested()
+        code = None if reason is None else exit_code(reason)
     except StopRequested as stop:
-        clear_stop_request()  # consumed here: later runs in this process start clean
-        raise SystemExit(stop.exit_code) from None
+        code = stop.exit_code
     except SIGTERMException:
-        clear_stop_request()
-        raise SystemExit(exit_code("SIGTERM")) from None
+        code = exit_code("SIGTERM")
     except (AbortRequested, KeyboardInterrupt):  # Ctrl-C twice, or once with no handler
-        clear_stop_request()
-        raise SystemExit(exit_code("SIGINT")) from None
-    reason = stop_requested()
-    if reason is not None:
-        clear_stop_request()
-        raise SystemExit(exit_code(reason))
+        code = exit_code("SIGINT")
+    finally:
+        if code is None:  # not stopped (or another exception): the handlers as they were
+            _put_back(before)
+    if code is None:
+        return
+    _honoured = True  # later signals are ignored until the process exits
+    clear_stop_request()  # consumed here: later runs in this process start clean
+    raise SystemExit(code) from None
 
 
 #: What a stop before the first update leaves undone (the RunGuard's words for the same).
@@ -233,28 +326,35 @@ NOTHING_SAVED = "nothing to save yet (no update was made)"
 
 @contextlib.contextmanager
 def exit_at_once_on_stop_signals(outcome: str | Callable[[], str]) -> Iterator[None]:
-    """SIGTERM / SIGINT raise ``SystemExit(128 + signum)`` inside (143 / 130, as a stopped fit
-    exits), after one line saying ``outcome`` (what is left undone; a callable is asked when
-    the signal comes): for the stretches with nothing to save (a model folder being written,
-    the Trainer built but no update made), where SIGTERM's default would end the process
-    without a word (or leave a half-written folder behind) and SIGINT's ``KeyboardInterrupt``
-    would print a traceback. Handlers installed inside it (the
-    :class:`~dapo_lightning.callbacks.RunGuard`'s, while ``fit`` runs) take over; the previous
-    handlers are restored after. Nothing outside the main thread."""
+    """A stop signal (:data:`STOP_SIGNALS`) raises ``SystemExit(128 + signum)`` inside (143 for
+    SIGTERM, 130 for SIGINT, 129 for SIGHUP, as a stopped fit exits), after one line saying
+    ``outcome`` (what is left undone; a callable is asked when the signal comes): for the
+    stretches with nothing to save (a model folder being written, the Trainer built but no
+    update made), where a signal's default would end the process without a word (or leave a
+    half-written folder behind) and SIGINT's ``KeyboardInterrupt`` would print a traceback.
+    Handlers installed inside it (the :class:`~dapo_lightning.callbacks.RunGuard`'s, while
+    ``fit`` runs) take over; the previous handlers are restored after, unless a stop is under
+    way (:func:`stopping`: the signal is then ignored, the stop's save goes on). Nothing outside
+    the main thread."""
+    global _honoured
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _honoured = False
 
     def _exit(signum: int, frame: FrameType | None) -> None:
+        if stopping():  # restored by Lightning's teardown while a stop is saved: ignore
+            _again(signum)
+            return
         name = signal.Signals(signum).name
         said = outcome() if callable(outcome) else outcome
         # os.write, not print: a handler may interrupt a print to the same stream
         os.write(2, f"\n{name} received: stopped; {said}.\n".encode())
         raise SystemExit(128 + signum)
 
-    previous = {sig: signal.signal(sig, _exit) for sig in STOP_SIGNALS}
+    previous = _hold_signals(_exit)
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if not stopping():
+            _put_back(previous)

@@ -8,6 +8,8 @@
   ranks stop together at the next clean point, :class:`~dapo_lightning.callbacks.RunGuard`
   saves ``last.ckpt``, then global rank 0 runs ``scontrol requeue`` (:func:`requeue_job`) and the
   command exits with 138 (128 + SIGUSR1). The requeued job's ``--ckpt_path auto`` resumes there.
+  Outside ``srun`` (or without ``auto_requeue``) SIGUSR1 is a plain stop request, like every
+  stop signal (:data:`~dapo_lightning.interrupt.STOP_SIGNALS`): saved, exit 138, no requeue.
 * **Task counts**: under ``srun`` the tasks are the ranks; :func:`check_task_count` refuses a
   ``trainer.devices x trainer.num_nodes`` that disagrees, before anything is built.
 * **Job arrays**: :func:`array_task_run` gives each task of ``sbatch --array`` its own seed and

@@ -16,7 +16,8 @@ Writes into RUN_DIR:
 - ``paused``: while a ``DAPO_WORKER_PAUSE`` pause is under way (see :class:`Pause`).
 
 The fit runs with a :class:`~dapo_lightning.callbacks.RunGuard` and exits as the CLI does
-(``exit_on_stop``): 143 after a SIGTERM, 130 after a SIGINT, having saved.
+(``exit_on_stop``): 128 + the signal after a stop signal (143 SIGTERM, 130 SIGINT, 129 SIGHUP),
+having saved.
 
 Everything random is seeded and CPU kernels run deterministically on one thread, so an
 interrupted-and-resumed run must end bit-identical to an uninterrupted one.
@@ -85,6 +86,16 @@ def pause_callback(run: Path) -> Any:
         def on_rollouts_scored(self, trainer: Any, pl_module: Any, rollouts: Any) -> None:
             if where == "generation" and not self.done and pl_module.rollout_step == int(at):
                 self._hold()
+
+        def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
+            """``DAPO_WORKER_SLOW_SAVE=1``: the save of a stop takes 2 s more, RUN/saving
+            present meanwhile (a test sends more signals then; only the timing is arranged)."""
+            from dapo_lightning.interrupt import stop_requested
+
+            if os.environ.get("DAPO_WORKER_SLOW_SAVE") == "1" and stop_requested() is not None:
+                (run / "saving").write_text("saving")
+                time.sleep(2.0)
+                (run / "saving").unlink()
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             if where == "decode":

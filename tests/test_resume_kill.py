@@ -32,7 +32,9 @@ MAX_KILLS = 2  # kills per trial; then the run is left to finish
 
 
 def _start(model: Path, run: Path, **env_extra: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **env_extra}
+    # no SLURM variables: the worker runs outside SLURM (SIGUSR1 is a plain stop signal)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **env_extra})
     return subprocess.Popen(
         [sys.executable, str(WORKER), str(model), str(run), str(STEPS)],
         stdout=subprocess.DEVNULL,
@@ -326,19 +328,26 @@ def test_plain_torch_save_killed_midway_corrupts_the_file(tmp_path):
 
 
 # ----------------------------------------------------------------------------- SIGTERM / SIGINT
-def _signal_during_pause(
-    model: Path, run: Path, sig: signal.Signals, pause: str
-) -> tuple[int, str]:
-    """Run the worker, send ``sig`` while it holds ``pause`` (see ``_kill_worker.pause_callback``),
-    return its exit status and stderr. Saves every 3 rollout steps, so the stop has unsaved
-    updates to save."""
-    proc = _start(model, run, DAPO_WORKER_PAUSE=pause, DAPO_WORKER_EVERY="3")
+def _wait_for(proc: subprocess.Popen, flag: Path, what: str) -> None:
     deadline = time.monotonic() + 240
-    while not (run / "paused").exists():
+    while not flag.exists():
         assert proc.poll() is None, proc.communicate()[1].decode()[-4000:]
-        assert time.monotonic() < deadline, "the worker never reached the pause"
+        assert time.monotonic() < deadline, f"the worker never reached {what}"
         time.sleep(0.01)
+
+
+def _signal_during_pause(
+    model: Path, run: Path, sig: signal.Signals, pause: str, again_s: float | None = None
+) -> tuple[int, str]:
+    """Run the worker, send ``sig`` while it holds ``pause`` (see ``_kill_worker.pause_callback``)
+    (and once more ``again_s`` later when given), return its exit status and stderr. Saves every
+    3 rollout steps, so the stop has unsaved updates to save."""
+    proc = _start(model, run, DAPO_WORKER_PAUSE=pause, DAPO_WORKER_EVERY="3")
+    _wait_for(proc, run / "paused", "the pause")
     proc.send_signal(sig)
+    if again_s is not None:
+        time.sleep(again_s)
+        proc.send_signal(sig)
     _, err = proc.communicate(timeout=240)
     return proc.returncode, err.decode()
 
@@ -349,16 +358,35 @@ def _resume_and_compare(model: Path, run: Path, reference: Path) -> None:
     _check_equal(run, reference)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+#: The stop signals of issue 63 beyond SIGTERM / SIGINT (SIGHUP: the terminal closed; SIGUSR1
+#: outside SLURM): each is a stop request. The slow ones (two worker fits each) run with -m slow.
+_MORE_SIGNALS = [
+    pytest.param(signal.SIGHUP, id="SIGHUP"),
+    pytest.param(signal.SIGUSR1, id="SIGUSR1", marks=pytest.mark.slow),
+    pytest.param(signal.SIGUSR2, id="SIGUSR2", marks=pytest.mark.slow),
+    pytest.param(signal.SIGQUIT, id="SIGQUIT", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(
+    "sig",
+    [
+        pytest.param(signal.SIGTERM, id="SIGTERM"),
+        pytest.param(signal.SIGINT, id="SIGINT"),
+        *_MORE_SIGNALS,
+    ],
+)
 def test_signal_during_an_update_saves_and_resumes_exactly(sig, model_dir, reference, tmp_path):
-    """A real SIGTERM / SIGINT while update 9 (the first of rollout step 5's two) is in its
+    """A real stop signal while update 9 (the first of rollout step 5's two) is in its
     optimizer step: before update 10 the stop undoes update 9 (issue 29: the step used to
     finish, unbounded for big steps), the guard saves update 8 (the ModelCheckpoint saved 6
     and would next save at 12), the worker exits 128 + signum without its lock, and the resumed
-    run generates step 5 again and ends bit-identical to the uninterrupted one."""
+    run generates step 5 again and ends bit-identical to the uninterrupted one. Issue 63:
+    SIGHUP and SIGUSR1 outside SLURM ended the process at once (129 / 138, nothing saved, the
+    lock left behind)."""
     run = tmp_path / "run"
     code, err = _signal_during_pause(model_dir, run, sig, "update:8")
-    assert code == 128 + sig, err[-4000:]
+    assert code == 128 + sig, (code, err[-4000:])
     assert f"{sig.name} received" in err and "Saved" in err, err[-4000:]
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 8 and saved["dapo"]["rollout_step"] == 4
@@ -409,4 +437,49 @@ def test_sigterm_inside_a_decode_step_stops_the_round_and_resumes_exactly(
     assert len(decodes) <= 2, decodes  # the one under way (maybe one more), not the round's 4
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 8 and saved["dapo"]["rollout_step"] == 4
+    _resume_and_compare(model_dir, run, reference[0])
+
+
+def test_two_sigterms_50_ms_apart_save_and_resume_exactly(model_dir, reference, tmp_path):
+    """Issue 63 item 1: two SIGTERMs 50 ms apart (launchers, ``timeout`` and shells send a
+    second one) stop the fit once: the second is ignored with one line, update 8 is saved, exit
+    143, and the resumed run ends bit-identical to the uninterrupted one."""
+    run = tmp_path / "run"
+    code, err = _signal_during_pause(model_dir, run, signal.SIGTERM, "update:8", again_s=0.05)
+    assert code == 143, (code, err[-4000:])
+    assert "Saved" in err and "update 8" in err, err[-4000:]
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 8 and saved["dapo"]["rollout_step"] == 4
+    _resume_and_compare(model_dir, run, reference[0])
+
+
+def test_second_and_third_signal_during_the_save_never_cut_it(model_dir, reference, tmp_path):
+    """Issue 63 item 1: a SIGTERM stops the fit during generation; while the stop's save is
+    under way (held 2 s, ``DAPO_WORKER_SLOW_SAVE``) a second SIGTERM, 50 ms later a third, and
+    a Ctrl-C arrive. The save used to be cut (the guard gave the handlers back before saving:
+    killed by the second SIGTERM, update 6 left on disk); now it finishes: the line names
+    update 8, exit 143 (the first signal's), the lock released, and the resumed run ends
+    bit-identical to the uninterrupted one."""
+    run = tmp_path / "run"
+    proc = _start(
+        model_dir,
+        run,
+        DAPO_WORKER_PAUSE="generation:4",
+        DAPO_WORKER_EVERY="3",
+        DAPO_WORKER_SLOW_SAVE="1",
+    )
+    _wait_for(proc, run / "paused", "the pause")
+    proc.send_signal(signal.SIGTERM)
+    _wait_for(proc, run / "saving", "the stop's save")
+    for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):
+        proc.send_signal(sig)
+        time.sleep(0.05)
+    _, err_bytes = proc.communicate(timeout=240)
+    err = err_bytes.decode()
+    assert proc.returncode == 143, (proc.returncode, err[-4000:])
+    assert "received while stopping: ignored; the save under way finishes first" in err, err
+    assert "Saved" in err and "update 8" in err, err[-4000:]
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 8 and saved["dapo"]["rollout_step"] == 4
+    assert not (run / ".dapo-run.lock").exists()
     _resume_and_compare(model_dir, run, reference[0])

@@ -1100,6 +1100,18 @@ MODULE_STATE: dict[tuple[str, str], tuple[str, str]] = {
         "process",
         "the signals the process's stop handlers are installed for",
     ),
+    ("dapo_lightning/interrupt.py", "_honoured"): (
+        "process",
+        "a stop ended the run: later stop signals are ignored until the process exits",
+    ),
+    ("dapo_lightning/interrupt.py", "_saving"): (
+        "process",
+        "the stop's save is under way: no signal (a second Ctrl-C included) interrupts it",
+    ),
+    ("dapo_lightning/interrupt.py", "_said_again"): (
+        "once",
+        "the line about a signal while stopping was written (once per stop)",
+    ),
     ("dapo_lightning/rewards/workers.py", "_LIVE"): (
         "process",
         "the reward worker processes alive (weak), killed when the process exits",
