@@ -92,3 +92,39 @@ class StartsSlowly:
             RewardResult(score=1.0 if len(r) % 2 == 0 else -1.0, acc=len(r) % 2 == 0)
             for r in responses
         ]
+
+
+class CallsSysExit:
+    """Calls ``sys.exit(3)`` on every call (a reward that gives up the way a script would)."""
+
+    failure_score = -1.0
+
+    def __call__(self, responses, ground_truths, **kwargs):
+        import sys
+
+        sys.exit(3)
+
+
+class RaisesKeyboardInterrupt:
+    """Raises ``KeyboardInterrupt`` on every call."""
+
+    failure_score = -1.0
+
+    def __call__(self, responses, ground_truths, **kwargs):
+        raise KeyboardInterrupt
+
+
+class EvenLength:
+    """Scores by length parity (a reward that always scores); its worker's pid in ``extra``."""
+
+    failure_score = -1.0
+
+    def __call__(self, responses, ground_truths, **kwargs):
+        return [
+            RewardResult(
+                score=1.0 if len(r) % 2 == 0 else -1.0,
+                acc=len(r) % 2 == 0,
+                extra={"pid": os.getpid()},
+            )
+            for r in responses
+        ]

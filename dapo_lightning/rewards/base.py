@@ -17,12 +17,10 @@ import contextlib
 import math
 import sys
 import time
-from collections import deque
 from collections.abc import Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-from dapo_lightning.checks import ConfigError, check_finite
 from dapo_lightning.interrupt import StopRequested, stop_requested
 from dapo_lightning.rewards.results import (
     RewardFailureError,
@@ -31,6 +29,22 @@ from dapo_lightning.rewards.results import (
     RewardResult,
     check_reward_output,
     failure_result,
+)
+from dapo_lightning.rewards.rounds import (
+    PACE_MARGIN,
+    ROUND_SLACK_S,
+    STOP_POLL_S,
+    STRIKES_BEFORE_FIRST_SCORE,
+    STRIKES_IN_A_ROW,
+    ScoringRound,
+    check_reward_settings,
+    chunk_limit_s,
+    dead_worker_line,
+    ended_error,
+    failure_message,
+    job_kwargs,
+    lost_job_line,
+    round_budget_s,
 )
 from dapo_lightning.rewards.workers import (
     WORKER_START_S,
@@ -41,6 +55,7 @@ from dapo_lightning.rewards.workers import (
 )
 
 __all__ = [
+    "PACE_MARGIN",
     "ROUND_SLACK_S",
     "STOP_POLL_S",
     "STRIKES_BEFORE_FIRST_SCORE",
@@ -59,117 +74,7 @@ __all__ = [
     "round_budget_s",
 ]
 
-#: Seconds a round's wall budget allows beyond ``timeout_s * ceil(samples / workers)``, plus
-#: twice the time the last worker took to start (respawns after a kill fit in it).
-ROUND_SLACK_S = 5.0
-#: Longest wait between two looks at a stop request (SIGTERM) while scoring.
-STOP_POLL_S = 0.25
-#: Timeouts or worker deaths per worker after which a reward that has not scored one sample
-#: yet is taken to fail on every input: the round stops (about 2 x timeout_s, not one timeout
-#: per sample).
-STRIKES_BEFORE_FIRST_SCORE = 2
-#: The same count, per worker, once the reward has scored: timeouts or worker deaths *in a row*
-#: (no result in between) of fresh jobs (samples not yet in a failed job; a failed chunk's
-#: samples are retried one by one after every fresh job) stop the round: a reward that starts
-#: hanging mid-run fails in about 2 x timeout_s plus one restart of the workers, not after the
-#: round's budget. Failures of retried samples count one by one against ``max_failure_frac``
-#: (one group of adversarial responses never stops a round).
-STRIKES_IN_A_ROW = STRIKES_BEFORE_FIRST_SCORE
-#: A chunk's limit once the reward has scored (:func:`chunk_limit_s`): ``timeout_s`` plus this
-#: many times the chunk's expected time at the slowest pace seen.
-PACE_MARGIN = 3.0
-
 Worker = ProcessWorker | ThreadWorker
-
-
-def check_reward_settings(timeout_s: float, num_workers: int, max_failure_frac: float) -> None:
-    """Raise a ValueError naming the setting (``reward_timeout_s``, ``reward_workers``,
-    ``max_reward_failure_frac``) that is out of range or not finite."""
-    check_finite("reward_timeout_s", timeout_s, "Give the seconds one response may take (> 0).")
-    if not timeout_s > 0:
-        raise ConfigError(f"reward_timeout_s must be > 0 seconds, got {timeout_s}.")
-    if isinstance(num_workers, bool) or not num_workers >= 1:
-        raise ConfigError(f"reward_workers must be >= 1 worker processes, got {num_workers}.")
-    check_finite("max_reward_failure_frac", max_failure_frac, "Give a share in [0, 1].")
-    if not 0 <= max_failure_frac <= 1:
-        raise ConfigError(f"max_reward_failure_frac must be in [0, 1], got {max_failure_frac}.")
-
-
-def round_budget_s(
-    timeout_s: float, num_samples: int, num_workers: int, start_s: float = 0.0
-) -> float:
-    """Wall seconds one round of ``num_samples`` may take with ``num_workers`` workers whose
-    start took ``start_s``: ``timeout_s * ceil(num_samples / num_workers) + ROUND_SLACK_S +
-    2 * start_s`` (every worker busy with its share at the per-sample limit, plus room for
-    respawning killed workers)."""
-    share = math.ceil(num_samples / max(1, num_workers))
-    return timeout_s * share + ROUND_SLACK_S + 2.0 * start_s
-
-
-def chunk_limit_s(timeout_s: float, size: int, pace_s: float | None) -> float:
-    """Seconds a job of ``size`` samples may take: ``timeout_s`` before the reward has scored
-    (``pace_s`` None), then ``timeout_s + PACE_MARGIN * size * pace_s`` (``pace_s``: the
-    slowest seconds per sample of a job that scored), at most ``size * timeout_s``.
-
-    A chunk past its limit is retried one sample at a time (each with ``timeout_s``), so a
-    tight chunk limit never fails a sample that is within its own; it bounds how long a hang
-    goes unnoticed (a fast reward's chunk of 16 waited ``16 x timeout_s`` for a hang).
-    """
-    if pace_s is None:
-        return timeout_s
-    return min(size * timeout_s, timeout_s + PACE_MARGIN * size * pace_s)
-
-
-def lost_job_line(runner: RewardRunner, size: int, limit_s: float, why: str) -> str:
-    """The line said at a round's first lost job (``size`` responses, ``limit_s``, ``why``:
-    ``"timeout"`` or how the worker ended): what happened and what comes next."""
-    what = "timed out" if why == "timeout" else "failed"
-    restart = "abandoning its thread" if runner.in_process else "restarting its worker"
-    return (
-        f"scoring: reward {type(runner.reward).__name__} {what} on {size} response(s) ({why}; "
-        f"limit {limit_s:.0f} s, data.scoring.timeout_s={runner.timeout_s:g}); {restart} and "
-        f"retrying; the round fails after {STRIKES_IN_A_ROW * runner.num_workers} such "
-        "failures in a row."
-    )
-
-
-class _Round:
-    """One round's state: results so far, the jobs left, failures, the wall deadline."""
-
-    def __init__(self, n: int, size: int) -> None:
-        self.n = n
-        self.results: list[RewardResult | None] = [None] * n
-        self.pending: deque[list[int]] = deque(
-            list(range(s, min(n, s + size))) for s in range(0, n, size)
-        )
-        self.failures = 0
-        self.jobs = 0
-        self.deadline: float | None = None
-        self.retried: set[int] = set()  # samples of a failed job (retried one by one)
-        self.warned = False  # the line about a timeout was printed
-
-    def fresh(self, idx: list[int]) -> bool:
-        """True when no sample of ``idx`` was in a failed job before."""
-        return self.retried.isdisjoint(idx)
-
-    def fail(self, idx: list[int], reason: str, reward: Any) -> None:
-        """A job failed: a single sample fails, a chunk is retried one sample at a time after
-        the fresh jobs (one bad sample never fails its neighbours; fresh jobs first tell a
-        reward that hangs on everything from one bad group)."""
-        if len(idx) > 1:
-            self.retried.update(idx)
-            self.pending.extend([i] for i in idx)
-        else:
-            self.results[idx[0]] = failure_result(reward, reason)
-            self.failures += 1
-
-    def give_up(self, reason: str, reward: Any) -> None:
-        """Fail every unscored sample with ``reason``."""
-        self.pending.clear()
-        for i, r in enumerate(self.results):
-            if r is None:
-                self.results[i] = failure_result(reward, reason)
-                self.failures += 1
 
 
 class RewardRunner:
@@ -264,7 +169,9 @@ class RewardRunner:
         self.last_failures = failures
         self.total_failures += failures
         if failures > self.max_failure_frac * n:
-            raise RewardFailureError(self._failure_message(results, failures))
+            raise RewardFailureError(
+                failure_message(self.reward, results, self.max_failure_frac, self.timeout_s)
+            )
         return results
 
     def close(self) -> None:
@@ -283,24 +190,6 @@ class RewardRunner:
         return state
 
     # --------------------------------------------------------------- internals
-    @staticmethod
-    def _kw(extra_kwargs: list[dict[str, Any]], idx: list[int]) -> dict[str, list[Any]]:
-        keys = set().union(*(extra_kwargs[i].keys() for i in idx)) if idx else set()
-        return {k: [extra_kwargs[i].get(k) for i in idx] for k in keys}
-
-    def _failure_message(self, results: list[RewardResult], failures: int) -> str:
-        n = len(results)
-        reasons = sorted(
-            {str(r.extra["reward_failure"])[:200] for r in results if "reward_failure" in r.extra}
-        )
-        return (
-            f"{failures} of {n} responses ({failures / n:.0%}) failed to score with "
-            f"{type(self.reward).__name__}, more than data.scoring.max_failure_frac="
-            f"{self.max_failure_frac}. First reasons: {reasons[:3]}. Fix the reward function, "
-            f"raise data.scoring.timeout_s (now {self.timeout_s}) if it is slow, or raise "
-            "data.scoring.max_failure_frac to tolerate more."
-        )
-
     def _score_round(
         self, responses: list[str], gts: list[str], extra_kwargs: list[dict[str, Any]]
     ) -> list[RewardResult]:
@@ -309,7 +198,7 @@ class RewardRunner:
         the first ready worker) is spent; a stop request raises within ``STOP_POLL_S``."""
         n = len(responses)
         size = max(1, min(self.chunk_size, math.ceil(n / self.num_workers)))  # all busy
-        rnd = _Round(n, size)
+        rnd = ScoringRound(n, size)
         try:
             self._run_round(rnd, responses, gts, extra_kwargs)
         except StopRequested:
@@ -319,7 +208,7 @@ class RewardRunner:
 
     def _run_round(
         self,
-        rnd: _Round,
+        rnd: ScoringRound,
         responses: list[str],
         gts: list[str],
         extra_kwargs: list[dict[str, Any]],
@@ -336,8 +225,9 @@ class RewardRunner:
                 self._give_up(rnd, f"timeout (the round's {budget} budget ran out)")
                 break
             if rnd.pending:
+                self._drop_dead_idle()
                 self._fill_pool()
-            for w in self._workers:
+            for w in list(self._workers):
                 if w.ready and w.job is None and rnd.pending:
                     self._send(w, rnd, responses, gts, extra_kwargs)
             ready = wait([w.conn for w in self._workers], timeout=self._wait_s(rnd.deadline))
@@ -347,7 +237,7 @@ class RewardRunner:
     def _send(
         self,
         w: Worker,
-        rnd: _Round,
+        rnd: ScoringRound,
         responses: list[str],
         gts: list[str],
         extra_kwargs: list[dict[str, Any]],
@@ -355,41 +245,44 @@ class RewardRunner:
         """Give ``w`` the next job of the round, with its time limit."""
         idx = rnd.pending.popleft()
         msg = (rnd.jobs, [responses[i] for i in idx], [gts[i] for i in idx])
-        w.conn.send((*msg, self._kw(extra_kwargs, idx)))
+        try:
+            w.conn.send((*msg, job_kwargs(extra_kwargs, idx)))
+        except OSError:  # it died since the look (BrokenPipeError): a fresh worker takes the job
+            rnd.pending.appendleft(idx)
+            self._drop(w, "between two jobs")
+            return
         limit = chunk_limit_s(self.timeout_s, len(idx), self.pace_s)
         w.job = (rnd.jobs, idx, time.monotonic(), limit)
         rnd.jobs += 1
 
-    def _check_verdicts(self, rnd: _Round) -> None:
-        """Stop the round once its failed share passes ``max_failure_frac``, or once a reward
-        that never scored has used up its strikes."""
-        if rnd.results.count(None) == 0:
-            return
-        if rnd.failures > self.max_failure_frac * rnd.n:
-            self._give_up(
-                rnd, f"not scored: scoring stopped after {rnd.failures} of {rnd.n} failed"
-            )
-        elif not self.scored_once and (
-            self._strikes >= STRIKES_BEFORE_FIRST_SCORE * self.num_workers
-        ):
-            self._give_up(
-                rnd,
-                f"not scored: the reward has not scored one response and timed out or ended its "
-                f"worker {self._strikes} times (the last: {self._last_strike})",
-            )
-        elif self._strikes >= STRIKES_IN_A_ROW * self.num_workers:
-            self._give_up(
-                rnd,
-                f"not scored: the reward timed out or ended its worker on {self._strikes} fresh "
-                f"jobs in a row since its last result (the last: {self._last_strike})",
-            )
+    def _check_verdicts(self, rnd: ScoringRound) -> None:
+        """Stop the round once its failed share passes ``max_failure_frac``, or once the
+        reward has used up its strikes (:meth:`ScoringRound.verdict`)."""
+        strikes = (self._strikes, self._last_strike)
+        reason = rnd.verdict(self.max_failure_frac, self.scored_once, strikes, self.num_workers)
+        if reason is not None:
+            self._give_up(rnd, reason)
 
-    def _give_up(self, rnd: _Round, reason: str) -> None:
+    def _give_up(self, rnd: ScoringRound, reason: str) -> None:
         """Kill the busy workers, fail every unscored sample with ``reason``."""
         for w in [w for w in self._workers if w.job is not None]:
             w.kill()
             self._workers.remove(w)
         rnd.give_up(reason, self.reward)
+
+    def _drop_dead_idle(self) -> None:
+        """Forget the idle workers that died between two jobs (the OOM killer's SIGKILL between
+        rounds, say): fresh ones take their place (:meth:`_fill_pool`), as for a worker that
+        dies during a job; nothing is failed or counted against the reward."""
+        for w in [w for w in self._workers if w.ready and w.job is None and not w.alive()]:
+            self._drop(w, "between rounds")
+
+    def _drop(self, w: Worker, when: str) -> None:
+        """Remove the dead idle worker ``w`` from the pool, with one line saying so."""
+        how = w.died_how()
+        w.kill()
+        self._workers.remove(w)
+        print(dead_worker_line(self.reward, when, how), file=sys.stderr, flush=True)
 
     def _fill_pool(self) -> None:
         """Start workers up to ``num_workers`` (without waiting: a fresh worker's import time
@@ -404,7 +297,7 @@ class RewardRunner:
         ends += [deadline] if deadline is not None else []
         return max(0.0, min([now + STOP_POLL_S, *ends]) - now)
 
-    def _collect(self, ready: list[Any], rnd: _Round) -> None:
+    def _collect(self, ready: list[Any], rnd: ScoringRound) -> None:
         """Take the messages of the ``ready`` workers; end the ones past their limit or dead."""
         for w in list(self._workers):
             now = time.monotonic()
@@ -415,7 +308,7 @@ class RewardRunner:
             elif not w.ready:
                 w.check_started(now)
 
-    def _receive(self, w: Worker, rnd: _Round, now: float) -> None:
+    def _receive(self, w: Worker, rnd: ScoringRound, now: float) -> None:
         """One message of ``w``: ready, a job's results, a job's error, or the pipe's end."""
         try:
             msg = w.conn.recv()
@@ -429,6 +322,9 @@ class RewardRunner:
             self.worker_start_s = now - w.started
             return
         _, status, payload = msg
+        if status == "ended":  # sys.exit / KeyboardInterrupt in the reward: a bug, said at once
+            self._kill_all()
+            raise ended_error(self.reward, payload)
         job, w.job = w.job, None
         idx = job[1] if job is not None else []
         if status == "ok":
@@ -442,7 +338,7 @@ class RewardRunner:
             last = (str(payload).strip().splitlines() or [""])[-1]  # the exception's line
             rnd.fail(idx, f"error: {last[-300:]}", self.reward)
 
-    def _lose(self, w: Worker, rnd: _Round, reason: str) -> None:
+    def _lose(self, w: Worker, rnd: ScoringRound, reason: str) -> None:
         """``w`` timed out or died: kill it (a fresh one replaces it when there is work), fail
         or split its job; before the first score it is a strike."""
         job = w.job

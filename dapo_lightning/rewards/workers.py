@@ -5,8 +5,8 @@ reward, then answers each job ``(job_id, responses, ground_truths, kw)`` with
 ``(job_id, "ok", results)`` or ``(job_id, "error", traceback text)``.
 
 * :class:`ProcessWorker` (``data.scoring.in_process: false``): a hung reward is killed with its
-  process. The stop signals (SIGTERM, SIGINT) are blocked while it starts and ignored once it
-  runs: a signal sent to the whole process group (SLURM, ``timeout``, Ctrl-C) is the training
+  process. The stop signals (:data:`~dapo_lightning.interrupt.STOP_SIGNALS`: SIGTERM, SIGINT,
+  SIGHUP, ...) are blocked while it starts and ignored once it runs: a signal sent to the whole process group (SLURM, ``timeout``, Ctrl-C) is the training
   process's to honour; it kills its workers itself. A worker whose parent is gone exits on them.
 * :class:`ThreadWorker` (``in_process: true``): the reward runs on a daemon thread, so the
   training process keeps its deadline and its stop checks while the reward hangs. A hung thread
@@ -60,9 +60,20 @@ class WorkerAbandoned(SystemExit):
     """Raised inside an abandoned reward thread (a SystemExit: the thread ends silently)."""
 
 
+def ended_how(ended: BaseException) -> str:
+    """What a reward that ended its scoring with ``SystemExit`` / ``KeyboardInterrupt`` did,
+    in words (``"called sys.exit(3)"``, ``"raised KeyboardInterrupt"``)."""
+    if isinstance(ended, SystemExit):
+        return f"called sys.exit({'' if ended.code is None else repr(ended.code)})"
+    return f"raised {type(ended).__name__}"
+
+
 def worker_loop(conn: Any, reward: Any) -> None:
     """Receive ``(job_id, responses, ground_truths, kw)`` jobs, send the results back; a job
-    that raises is answered with its traceback. None (or a closed pipe) ends the loop."""
+    that raises is answered with its traceback; a reward that calls ``sys.exit`` or raises
+    ``KeyboardInterrupt`` is answered with ``(job_id, "ended", what it did)`` and ends the
+    loop (it is a bug of the reward, reported at once; no thread traceback). None (or a closed
+    pipe) ends the loop."""
     conn.send("ready")
     while True:
         try:
@@ -75,13 +86,20 @@ def worker_loop(conn: Any, reward: Any) -> None:
         try:
             out = reward(responses, gts, **kw)
             conn.send((job_id, "ok", out))
+        except WorkerAbandoned:
+            raise  # the parent gave up on this thread: end silently
         except Exception:  # noqa: BLE001 - reported to the parent as a failure
             conn.send((job_id, "error", traceback.format_exc(limit=3)))
+        except (SystemExit, KeyboardInterrupt) as ended:
+            with contextlib.suppress(OSError):
+                conn.send((job_id, "ended", ended_how(ended)))
+            return
 
 
 #: What a whole process group or SLURM job step gets (SLURM signals every process of the step,
-#: SIGUSR1 before the time limit included): the parent decides, a worker ignores them.
-PARENTS_SIGNALS = (*STOP_SIGNALS, signal.SIGUSR1)
+#: SIGUSR1 before the time limit included; a closed terminal sends SIGHUP): the parent decides,
+#: a worker ignores them.
+PARENTS_SIGNALS = STOP_SIGNALS
 
 
 def _process_main(conn: Any, reward: Any, parent: int) -> None:  # pragma: no cover - a child
