@@ -10,6 +10,8 @@
 * :mod:`dapo_lightning.envs.python_tool`: the built-in ``python`` environment (code run in the
   sandbox, :mod:`dapo_lightning.sandbox`);
 * :mod:`dapo_lightning.envs.runner`: :class:`EpisodeRunner`, an engine that runs episodes;
+* :mod:`dapo_lightning.envs.calls`: every environment call (its constructor included) under
+  ``call_timeout_s`` and the stop checks;
 * :mod:`dapo_lightning.envs.session`: the engine session and prompt instructions the data
   module uses.
 
@@ -33,6 +35,7 @@ from dapo_lightning.envs.base import (
     register_environment,
 )
 from dapo_lightning.envs.calculator import CalculatorEnvironment, CalculatorError, evaluate
+from dapo_lightning.envs.calls import build_environment
 from dapo_lightning.envs.python_tool import PythonToolEnvironment
 from dapo_lightning.envs.runner import (
     EnvironmentFailureError,
@@ -68,20 +71,26 @@ def environment_class(name: str) -> type:
 
 def environment_factory(config: EnvironmentConfig) -> Callable[[], Any]:
     """A function building one episode's environment from ``config`` (name or class path,
-    ``kwargs``).
+    ``kwargs``), under ``config.call_timeout_s`` and the stop checks
+    (:func:`~dapo_lightning.envs.calls.build_environment`); one is built here, as a check.
 
     Raises:
         ValueError: an unknown name, or constructor arguments the class does not take.
+        EnvironmentFailureError: the constructor ran over ``call_timeout_s``.
     """
     cls = environment_class(config.name)
     kwargs = dict(config.kwargs)
+
+    def make() -> Any:
+        return build_environment(lambda: cls(**kwargs), config.call_timeout_s, config.name)
+
     try:
-        cls(**kwargs)
+        make()
     except TypeError as err:
         raise ValueError(
             f"environment {config.name!r} cannot be built with kwargs={kwargs}: {err}."
         ) from err
-    return lambda: cls(**kwargs)
+    return make
 
 
 __all__ = [

@@ -26,9 +26,10 @@ function scores the text); one whose environment says ``done``, or that used ``m
 assistant turns (the environment sees the last one and may give its reward), ends with
 ``"stop"``.
 
-Faults are data: a ``reset`` / ``step`` call that raises, runs over ``call_timeout_s`` or
-returns something that is not a :class:`~dapo_lightning.envs.base.StepResult` fails its
-episode (it is scored with the reward's ``failure_score``, acc False; ``env/failures``,
+Faults are data: an environment constructor, ``reset`` or ``step`` call that raises, runs over
+``call_timeout_s`` (:mod:`dapo_lightning.envs.calls`: every call runs there, under the stop
+checks) or returns something that is not a :class:`~dapo_lightning.envs.base.StepResult` fails
+its episode (it is scored with the reward's ``failure_score``, acc False; ``env/failures``,
 ``env/timeouts``); more than ``max_failure_frac`` failed episodes in one generation raise
 :class:`EnvironmentFailureError`.
 """
@@ -37,8 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +50,12 @@ from dapo_lightning.envs.base import (
     check_step_result,
     declared_metrics,
 )
+from dapo_lightning.envs.calls import (
+    EnvironmentFailureError,
+    build_environment,
+    call_all,
+    error_text,
+)
 from dapo_lightning.envs.stats import STAT_KEYS, env_stats
 from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rewards.base import RewardResult, failure_result
@@ -62,10 +67,6 @@ from dapo_lightning.rollout.base import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class EnvironmentFailureError(RuntimeError):
-    """Too many episodes of one generation failed in the environment."""
 
 
 @dataclass
@@ -176,37 +177,13 @@ class ObservationFormatter:
         return list(self.tokenizer(self.text(observation), add_special_tokens=False)["input_ids"])
 
 
-def call_all(calls: Sequence[Callable[[], Any]], timeout_s: float) -> list[tuple[str, Any]]:
-    """Run ``calls`` concurrently in daemon threads; per call ``("ok", value)``,
-    ``("error", message)`` or ``("timeout", None)`` once ``timeout_s`` has passed (a hung
-    call's thread is abandoned, its environment no longer used)."""
-    out: list[tuple[str, Any]] = [("timeout", None)] * len(calls)
-
-    def run(i: int, fn: Callable[[], Any]) -> None:
-        try:
-            out[i] = ("ok", fn())
-        except Exception as err:  # noqa: BLE001 - an environment fault is data
-            out[i] = ("error", f"{type(err).__name__}: {err}")
-
-    threads = [
-        threading.Thread(target=run, args=(i, fn), daemon=True, name=f"env-call-{i}")
-        for i, fn in enumerate(calls)
-    ]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return [r if not t.is_alive() else ("timeout", None) for r, t in zip(out, threads)]
-
-
 @dataclass
 class _State:
     """One running episode."""
 
     prompt: list[int]
     record: Any
-    env: Environment
+    env: Environment | None  # None: it could not be built (the episode failed)
     ids: list[int] = dataclasses.field(default_factory=list)
     logps: list[float] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
@@ -271,7 +248,9 @@ class EpisodeRunner(RolloutEngine):
         self.formatter = formatter
         self.decode = decode
         self.records = {tuple(r.prompt_ids): r for r in records if r.prompt_ids is not None}
-        self.metric_names = declared_metrics(make_env())
+        self.metric_names = declared_metrics(
+            build_environment(make_env, config.call_timeout_s, config.name)
+        )
         self.max_episode_tokens = config.within_context(
             int(max_episode_tokens), engine.max_context_tokens
         )
@@ -339,8 +318,8 @@ class EpisodeRunner(RolloutEngine):
         """``n`` episodes per prompt; see :class:`~dapo_lightning.rollout.base.RolloutEngine`."""
         if n < 1:
             raise ValueError(f"generate(n=...) must be >= 1, got {n}.")
-        states = [self._start(list(p)) for p in prompts for _ in range(n)]
-        self._reset(states)
+        states = self._start([list(p) for p in prompts for _ in range(n)])
+        self._reset([s for s in states if s.finish is None])
         for turn in range(self.config.max_turns):
             live = [s for s in states if s.finish is None]
             if not live:
@@ -353,14 +332,22 @@ class EpisodeRunner(RolloutEngine):
         self._account(episodes)
         return [episodes[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _start(self, prompt: list[int]) -> _State:
-        record = self.records.get(tuple(prompt))
-        if record is None:
+    def _start(self, prompts: list[list[int]]) -> list[_State]:
+        """One episode per prompt, its environment built under ``call_timeout_s`` (all at
+        once; a constructor that raises or runs over fails its episode)."""
+        records = [self.records.get(tuple(p)) for p in prompts]
+        if any(r is None for r in records):
             raise ValueError(
                 "EpisodeRunner.generate got a prompt that is not one of its records: an "
                 "episode starts from its prompt record (pass the records it may see)."
             )
-        return _State(prompt, record, self.make_env())
+        built = call_all([self.make_env] * len(prompts), self.config.call_timeout_s)
+        states = []
+        for prompt, record, (status, value) in zip(prompts, records, built):
+            states.append(_State(prompt, record, value if status == "ok" else None))
+            if status != "ok":
+                self._fail(states[-1], status, value)
+        return states
 
     def _reset(self, states: list[_State]) -> None:
         calls = [lambda s=s: s.env.reset(s.record) for s in states]
@@ -370,7 +357,7 @@ class EpisodeRunner(RolloutEngine):
 
     def _fail(self, s: _State, status: str, message: Any) -> None:
         s.finish = "stop"
-        s.failure = "timeout" if status == "timeout" else str(message)
+        s.failure = "timeout" if status == "timeout" else error_text(message)
 
     def _assistant_turn(self, live: list[_State], sampling: SamplingConfig) -> None:
         """One assistant turn of every live episode (one engine call, per-episode caps)."""
