@@ -6,7 +6,7 @@ eval mode and frozen copies are in :mod:`dapo_lightning.weights`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -206,6 +206,16 @@ def micro_batch(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
     return batch.padding_row()
 
 
+class Behaviour(NamedTuple):
+    """The behaviour policy a rollout correction weighs against
+    (:mod:`~dapo_lightning.rollout_correction`): ``w_t = f(exp(old_t - log_probs_t))``."""
+
+    #: ``[B, T]``: the log-probs the correction weight divides by.
+    log_probs: Tensor
+    #: The correction applied with them.
+    correction: RolloutCorrection
+
+
 def behaviour_log_probs(
     batch: RolloutBatch,
     old: Tensor | None,
@@ -213,9 +223,9 @@ def behaviour_log_probs(
     correction: RolloutCorrection,
     *,
     stale_on_any_rank: bool | None = None,
-) -> tuple[Tensor, RolloutCorrection] | None:
-    """``(log-probs the correction weight divides by, the correction)``
-    (:mod:`~dapo_lightning.rollout_correction`).
+) -> Behaviour | None:
+    """The :class:`Behaviour` of this rollout step: the log-probs the correction weight divides
+    by and the correction (:mod:`~dapo_lightning.rollout_correction`).
 
     With a correction mode: the engine's log-probs on every row. Else with ``stale_tis_cap``:
     token truncation against the engine's on stale rows (sampled by an older policy version)
@@ -237,7 +247,7 @@ def behaviour_log_probs(
             )
         engine = torch.where(demonstrated[:, None], old.to(engine.dtype), engine)
     if correction.enabled:
-        return engine, correction
+        return Behaviour(engine, correction)
     cap = correction.stale_tis_cap
     stale = stale & ~demonstrated
     if stale_on_any_rank is None:
@@ -245,7 +255,17 @@ def behaviour_log_probs(
     if cap is None or not stale_on_any_rank or old is None:
         return None
     rows = torch.where(stale[:, None], engine.to(old.dtype), old)
-    return rows, token_truncation(cap)
+    return Behaviour(rows, token_truncation(cap))
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the last optimizer step did, set by the step's ``before_optimizer_step`` hook (the
+    strategy calls it inside ``optimizer_step``): the gradient norm before clipping, and
+    whether the step was skipped (a non-finite norm or step input: the weights stay)."""
+
+    grad_norm: float
+    skipped: bool
 
 
 @dataclass
@@ -263,7 +283,7 @@ class StepTensors:
 
     advantages: Tensor
     old_log_probs: Tensor | None
-    behaviour: tuple[Tensor, RolloutCorrection] | None
+    behaviour: Behaviour | None
     parity_logp: Tensor
 
     @property

@@ -59,6 +59,7 @@ from dapo_lightning.update import (
     LOSS_METRIC_OPS,
     BatchingConfig,
     OptimizerStepConfig,
+    StepOutcome,
     StepTensors,
     behaviour_log_probs,
     micro_batch,
@@ -190,8 +191,8 @@ class UpdateLoop:
         #: This step's start copy (None: not taken, the step finishes on a stop) and updates.
         self.step_start: StepStart | None = None
         self.step_updates = 0
-        #: (gradient norm, skipped) of the last optimizer step, set by :meth:`before_optimizer_step`.
-        self.step_outcome: tuple[float, bool] = (math.nan, False)
+        #: The last optimizer step's outcome: None before it, set by :meth:`before_optimizer_step`.
+        self.step_outcome: StepOutcome | None = None
         self.context = StepContext()
 
     def bind(
@@ -307,7 +308,9 @@ class UpdateLoop:
         acc.add("empty_micro_batches", float(sum(not m for m in micro_batches)), op="sum")
         for i, idx in enumerate(micro_batches):
             self.context.fit_threads()  # the rollout thread's cores once it is idle (one-step-off)
-            loss, m = self.micro_loss(batch, idx, step, tokens, seqs)
+            loss, m, logp = self.micro_loss(batch, idx, step, tokens, seqs)
+            if step.old_log_probs is None and idx:  # the update's forward gave the old ones
+                step.parity_logp[idx, : logp.shape[1]] = logp.to(step.parity_logp.dtype)
             last = i == len(micro_batches) - 1
             self.ranks.backward(loss * self.ranks.grad_average_factor, last=last)
             acc.add_all(m, LOSS_METRIC_OPS, weight=float(m["token_count"]))
@@ -315,8 +318,14 @@ class UpdateLoop:
             if not last:
                 self.honour_stop()
         acc.add("lr", float(self.optimizer.param_groups[0]["lr"]), op="max")  # the rate it uses
+        self.step_outcome = None
         self.ranks.optimizer_step(self.optimizer, self.before_optimizer_step)
-        grad_norm, skipped = self.step_outcome
+        if self.step_outcome is None:
+            raise RuntimeError(
+                "the optimizer step ran without before_optimizer_step (the gradient norm, "
+                "clipping and the non-finite check): a strategy must call it inside the step"
+            )
+        grad_norm, skipped = self.step_outcome.grad_norm, self.step_outcome.skipped
         skipped = skipped or self.undo_if_nonfinite()
         self.optimizer.zero_grad(set_to_none=True)
         if self.step_config.skip_nonfinite:
@@ -331,9 +340,10 @@ class UpdateLoop:
 
     def micro_loss(
         self, batch: RolloutBatch, idx: list[int], step: StepTensors, tokens: float, seqs: float
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
         """This micro-batch's share of the mini-batch loss (global normalisers ``tokens``,
-        ``seqs``: the loss shares of all micro-batches of all ranks sum to the loss)."""
+        ``seqs``: the loss shares of all micro-batches of all ranks sum to the loss), its
+        metrics, and the trainer's log-probs of its rows (detached, ``[len(idx), width]``)."""
         micro = micro_batch(batch, idx)
         width = micro.response_width
         share = shares_prompts(self.batching, self.ranks)
@@ -348,32 +358,29 @@ class UpdateLoop:
         def rows_of(t: Tensor) -> Tensor:
             return t[idx, :width].to(logp.dtype) if idx else torch.zeros_like(logp)
 
-        if step.old_log_probs is None:
-            old = logp.detach()
-            if idx:
-                step.parity_logp[idx, :width] = old.to(step.parity_logp.dtype)
-        else:
-            old = rows_of(step.old_log_probs)
+        old = logp.detach() if step.old_log_probs is None else rows_of(step.old_log_probs)
         ref_logp = None
         if self.loss.kl_coef > 0 and self.ref_policy is not None:
             with torch.no_grad():
                 ref_logp, _ = batch_log_probs(self.ref_policy, micro, share_prompts=share)
         config = replace(self.loss, entropy_coef=self.state.entropy_coef)
-        if step.behaviour is not None:
-            config = replace(config, rollout_correction=step.behaviour[1])
+        behaviour = step.behaviour
+        if behaviour is not None:
+            config = replace(config, rollout_correction=behaviour.correction)
         inputs = LossInputs.build(
             logp,
             old,
             step.advantages[idx] if idx else torch.zeros(1, device=logp.device),
             micro.response_mask,
-            rollout_log_probs=rows_of(step.behaviour[0]) if step.behaviour is not None else None,
+            rollout_log_probs=rows_of(behaviour.log_probs) if behaviour is not None else None,
             entropy=entropy,
             ref_log_probs=ref_logp,
             global_token_count=max(tokens, 1.0),
             global_seq_count=max(seqs, 1.0),
             max_response_length=batch.sampling.max_tokens,
         )
-        return policy_loss(inputs, config)
+        loss, metrics = policy_loss(inputs, config)
+        return loss, metrics, logp.detach()
 
     def before_optimizer_step(self, optimizer: Any) -> None:
         """Gradient norm and clipping (after a GradScaler's unscale: Lightning calls this from
@@ -394,7 +401,7 @@ class UpdateLoop:
                 guard.snapshot.take(optimizer)
         if skipped:
             optimizer.zero_grad(set_to_none=True)
-        self.step_outcome = (norm, skipped)
+        self.step_outcome = StepOutcome(grad_norm=norm, skipped=skipped)
 
     def undo_if_nonfinite(self) -> bool:
         """After a step: when a parameter is not finite (on any rank), put the snapshot back

@@ -269,7 +269,9 @@ def make_quickstart_checkpoint(
     **config_overrides: Any,
 ) -> Path:
     """Write the quickstart's starting point at ``path``: a tiny checkpoint warmed up in two
-    full-batch AdamW stages (module docstring) on the task's problems.
+    full-batch AdamW stages (module docstring) on the task's problems. With
+    ``DAPO_LIGHTNING_WARMUP_CACHE`` set, a folder warmed up once per settings is copied
+    (:mod:`~dapo_lightning.tasks.warmup_cache`).
 
     Args:
         path: Folder to write (same layout as ``make_tiny_checkpoint``).
@@ -293,8 +295,8 @@ def make_quickstart_checkpoint(
         path = make_quickstart_checkpoint("runs/quickstart/model", seed=0, report=print)
     """
     _check_fractions(noise, exact_frac, hedge_frac)
+    task_seed = seed if task_seed is None else task_seed  # before the key: None and seed agree
     settings = {k: v for k, v in locals().items() if k not in ("path", "report")}
-    task_seed = seed if task_seed is None else task_seed
 
     def build(folder: Path) -> None:
         make_tiny_checkpoint(folder, seed=seed, **config_overrides)
