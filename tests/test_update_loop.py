@@ -129,3 +129,27 @@ def test_rollout_channel_is_the_trainers_data_module_when_it_declares_the_contra
 
     assert rollout_channel(Trainer()) is Trainer.datamodule
     assert rollout_channel(Other()) is None and rollout_channel(None) is None
+
+
+def test_each_update_records_its_own_step_outcome_and_a_step_without_it_fails(
+    tiny_checkpoint, monkeypatch
+):
+    """The optimizer step's outcome (gradient norm, skipped) is reset before every step: each
+    update reports the norm its own step measured, and a strategy whose step never calls
+    ``before_optimizer_step`` is an error, never the previous step's norm reused."""
+    loop, policy, _ = _loop(str(tiny_checkpoint), 2)
+    norms: list[float] = []
+    real = loop.before_optimizer_step
+
+    def measured(optimizer):
+        real(optimizer)
+        norms.append(loop.step_outcome.grad_norm)
+
+    monkeypatch.setattr(loop, "before_optimizer_step", measured)
+    updates: list[dict[str, float]] = []
+    loop.run(fixed_batch().trim(), StepContext(on_update=updates.append))
+    assert len(updates) == len(norms) == 2 and norms[0] != norms[1]
+    assert [u["grad_norm"] for u in updates] == pytest.approx(norms, rel=1e-12)
+    monkeypatch.setattr(loop.ranks, "optimizer_step", lambda optimizer, before: optimizer.step())
+    with pytest.raises(RuntimeError, match="without before_optimizer_step"):
+        loop.run(fixed_batch().trim(), StepContext())
