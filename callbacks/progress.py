@@ -77,7 +77,8 @@ def validation_line(trainer: pl.Trainer, metrics: dict[str, Any]) -> str | None:
 
 
 def stop_reason(trainer: pl.Trainer, exception: BaseException | None = None) -> str:
-    """Why ``fit`` ended: the exception, a stop request, a callback's reason, or the limit hit."""
+    """Why ``fit`` ended: the exception, a stop request, a callback's or the module's reason
+    (``DAPOModule.stop_reason``: the data side ended training), or the limit hit."""
     if isinstance(exception, (KeyboardInterrupt, AbortRequested)):
         return "interrupted (Ctrl-C twice: aborted at once)"
     if isinstance(exception, StopRequested):
@@ -98,6 +99,9 @@ def stop_reason(trainer: pl.Trainer, exception: BaseException | None = None) -> 
             and callback.stopping_reason != EarlyStoppingReason.NOT_STOPPED
         ):
             return f"EarlyStopping: {callback.stopping_reason_message}"
+    module = trainer.lightning_module
+    if getattr(module, "stop_reason", None):  # the data side ended training (EndOfTraining)
+        return f"{type(module).__name__}: {module.stop_reason}"
     if trainer.max_steps == 0:  # a fit that only sets up (writes the first-use model, say)
         return "trainer.max_steps=0: no update was asked for (give max_steps >= 1 to train)"
     if trainer.max_steps and 0 < trainer.max_steps <= trainer.global_step:

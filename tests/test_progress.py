@@ -289,6 +289,19 @@ def test_stop_reasons():
     assert stop_reason(trainer, MemoryError()) == "error: MemoryError"
 
 
+def test_the_stop_reason_of_the_module_when_the_data_side_ends_training():
+    """Issue 64: every prompt retired (``EndOfTraining``) sets ``DAPOModule.stop_reason`` and
+    ``trainer.should_stop``; the summary said "trainer.should_stop was set"."""
+
+    class Module(pl.LightningModule):
+        stop_reason = "every prompt is retired (solved): nothing left to train on"
+
+    trainer = _trainer(max_steps=5)
+    trainer.strategy.connect(Module())
+    trainer.should_stop = True
+    assert stop_reason(trainer) == f"Module: {Module.stop_reason}"
+
+
 def test_summary_without_logger_or_validation():
     text = run_summary(_trainer(max_steps=7, enable_checkpointing=False), [])
     assert text.splitlines() == [
