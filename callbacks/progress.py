@@ -26,10 +26,21 @@ from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
-from dapo_lightning.checks import check_count
+from dapo_lightning.checks import ConfigError, check_count
+from dapo_lightning.envs.runner import EnvironmentFailureError
 from dapo_lightning.interrupt import AbortRequested, StopRequested, stop_requested
 from dapo_lightning.policy_state import HoldsPolicyState
 from dapo_lightning.ranks import lost_rank
+from dapo_lightning.rewards.results import RewardFailureError
+
+#: Errors of the config, its reward or its environment: the command line prints each as its one
+#: ``dapo-lightning: error:`` line (exit 2, :mod:`dapo_lightning.cli.errors`), so the summary
+#: and the RunGuard name them without repeating the message.
+ONE_LINE_FAULTS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    RewardFailureError,
+    EnvironmentFailureError,
+)
 
 #: What the bar and the plain lines show: (label, metric name, format).
 STEP_FIELDS: tuple[tuple[str, str, str], ...] = (
@@ -38,6 +49,7 @@ STEP_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("kept", "data/kept_frac", "{:.2f}"),
     ("len", "rollout/response_length_mean", "{:.1f}"),
     ("gen", "time/generation_s", "{:.2f}s"),
+    ("score", "data/score_seconds", "{:.2f}s"),
     ("upd", "time/update_s", "{:.2f}s"),
     ("val/acc", "val/acc", "{:.3f}"),
 )
@@ -86,6 +98,8 @@ def stop_reason(trainer: pl.Trainer, exception: BaseException | None = None) -> 
     lost = lost_rank(exception) if exception is not None else None
     if lost is not None:
         return f"error: {lost}"
+    if isinstance(exception, ONE_LINE_FAULTS):  # its message is the error line's
+        return f"error: {type(exception).__name__} (the error: line says why)"
     if exception is not None:
         text = str(exception).strip().splitlines()
         return f"error: {type(exception).__name__}" + (f": {text[0][:300]}" if text else "")

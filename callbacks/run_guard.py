@@ -53,6 +53,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from dapo_lightning.callbacks.step_checkpoint import save_stepped_over_multiples
+from dapo_lightning.callbacks.progress import ONE_LINE_FAULTS
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -408,6 +409,8 @@ def _describe(exception: BaseException) -> str:
     if lost is not None:
         return lost
     text = str(exception).splitlines()[0] if str(exception) else ""
+    if isinstance(exception, ONE_LINE_FAULTS):  # the CLI's error line says the message
+        return type(exception).__name__
     return f"{type(exception).__name__}: {text}" if text else type(exception).__name__
 
 

@@ -75,6 +75,7 @@ import sys
 
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.cli.app import DAPOLightningCLI, build_cli
+from dapo_lightning.cli.config_files import check_config_files
 from dapo_lightning.cli.errors import run_reporting_errors
 from dapo_lightning.cli.model_source import CreateModel
 from dapo_lightning.cli.parser import StrictArgumentParser, nested_nulls
@@ -144,6 +145,7 @@ def _run_lightning(args: list[str] | None) -> None:
         args = nested_nulls(list(args))
 
     def command() -> None:  # a stop before (or after) a fit guards its run: one line, 143 / 130
+        check_config_files(sys.argv[1:] if args is None else args)  # one line per bad file
         with exit_on_stop(), exit_at_once_on_stop_signals(NOTHING_SAVED):
             build_cli(args)
 

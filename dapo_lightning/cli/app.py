@@ -210,8 +210,20 @@ class DAPOLightningCLI(LightningCLI):
         **kwargs: Any,
     ) -> Any:
         """``trainer.validate`` with ``ckpt_path="auto"`` resolved first, at the checkpoint's
-        update (:func:`continue_update_count`)."""
-        resolved = self._resolve_ckpt_path(ckpt_path)
+        update (:func:`continue_update_count`). ``auto`` with no checkpoint to take is one
+        error line (a validation of the base model would pass for the run's)."""
+        if ckpt_path == AUTO_CKPT:
+            resolved = resolve_auto_checkpoint(self.trainer)
+            if resolved is None:
+                raise ConfigError(
+                    "validate --ckpt_path auto: no checkpoint found for the run in "
+                    f"trainer.default_root_dir={self.trainer.default_root_dir}. Fix: give the "
+                    "fit's run directory (--trainer.default_root_dir) or a checkpoint file "
+                    "(--ckpt_path FILE), or leave out --ckpt_path to validate the model of "
+                    "model.model_name_or_path."
+                )
+        else:
+            resolved = self._resolve_ckpt_path(ckpt_path)
         if resolved is not None:
             continue_update_count(self.trainer, resolved)
         return self.trainer.validate(model, datamodule=datamodule, ckpt_path=resolved, **kwargs)

@@ -14,19 +14,18 @@ import traceback
 from collections.abc import Callable
 
 from dapo_lightning.callbacks.collapse import CollapseStopError
+from dapo_lightning.callbacks.progress import ONE_LINE_FAULTS
 from dapo_lightning.checkpoint.files import CheckpointWriteError
 from dapo_lightning.checkpoint.io import NonFiniteCheckpointError
 from dapo_lightning.checks import ConfigError
-from dapo_lightning.envs.runner import EnvironmentFailureError
 from dapo_lightning.metrics import MetricNamesMismatch
 from dapo_lightning.ranks import lost_rank_message
-from dapo_lightning.rewards.results import RewardFailureError
 from dapo_lightning.run_lock import RunDirLockedError
 from dapo_lightning.step_guard import NonFiniteUpdatesError
 
 #: Errors printed as one line: (exception types, exit status).
 ONE_LINE_ERRORS: tuple[tuple[tuple[type[BaseException], ...], int], ...] = (
-    ((ConfigError, RewardFailureError, EnvironmentFailureError), 2),
+    (ONE_LINE_FAULTS, 2),  # the config's, its reward's or environment's (callbacks/progress.py)
     (
         (
             RunDirLockedError,

@@ -52,8 +52,10 @@ class StrictArgumentParser(LightningArgumentParser):
         shorter = None
         if self.exit_on_error:
             parser = getattr(ex, "subcommand_parser", None) or self
-            shorter = nonfinite_message(message) or bad_key_message(
-                message, lambda class_path: known_keys(parser, class_path)
+            shorter = (
+                nonfinite_message(message)
+                or bad_key_message(message, lambda class_path: known_keys(parser, class_path))
+                or type_message(message)
             )
         super().error(shorter or message, ex)
 
@@ -81,8 +83,12 @@ def known_keys(parser: Any, class_path: str | None = None) -> list[str]:
 
 
 def closest(name: str, names: list[str], prefix: str = "") -> str:
-    """`` Did you mean PREFIX+X?`` for the name X of ``names`` closest to ``name`` (difflib),
-    else ``""``."""
+    """`` Did you mean PREFIX+X?`` for the name X of ``names`` closest to ``name``: the names it
+    is the start of (an abbreviation, ``model`` for ``model_name_or_path``; several named
+    together), else the closest by difflib; ``""`` when none is close."""
+    starts = [n for n in names if n.startswith(name) and "." not in n[len(name) :]]
+    if starts:
+        return f" Did you mean {' or '.join(prefix + n for n in sorted(set(starts))[:5])}?"
     match = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     return f" Did you mean {prefix}{match[0]}?" if match else ""
 
@@ -180,6 +186,95 @@ def nonfinite_message(message: str) -> str | None:
     else:
         return None
     return f"{field or 'a setting'}={value} is not finite. Give a finite number."
+
+
+#: A line carrying the value a type refused: ``Expected a <class 'int'>. Got value: abc`` /
+#: ``Given value: fast. Got value: Namespace(...)`` / ``Given value: [1, 2]``.
+_VALUE_LINE = re.compile(
+    r"^( *)(?:- )?(?:Expected a (?P<type>.+?)\. Got value: (?P<got>.*)"
+    r"|Given value: (?P<given>.*?)(?:\. Got value: Namespace\(.*)?)$"
+)
+_SUBTYPES = re.compile(r"^( *)Subtypes: \[(.*)\]$")
+_GIVEN_TYPE = re.compile(r"^ *Given value type: <class '(?:[\w.]+\.)?(\w+)'>$")
+_TYPE_NAME = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>|typing\.Literal\[([^\]]*)\]")
+#: A plain way to write each simple type, for the fix.
+_TYPE_EXAMPLES = {
+    "int": "a whole number (e.g. 4)",
+    "float": "a number (e.g. 0.5 or 1e-4)",
+    "bool": "true or false",
+    "str": "a string",
+    "NoneType": "null",
+}
+
+
+def _type_words(types: str) -> list[str]:
+    """``["a number (e.g. 0.5 or 1e-4)", "one of 'a', 'b'"]`` for a jsonargparse type list."""
+    words = []
+    for found in _TYPE_NAME.finditer(types):
+        name, choices = found.groups()
+        if choices is not None:
+            words.append(f"one of {choices}")
+        elif name == "Tensor" and words:
+            continue  # float | Tensor: a number
+        else:
+            words.append(
+                _TYPE_EXAMPLES.get(
+                    name, f"a {name} (a class path, or a mapping of class_path and init_args)"
+                )
+            )
+    return words
+
+
+def _field_of(lines: list[str], index: int) -> str:
+    """The dotted field of the value on ``lines[index]``: the ``Parser key`` lines it is nested
+    in (by indentation), with ``init_args`` after a key whose value is a class."""
+    depth = len(lines[index]) - len(lines[index].lstrip(" "))
+    chain: list[tuple[int, str]] = []
+    for i in range(index - 1, -1, -1):
+        indent = len(lines[i]) - len(lines[i].lstrip(" "))
+        keys = _PARSER_KEYS.findall(lines[i])
+        if keys and indent < depth:
+            depth = indent
+            chain.insert(0, (i, keys[-1]))
+    parts = []
+    for n, (i, key) in enumerate(chain):
+        parts.append(key)
+        if n + 1 < len(chain):
+            between = "\n".join(lines[i : chain[n + 1][0] + 1])
+            if "class_path" in between or "callable class" in between:
+                parts.append("init_args")
+    return ".".join(parts)
+
+
+def type_message(message: str) -> str | None:
+    """One line for jsonargparse's 3-19-line dump of a value of the wrong type (``lr: fast``,
+    ``data:`` given a list): the field as the config spells it, what it expects, what it got
+    and the fix; None for any other message."""
+    lines = message.splitlines()
+    found = [(i, m) for i, line in enumerate(lines) if (m := _VALUE_LINE.match(line))]
+    if not found:
+        return None
+    index, value = max(found, key=lambda f: len(f[1].group(1)))  # the innermost
+    depth = len(value.group(1))
+    expected = value.group("type")
+    if expected is None:  # the nearest list of subtypes above it, in its own block
+        for line in reversed(lines[:index]):
+            subtypes = _SUBTYPES.match(line)
+            if subtypes is not None and len(subtypes.group(1)) <= depth:
+                expected = subtypes.group(2)
+                break
+    words = _type_words(expected or "")
+    field = _field_of(lines, index)
+    if not words or not field:
+        return None
+    got = value.group("got") if value.group("got") is not None else value.group("given")
+    kind = next(
+        (t.group(1) for line in lines[index - 1 : index + 1] if (t := _GIVEN_TYPE.match(line))),
+        None,
+    )
+    of_kind = f" (a {kind})" if kind and kind not in ("str", "NestedArg") else ""
+    fix = next((w for w in words if w != "null"), words[0])
+    return f"{field}: expected {' or '.join(words)}, got {got}{of_kind}. Fix: give it {fix}."
 
 
 def allow_auto_precision(parser: Any) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from jsonargparse import ActionConfigFile
 
 from dapo_lightning.checks import ConfigError
+from dapo_lightning.cli.config_files import check_config_files
 from dapo_lightning.cli.errors import class_error
 from dapo_lightning.cli.parser import (
     DAPOHelpFormatter,
@@ -59,6 +60,7 @@ def parse_sft_config(argv: Sequence[str]) -> SFTConfig:
         ConfigError: one line naming the setting, as ``fit`` says it: an unknown key (the
             closest valid one suggested), a non-finite number, a value a class refuses.
     """
+    check_config_files(argv)  # a binary, empty or tab-indented file, a key given twice
     parser = sft_parser()
     try:
         args = parser.parse_args(list(argv))

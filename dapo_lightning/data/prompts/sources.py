@@ -368,15 +368,24 @@ def load_prompt_records(
 def split_train_val(
     records: Sequence[PromptRecord], val_fraction: float, seed: int = 0
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """Hold out ``round(val_fraction * len)`` records (a seeded random choice) for validation."""
+    """Hold out ``round(val_fraction * len)`` records (a seeded random choice) for validation
+    (``val_fraction``: the setting ``data.validation.fraction``, named in the errors).
+
+    Raises:
+        PromptDataError: ``val_fraction`` outside [0, 1), or too few prompts to hold one out
+            and keep one to train on (the fix named).
+    """
     if not 0 <= val_fraction < 1:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}.")
+        raise PromptDataError(f"data.validation.fraction must be in [0, 1), got {val_fraction}.")
     n_val = round(val_fraction * len(records))
     if val_fraction > 0 and n_val == 0:
         n_val = 1
     if n_val >= len(records):
-        raise ValueError(
-            f"val_fraction={val_fraction} leaves no training prompts out of {len(records)}."
+        raise PromptDataError(
+            f"data.validation.fraction={val_fraction} holds out {n_val} of the {len(records)} "
+            "training prompt(s) (counted after de-duplication), leaving none to train on. Fix: "
+            "add prompts, give the held-out prompts in data.validation.files, or set "
+            "data.validation.fraction: 0 (no validation)."
         )
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
