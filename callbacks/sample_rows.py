@@ -23,12 +23,14 @@ and what the step did with it:
 ``truncated``     it hit the maximum response length; ``finish_reason``; ``length`` (tokens
                   the policy sampled)
 ``tool_calls``    tool calls of its episode (multi-turn environments only; else null)
+``episode``       its episode's whole exchange as text: assistant turns and the environment's
+                  observations (multi-turn environments only; else null)
 ``extra``         the reward's other per-sample values (``pred``, ...)
 ================  ============================================================================
 
 A validation row (``validation-rank<r>.jsonl``): ``step``, ``group``, ``sample``,
 ``prompt_id``, ``prompt``, ``response``, ``score``, ``acc`` (its correctness), ``has_answer``,
-``truncated``, ``finish_reason``, ``length``, ``tool_calls``, ``extra``.
+``truncated``, ``finish_reason``, ``length``, ``tool_calls``, ``episode``, ``extra``.
 
 Which trained row is which scored row: the data side hands the module a padded
 :class:`~dapo_lightning.batch.RolloutBatch` (carried groups first, a tensor-parallel rank's
@@ -47,6 +49,7 @@ import torch
 from torch import Tensor
 
 from dapo_lightning.batch import (
+    EPISODE_TEXT,
     FILTER_DECISION,
     PROMPT_TEXT,
     RESPONSE_TEXT,
@@ -60,7 +63,7 @@ Row = dict[str, Any]
 #: field whose name starts with ``#``.
 KEY, ROUND_GROUP, DEFERRED = "#key", "#group", "#deferred"
 #: ``extra`` keys a row shows in columns of their own.
-_OWN_EXTRAS = {RESPONSE_TEXT, PROMPT_TEXT, FILTER_DECISION, "has_answer"}
+_OWN_EXTRAS = {RESPONSE_TEXT, PROMPT_TEXT, FILTER_DECISION, EPISODE_TEXT, "has_answer"}
 
 
 def _weights(n: int, salt: int) -> Tensor:
@@ -117,6 +120,7 @@ def _common(rollouts: ScoredRollouts, i: int) -> Row:
         "finish_reason": rollouts.finish_reason[i],
         "length": int(rollouts.response_length[i]),
         "tool_calls": None if rollouts.tool_calls is None else int(rollouts.tool_calls[i]),
+        "episode": extra.get(EPISODE_TEXT, [None] * len(rollouts))[i],
         "extra": _scalar_extras(extra, i),
     }
 

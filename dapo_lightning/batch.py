@@ -23,8 +23,11 @@ FINISH_CODES = {"stop": 0, "length": 1, "demonstration": 2}
 #: The :attr:`ScoredRollouts.extra` keys the library sets beside the reward's: the response text
 #: the reward scored and the prompt as text (set by the scorer), and the dynamic-sampling
 #: filter's decision per response (``"kept"`` or ``"dropped: <metric> all <value>"``, set right
-#: after ``on_rollouts_scored``). ``dapo_lightning.callbacks.SampleLog`` writes them.
+#: after ``on_rollouts_scored``); for multi-turn episodes, the whole exchange decoded (assistant
+#: turns and the environment's observations; None for a single-turn response).
+#: ``dapo_lightning.callbacks.SampleLog`` writes them.
 RESPONSE_TEXT, PROMPT_TEXT, FILTER_DECISION = "response_text", "prompt_text", "filter"
+EPISODE_TEXT = "episode_text"
 
 
 @dataclass

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -32,11 +33,19 @@ from dapo_lightning.callbacks.sample_rows import (
 )
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dapo_lightning.batch import FILTER_DECISION, RESPONSE_TEXT, RolloutBatch, ScoredRollouts
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.sampling.groups import filter_decisions
+from dapo_lightning.data.sampling.scoring import RolloutScorer
+from dapo_lightning.data.sampling.step_stats import StepStats
+from dapo_lightning.envs import EnvironmentConfig, StepResult
+from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter
+from dapo_lightning.prompts import PromptRecord, encode_prompt
+from dapo_lightning.rewards.results import RewardResult
 from dapo_lightning.rollout.base import SamplingConfig
+from dapo_lightning.rollout.hf import HFRolloutEngine
 from dapo_lightning.tasks.arithmetic_warmup import make_quickstart_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -322,3 +331,55 @@ def test_inspect_without_sample_files_is_one_error_line(tmp_path):
                          timeout=120, env=_env())  # fmt: skip
     assert out.returncode == 2
     assert [line for line in out.stderr.splitlines() if "error:" in line] == [out.stderr.strip()]
+
+
+class _TwoTurns:
+    """An environment answering the first turn with ``obs 7``, done after the second."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def reset(self, record: PromptRecord) -> None:
+        self.record = record
+
+    def step(self, text: str) -> StepResult:
+        self.seen += 1
+        if self.seen >= 2:
+            return StepResult(done=True)
+        return StepResult(observation="obs 7", tool_calls=1)
+
+
+class _AnyAnswer:
+    """A reward runner stand-in: every response right."""
+
+    reward = None
+    last_failures = 0
+
+    def score(self, texts: list[str], answers: list[str], kwargs: list[dict]) -> list:
+        return [RewardResult(score=1.0, acc=True) for _ in texts]
+
+
+def test_an_episode_row_holds_its_whole_exchange(tiny_checkpoint):
+    """The scorer keeps each episode's turns and observations as text; its row shows them."""
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    record = PromptRecord("p0", "What is 3*4?", "12")
+    record.prompt_ids = encode_prompt(tok, record.prompt, apply_chat_template=True)
+    cfg = EnvironmentConfig(max_turns=3, call_timeout_s=2.0)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    runner = EpisodeRunner(
+        HFRolloutEngine(model, tok, seed=0, eos_token_id=[1, *range(100, 190)]), cfg,
+        make_env=_TwoTurns, formatter=ObservationFormatter(tok, cfg.observation_role),
+        decode=decode, records=[record], max_episode_tokens=400,
+    )  # fmt: skip
+    sampling = SamplingConfig(max_tokens=40)
+    (episodes,) = runner.generate([record.prompt_ids], 2, sampling)
+    scorer = RolloutScorer(SimpleNamespace(engine=runner), _AnyAnswer(), decode)
+    rollouts = scorer.score_completions([record], [episodes], sampling, 0, StepStats())
+    rows = rollout_rows(rollouts, round_id=1)
+    for row, episode in zip(rows, episodes):
+        assert row["tool_calls"] == 1 and row["prompt"] == "What is 3*4?"
+        assert row["episode"] == decode(episode.token_ids) and "obs 7" in row["episode"]
+        assert row["response"] == episode.text and row["episode"].endswith(episode.text)
+    single = _rollouts([[1, 2], [3]], [1, 0])
+    assert rollout_rows(single, round_id=1)[0]["episode"] is None

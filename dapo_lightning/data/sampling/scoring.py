@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dapo_lightning.batch import PROMPT_TEXT, RESPONSE_TEXT, ScoredRollouts
+from dapo_lightning.batch import EPISODE_TEXT, PROMPT_TEXT, RESPONSE_TEXT, ScoredRollouts
 from dapo_lightning.data.prompts.sources import PromptRecord
 from dapo_lightning.data.sampling.step_stats import StepStats, numeric_extras
 from dapo_lightning.envs.runner import episode_results, episode_tool_calls, token_masks
@@ -116,6 +116,11 @@ class RolloutScorer:
         )
         rollouts.extra[RESPONSE_TEXT] = texts
         rollouts.extra[PROMPT_TEXT] = [prompt_text(rec.prompt) for _, rec, _ in flat]
+        if rollouts.token_mask is not None:  # multi-turn episodes: the whole exchange as text
+            rollouts.extra[EPISODE_TEXT] = [
+                self.decode(list(c.token_ids)) if c.loss_mask is not None else None
+                for *_, c in flat
+            ]
         stats.score_seconds += t2 - t1
         stats.generated_samples += float(len(flat))
         # the policy's own tokens; a multi-turn episode's observations (tool output) apart
