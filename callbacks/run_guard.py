@@ -16,9 +16,10 @@ resuming").
   the signal only records a stop request. The rollout step under way finishes (or, during
   generation, the producer raises :class:`~dapo_lightning.interrupt.StopRequested` between
   rounds), the state is saved, and the command exits with 128 + the signal (143 / 130 / 129).
-  A second or third signal never cuts the save (:func:`~dapo_lightning.interrupt.saving`). Lightning's own SIGTERM handling (``SIGTERMException`` at the end
-  of the step, SLURM's requeue signal) keeps working: the guard's handler is composed into it.
-  Ctrl-C twice abandons the update under way.
+  A second or third signal never cuts the save (:func:`~dapo_lightning.interrupt.saving`).
+  Lightning's own SIGTERM handling (``SIGTERMException`` at the end of the step, SLURM's
+  requeue signal) keeps working: the guard's handler is composed into it. Ctrl-C twice
+  abandons the update under way (not a save that has begun).
 * **SLURM's requeue signal** (SIGUSR1 under ``srun``; :mod:`dapo_lightning.slurm`): handled like
   SIGTERM (no save inside Lightning's signal handler), then global rank 0 requeues the job.
 * **Any other exception** after training started: the state is saved if it is one that training
@@ -52,8 +53,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from dapo_lightning.callbacks.step_checkpoint import save_stepped_over_multiples
 from dapo_lightning.callbacks.progress import ONE_LINE_FAULTS
+from dapo_lightning.callbacks.step_checkpoint import save_stepped_over_multiples
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -408,9 +409,9 @@ def _describe(exception: BaseException) -> str:
     lost = lost_rank(exception)
     if lost is not None:
         return lost
-    text = str(exception).splitlines()[0] if str(exception) else ""
     if isinstance(exception, ONE_LINE_FAULTS):  # the CLI's error line says the message
         return type(exception).__name__
+    text = str(exception).splitlines()[0] if str(exception) else ""
     return f"{type(exception).__name__}: {text}" if text else type(exception).__name__
 
 

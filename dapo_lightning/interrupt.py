@@ -20,7 +20,7 @@ Every catchable stop signal is a stop request (:data:`STOP_SIGNALS`): SIGTERM (s
 then a requeue, :mod:`dapo_lightning.slurm`).
 
 :func:`install_stop_handlers` installs the handlers: the first stop signal requests the stop; a
-second SIGINT (Ctrl-C pressed again) before the stop's save starts raises
+second SIGINT after a first one (Ctrl-C pressed again) before the stop's save starts raises
 :class:`AbortRequested` at once, abandoning the update under way; any other later signal is
 ignored with one line (the first one is being honoured). Once the save has started
 (:func:`saving`) nothing interrupts it, and from the first request to the process's exit no
@@ -177,10 +177,11 @@ def _handle(signum: int, frame: FrameType | None) -> None:
 
 
 def _again(signum: int) -> None:
-    """A stop signal while a stop is under way: a second Ctrl-C before the save aborts; any
-    other is ignored, with one line per stop."""
+    """A stop signal while a stop is under way: Ctrl-C pressed again (after a Ctrl-C) before
+    the save aborts; any other is ignored, with one line per stop."""
     global _said_again
-    if signum == signal.SIGINT and _active and not _saving and not _honoured:
+    again = signum == signal.SIGINT and _reason == signal.SIGINT.name
+    if again and _active and not _saving and not _honoured:
         raise AbortRequested  # pressed again: abandon the update under way
     if not _said_again:
         _said_again = True
@@ -201,9 +202,9 @@ def _call_previous(
 
 
 def install_stop_handlers(extra: tuple[signal.Signals, ...] = ()) -> Callable[[], None]:
-    """Make SIGTERM / SIGINT (and the ``extra`` signals: SLURM's requeue signal, see
-    :mod:`dapo_lightning.slurm`) request a stop (see the module docstring); returns a function
-    that puts the previous handlers back. Does nothing outside the main thread (Python delivers
+    """Make the stop signals (:data:`STOP_SIGNALS` and the ``extra`` ones: SLURM's requeue
+    signal, see :mod:`dapo_lightning.slurm`) request a stop (see the module docstring);
+    returns a function that puts the previous handlers back. Does nothing outside the main thread (Python delivers
     signals only there).
 
     Lightning composes an existing SIGTERM handler into its own while ``fit`` runs and puts it
