@@ -440,6 +440,7 @@ def test_sigterm_inside_a_decode_step_stops_the_round_and_resumes_exactly(
     _resume_and_compare(model_dir, run, reference[0])
 
 
+@pytest.mark.slow  # passes on the old code too (both land before the save): a regression guard
 def test_two_sigterms_50_ms_apart_save_and_resume_exactly(model_dir, reference, tmp_path):
     """Issue 63 item 1: two SIGTERMs 50 ms apart (launchers, ``timeout`` and shells send a
     second one) stop the fit once: the second is ignored with one line, update 8 is saved, exit

@@ -28,7 +28,7 @@ def _wait_dead(pid: int, timeout: float = 10.0) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_worker_sigkilled_between_rounds_is_respawned(start_method, capfd):
     """Item 7: a reward worker SIGKILLed between two rounds (what the OOM killer does) ended
     the run with a BrokenPipeError traceback. Now the next round starts a fresh worker, says
