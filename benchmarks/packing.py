@@ -6,7 +6,7 @@ prompts, right-padded responses). Packing concatenates the same rows of a micro-
 row of their real tokens; ``position_ids`` restart at 0 for each sequence and no attention
 mask is passed, so Hugging Face models build the block-diagonal causal mask themselves
 (``masking_utils.find_packed_sequence_indices``; SDPA on CPU). The response log-probs come from
-the same fused head (:func:`dapo_lightning.logprobs.fused_linear_log_probs`) on the hidden
+the same fused head (:func:`dapo_lightning.linear_log_probs.fused_linear_log_probs`) on the hidden
 states before each response token.
 
 Run::
@@ -94,7 +94,8 @@ def pack_rows(batch: Any, rows: list[int]) -> tuple[Tensor, Tensor, Tensor, list
 
 def packed_log_probs(model: nn.Module, batch: Any, rows: list[int]) -> Tensor:
     """Response log-probs of ``rows`` from one packed row (flat, rows in order)."""
-    from dapo_lightning.logprobs import fused_linear_log_probs, output_head
+    from dapo_lightning.linear_log_probs import fused_linear_log_probs
+    from dapo_lightning.logprobs import output_head
 
     ids, pos, where, _ = pack_rows(batch, rows)
     hidden = model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state

@@ -6,13 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dapo_lightning.logprobs import (
-    LinearLogProbs,
-    auto_chunk_rows,
-    fused_linear_log_probs,
-    output_head,
-    response_log_probs,
-)
+from dapo_lightning.linear_log_probs import LinearLogProbs, auto_chunk_rows, fused_linear_log_probs
+from dapo_lightning.logprobs import output_head, response_log_probs
 from dapo_lightning.precision import reduced_input_float32_gemm
 from dapo_lightning.shared_prompts import shared_prompt_log_probs
 from dapo_lightning.testing import (

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -297,21 +298,27 @@ def make_quickstart_checkpoint(
     _check_fractions(noise, exact_frac, hedge_frac)
     task_seed = seed if task_seed is None else task_seed  # before the key: None and seed agree
     settings = {k: v for k, v in locals().items() if k not in ("path", "report")}
+    build = partial(_write_quickstart_checkpoint, settings=settings, report=report)
+    return cached_build(path, cache_key(settings, WARMUP_MODULES), build, report)
 
-    def build(folder: Path) -> None:
-        make_tiny_checkpoint(folder, seed=seed, **config_overrides)
-        tokenizer = make_tiny_tokenizer()
-        rows = make_arithmetic_rows(
-            num_prompts, level=level, seed=task_seed, operand_range=operand_range, ops=ops
-        )
-        prompts = [encode_prompt(tokenizer, r["prompt"], apply_chat_template) for r in rows]
-        truths = [int(r["answer"]) for r in rows]
-        stages = _warmup_stages(
-            truths, sums_steps, steps, noise=noise, exact_frac=exact_frac, hedge_frac=hedge_frac
-        )
-        model = AutoModelForCausalLM.from_pretrained(folder)
-        _warm_up(model, tokenizer, prompts, stages, lr=lr, seed=seed, report=report)
-        model.save_pretrained(folder)
 
-    key = cache_key(settings, WARMUP_MODULES)
-    return cached_build(path, key, build, report)
+def _write_quickstart_checkpoint(
+    folder: Path, settings: dict[str, Any], report: Callable[[str], None] | None
+) -> None:
+    """What :func:`make_quickstart_checkpoint` writes, for its ``settings`` (its arguments)."""
+    s = settings
+    make_tiny_checkpoint(folder, seed=s["seed"], **s["config_overrides"])
+    tokenizer = make_tiny_tokenizer()
+    rows = make_arithmetic_rows(
+        s["num_prompts"], level=s["level"], seed=s["task_seed"],
+        operand_range=s["operand_range"], ops=s["ops"],
+    )  # fmt: skip
+    prompts = [encode_prompt(tokenizer, r["prompt"], s["apply_chat_template"]) for r in rows]
+    truths = [int(r["answer"]) for r in rows]
+    stages = _warmup_stages(
+        truths, s["sums_steps"], s["steps"],
+        noise=s["noise"], exact_frac=s["exact_frac"], hedge_frac=s["hedge_frac"],
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    _warm_up(model, tokenizer, prompts, stages, lr=s["lr"], seed=s["seed"], report=report)
+    model.save_pretrained(folder)

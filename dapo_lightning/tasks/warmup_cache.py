@@ -26,6 +26,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+
 #: The environment variable naming the cache folder; unset or empty: no cache.
 CACHE_ENV = "DAPO_LIGHTNING_WARMUP_CACHE"
 
@@ -39,9 +42,6 @@ def cache_folder() -> Path | None:
 def cache_key(settings: dict[str, Any], modules: Iterable[str]) -> str:
     """A 16-hex-digit key of ``settings`` (JSON-serialisable), the source files of
     ``modules`` (imported module names) and the torch and transformers versions."""
-    import torch
-    import transformers
-
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=repr).encode())
     for name in sorted(modules):
         digest.update(Path(sys.modules[name].__file__).read_bytes())
