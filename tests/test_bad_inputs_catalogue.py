@@ -209,3 +209,47 @@ def test_reward_failure_message_is_printed_once(tiny_checkpoint, tmp_path, capfd
         code, err, "failed to score with Unreachable", "reward backend unreachable"
     )
     assert (out + err).count("failed to score with Unreachable") == 1, out + err
+
+
+# ------------------------------------------- item 15: a large prompt file loads in silence
+def test_large_prompt_file_says_its_progress_and_warns_of_a_huge_validation(
+    tiny_checkpoint, tmp_path, capfd, monkeypatch
+):
+    """A 200 MB file loaded for minutes without a line, then validated 390k held-out prompts
+    without one. Here the thresholds are lowered (a 40k-row file): the reading and the
+    tokenizing say how far they are, and the held-out set's size is one warning naming the
+    setting that caps it (trainer.limit_val_batches)."""
+    from dapo_lightning.data.prompts import loading, progress
+
+    monkeypatch.setattr(progress, "FIRST_LINE_S", 0.0, raising=False)
+    monkeypatch.setattr(progress, "EVERY_S", 0.0, raising=False)
+    monkeypatch.setattr(loading, "HUGE_VALIDATION_RESPONSES", 1000, raising=False)
+    path = tmp_path / "big.jsonl"
+    rows = (
+        {"prompt": f"{i}+1=", "reward_model": {"ground_truth": str(i + 1)}} for i in range(40_000)
+    )
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = fit_config(tmp_path, tiny_checkpoint)
+    prompts = {
+        "train_files": str(path),
+        "task": None,
+        "apply_chat_template": False,
+        "max_prompt_length": 16,
+    }
+    code, err = fit_main(
+        [
+            f"--config={config}",
+            f"--data.prompts={json.dumps(prompts)}",
+            "--data.validation.fraction=0.05",
+            "--trainer.max_steps=0",
+            "--trainer.num_sanity_val_steps=0",
+        ],
+        capfd,
+    )
+    assert code == 0, err[-3000:]
+    assert f"prompts: reading {path}: " in err and " MB, " in err, err[-3000:]
+    assert "prompts: tokenizing: " in err and "of 38,000 prompts" in err, err[-3000:]
+    assert "warning: 2,000 held-out prompts (data.validation.fraction=0.05 of 40,000" in err, err[
+        -3000:
+    ]
+    assert "trainer.limit_val_batches" in err, err[-3000:]

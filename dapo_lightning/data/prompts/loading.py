@@ -7,12 +7,14 @@ and each engine group's share of the held-out prompts."""
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dapo_lightning.data.prompts.config import PromptConfig, ScoringConfig, ValidationConfig
+from dapo_lightning.data.prompts.progress import is_rank_zero
 from dapo_lightning.data.prompts.sources import (
     FieldMap,
     PromptRecord,
@@ -160,6 +162,35 @@ class PreparedPrompts:
     dropped: int
 
 
+#: Responses one validation may generate before :func:`warn_huge_validation` says so.
+HUGE_VALIDATION_RESPONSES = 20_000
+
+
+def warn_huge_validation(num_val: int, num_train: int, validation: ValidationConfig) -> None:
+    """One line on stderr (rank 0) when a validation would generate more than
+    :data:`HUGE_VALIDATION_RESPONSES` responses (held-out prompts x ``validation.n``): a
+    ``fraction`` of a large prompt file holds out hundreds of thousands of prompts, and each
+    validation (one before update 1 with ``ValidateAtStart``) generates them all, silently."""
+    responses = num_val * validation.n
+    if responses <= HUGE_VALIDATION_RESPONSES or not is_rank_zero():
+        return
+    source = (
+        f"data.validation.files={validation.files}"
+        if validation.files is not None
+        else f"data.validation.fraction={validation.fraction} of {num_val + num_train:,} prompts"
+    )
+    cap = max(1, HUGE_VALIDATION_RESPONSES // (validation.n * validation.batch_size))
+    print(
+        f"warning: {num_val:,} held-out prompts ({source}) x validation.n={validation.n}: "
+        f"every validation generates {responses:,} responses (the one before update 1 too). "
+        f"Cap it with trainer.limit_val_batches (e.g. {cap}: {cap} batches of "
+        f"validation.batch_size={validation.batch_size} prompts a rank), or hold out fewer "
+        "(a lower data.validation.fraction, smaller data.validation.files).",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def prepare_prompts(
     prompts: PromptConfig,
     tokenizer: Any,
@@ -195,6 +226,8 @@ def prepare_prompts(
     )  # fmt: skip
     if validation is None:
         val = []
+    elif val:
+        warn_huge_validation(len(val), len(train), validation)
     tools = None  # the prompts learn of the tools by the template's tools= or instructions
     if environment is not None and environment.add_instructions:
         env = (make_env or environment_factory(environment))()

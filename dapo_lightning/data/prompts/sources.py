@@ -10,16 +10,18 @@ chat template and enforces ``max_prompt_length``.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import logging
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from dapo_lightning.data.prompts.progress import StageProgress
 from dapo_lightning.prompts import (
     ROW_META_KEYS,
     Prompt,
@@ -92,6 +94,16 @@ def looks_like_local_path(source: str) -> bool:
     )
 
 
+def _not_utf8(path: Path, data: bytes, start: int, line: int, reason: str) -> PromptDataError:
+    """The error of a prompt file that is not UTF-8: byte ``start`` (on ``line``) of it is
+    ``data[0]``."""
+    return PromptDataError(
+        f"{path} is not UTF-8 text: byte {start} (line {line}) is {data[:1]!r} ({reason}). "
+        f"Save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8 {path.name} > "
+        f"fixed{path.suffix}`, or your editor's save-with-encoding)."
+    )
+
+
 def read_text(path: Path) -> str:
     """The text of a UTF-8 file; a UTF-8 byte-order mark is dropped.
 
@@ -103,32 +115,41 @@ def read_text(path: Path) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise PromptDataError(
-            f"{path} is not UTF-8 text: byte {e.start} (line {line}) is "
-            f"{data[e.start : e.start + 1]!r} ({e.reason}). Save the file as UTF-8 (e.g. "
-            f"`iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}`, or your editor's "
-            "save-with-encoding)."
-        ) from None
+        raise _not_utf8(path, data[e.start :], e.start, line, e.reason) from None
 
 
-def _read_jsonl(path: Path) -> list[Any]:
-    rows = []
-    for i, line in enumerate(read_text(path).split("\n")):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise PromptDataError(
-                f"{path}: line {i + 1} is not valid JSON ({e}): fix or delete it."
-            ) from e
-    return rows
+def _iter_jsonl(path: Path) -> Iterator[Any]:
+    """The rows of a JSONL file, one line at a time (a 200 MB file never sits in memory as text
+    and as rows at once), with progress lines while a large one is read
+    (:class:`~dapo_lightning.data.prompts.progress.StageProgress`)."""
+    progress = StageProgress(f"reading {path}", path.stat().st_size, "MB")
+    offset = 0
+    with path.open("rb") as f:
+        for i, raw in enumerate(f):
+            start = 3 if i == 0 and raw.startswith(codecs.BOM_UTF8) else 0
+            try:
+                line = raw[start:].decode("utf-8")
+            except UnicodeDecodeError as e:
+                at = offset + start + e.start
+                raise _not_utf8(path, raw[start + e.start :], at, i + 1, e.reason) from None
+            offset += len(raw)
+            if i % 8192 == 0:
+                progress.update(offset)
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptDataError(
+                    f"{path}: line {i + 1} is not valid JSON ({e}): fix or delete it."
+                ) from e
+    progress.finish()
 
 
 def _read_file(path: Path) -> list[Any]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _read_jsonl(path)
+        return list(_iter_jsonl(path))
     if suffix == ".json":
         try:
             data = json.loads(read_text(path))
@@ -203,6 +224,15 @@ def read_rows(source: str | Path | Any) -> list[dict[str, Any]]:
     return list(datasets.load_dataset(name, split=split or "train").to_list())
 
 
+def iter_rows(source: str | Path | Any) -> Iterable[dict[str, Any]]:
+    """The rows of :func:`read_rows`, a JSONL file's read one line at a time."""
+    if isinstance(source, (str, Path)):
+        path = Path(source).expanduser()
+        if path.is_file() and path.suffix.lower() == ".jsonl":
+            return _iter_jsonl(path)
+    return read_rows(source)
+
+
 def check_text(text: str, where: str, key: str) -> str:
     """``text`` if it can be written as UTF-8; a :class:`PromptDataError` naming ``where`` (the
     file and row) and the field otherwise: a lone UTF-16 surrogate (a JSON ``"\\ud83d"`` escape
@@ -274,7 +304,7 @@ def _clean_answer(value: Any, where: str, key: str) -> str:
 
 
 def records_from_rows(
-    rows: Sequence[dict[str, Any]], fields: FieldMap = FieldMap(), name: str = "prompts"
+    rows: Iterable[dict[str, Any]], fields: FieldMap = FieldMap(), name: str = "prompts"
 ) -> list[PromptRecord]:
     """Turn rows into records, checking each; errors name the row number (1-based) and field."""
     out = []
@@ -355,7 +385,7 @@ def load_prompt_records(
     records: list[PromptRecord] = []
     for src in sources:
         name = str(src) if isinstance(src, (str, Path)) else type(src).__name__
-        records.extend(records_from_rows(read_rows(src), fields, name=name))
+        records.extend(records_from_rows(iter_rows(src), fields, name=name))
     if not records:
         raise PromptDataError(f"no prompts found in {[str(s) for s in sources]}.")
     if dedup:
@@ -418,7 +448,10 @@ def tokenize_records(
             "or use a tokenizer that defines one (tokenizer.chat_template)."
         )
     kept, dropped = [], 0
+    progress = StageProgress("tokenizing", len(records), "prompts")
     for i, r in enumerate(records):
+        if i % 1024 == 0:
+            progress.update(i)
         ids = encode_prompt(tokenizer, r.prompt, apply_chat_template, tools)
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             if overlong_prompts == "drop":
@@ -431,6 +464,7 @@ def tokenize_records(
             )
         r.prompt_ids = ids
         kept.append(r)
+    progress.finish(f"{len(kept):,} prompts")
     if dropped:
         log.warning(
             "dropped %d prompts longer than max_prompt_length=%s.", dropped, max_prompt_length
