@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,8 +259,10 @@ class DAPODataModule(pl.LightningDataModule):
         self.reward_runner = make_reward_runner(self.reward, self.scoring)
         self.stream = build_stream(
             self.dynamic_sampling,
-            lambda cores: _engine_session(self, rank, cores),
-            lambda session: _rollout_producer(self, session, rank, world),
+            lambda cores: _engine_session(self, rank, cores, self._make_env),
+            lambda session: _rollout_producer(
+                self, session, RankLayout(rank, world, self._tp_size), self._sum_over_ranks
+            ),
             self.drawn_log,
         )
         if self._pending_state is not None:
@@ -392,9 +394,11 @@ class DAPODataModule(pl.LightningDataModule):
         self._ready("resuming").load_state_dict(ranks[rank])
 
 
-def _engine_session(dm: DAPODataModule, rank: int, cores: SharedCores | None) -> EngineSession:
+def _engine_session(
+    dm: DAPODataModule, rank: int, cores: SharedCores | None, make_env: Callable[[], Any] | None
+) -> EngineSession:
     """``dm``'s engine session on ``rank`` (``cores``: the one-step-off split, handed to its
-    engine); with an environment, one whose engine runs episodes."""
+    engine); with an environment (``make_env`` builds one), one whose engine runs episodes."""
     kwargs: dict[str, Any] = dict(
         engine_kwargs=dm.engine_kwargs,
         model_path=dm.model_name_or_path,
@@ -410,7 +414,7 @@ def _engine_session(dm: DAPODataModule, rank: int, cores: SharedCores | None) ->
     return EpisodeSession(
         dm.engine_spec,
         environment=dm.environment,
-        make_env=dm._make_env,
+        make_env=make_env,
         records=dm.train_records + dm.val_records,
         max_episode_tokens=budget,
         use_chat_template=dm.prompts.apply_chat_template,
@@ -420,10 +424,13 @@ def _engine_session(dm: DAPODataModule, rank: int, cores: SharedCores | None) ->
 
 
 def _rollout_producer(
-    dm: DAPODataModule, session: EngineSession, rank: int, world: int
+    dm: DAPODataModule,
+    session: EngineSession,
+    layout: RankLayout,
+    sync: Callable[[list[int]], list[int]],
 ) -> RolloutProducer:
-    """``dm``'s dynamic-sampling producer of ``rank`` on ``session`` (its sums over ranks and
-    its ``on_rollouts_scored`` and ``on_rollouts_discarded`` hooks go through ``dm``)."""
+    """``dm``'s dynamic-sampling producer at ``layout`` on ``session`` (``sync``: its sums over
+    ranks; its ``on_rollouts_scored`` and ``on_rollouts_discarded`` hooks go through ``dm``)."""
     pad = dm.tokenizer.pad_token_id
     pad = pad if pad is not None else dm.tokenizer.eos_token_id
     return RolloutProducer(
@@ -435,8 +442,8 @@ def _rollout_producer(
         pad_token_id=int(pad),
         sampling=dm.sampling,
         seed=dm.seed,
-        layout=RankLayout(rank, world, dm._tp_size),
-        sync=dm._sum_over_ranks,
+        layout=layout,
+        sync=sync,
         hooks=RoundHooks(
             scored=lambda rollouts: call_dapo_hook(dm.trainer, "on_rollouts_scored", rollouts),
             discarded=lambda index: call_dapo_hook(dm.trainer, "on_rollouts_discarded", index),
