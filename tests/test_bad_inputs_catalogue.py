@@ -16,6 +16,7 @@ import pytest
 
 from tests._harness import ARITHMETIC_RUN, QUICKSTART, write_run_config
 from tests.test_bad_inputs import assert_one_error_line, fit_config, fit_main
+from tests.test_envs import tiny  # noqa: F401, F811 - the fixture
 
 
 @pytest.fixture(autouse=True)
@@ -253,3 +254,27 @@ def test_large_prompt_file_says_its_progress_and_warns_of_a_huge_validation(
         -3000:
     ]
     assert "trainer.limit_val_batches" in err, err[-3000:]
+
+
+# ------------------------------------- minor: a 100k-character observation tokenised in full
+def test_huge_observation_is_cut_before_it_is_tokenized(tiny, capfd, monkeypatch):  # noqa: F811
+    """An observation of 100k characters was tokenised whole (41.6 s with a real tokenizer, and
+    transformers' "Token indices sequence length" warning leaked) before the episode was cut
+    for having no room for it. Now its characters show it cannot fit: it is never tokenised,
+    the episode ends as "length" and is counted in env/observations_cut."""
+    from dapo_lightning.rollout.base import SamplingConfig
+    from tests.test_envs import ScriptedEnv, make_runner
+
+    _, _, records = tiny
+    runner = make_runner(tiny, lambda: ScriptedEnv(observation="x" * 100_000, turns=5))
+    runner.max_episode_tokens = 80
+    formatted: list[int] = []
+    text = runner.formatter.text
+    monkeypatch.setattr(
+        runner.formatter, "text", lambda obs: formatted.append(len(obs)) or text(obs)
+    )
+    groups = runner.generate([r.prompt_ids for r in records], 2, SamplingConfig(max_tokens=8))
+    assert all(e.finish_reason == "length" for g in groups for e in g)
+    assert runner.take_stats()["env/observations_cut"] == 4
+    assert formatted == [], formatted
+    assert "Token indices sequence length" not in capfd.readouterr().err

@@ -138,6 +138,9 @@ class ObservationFormatter:
     def __init__(self, tokenizer: Any, role: str = "tool", use_chat_template: bool = True) -> None:
         self.tokenizer = tokenizer
         self.role = role
+        #: Most characters one token can stand for (its longest vocabulary entry): a text of
+        #: more than N x this many characters is more than N tokens, known without tokenizing.
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
         self.use_chat_template = bool(
             use_chat_template and getattr(tokenizer, "chat_template", None)
         )
@@ -403,20 +406,23 @@ class EpisodeRunner(RolloutEngine):
                 s.finish = "stop"
                 s.reward, s.acc = value.reward, value.acc
                 continue
-            obs = self.formatter(value.observation)
-            if len(s.prompt) + len(s.ids) + len(obs) >= self.max_episode_tokens:
+            used = len(s.prompt) + len(s.ids)
+            room = self.max_episode_tokens - used  # an observation too long by its characters
+            too_long = len(value.observation) > room * self.formatter.max_token_chars
+            obs = [] if too_long else self.formatter(value.observation)  # is never tokenized
+            if too_long or used + len(obs) >= self.max_episode_tokens:
                 s.finish = "length"  # no room for the observation and another turn
                 self.totals["observations_cut"] += 1
-                self._warn_cut(len(s.prompt) + len(s.ids), len(obs))
+                self._warn_cut(used, f"more than {room}" if too_long else str(len(obs)))
                 continue
             s.add(obs, [0.0] * len(obs), 0)
 
-    def _warn_cut(self, used: int, observation: int) -> None:
+    def _warn_cut(self, used: int, observation: str) -> None:
         if self._warned_cut:
             return
         self._warned_cut = True
         log.warning(
-            "an observation of %d tokens did not fit: its episode had used %d of "
+            "an observation of %s tokens did not fit: its episode had used %d of "
             "environment.max_episode_tokens=%d, so it ended as 'length' (env/observations_cut "
             "counts these); raise max_episode_tokens (or max_observation_tokens when it is null)",
             observation, used, self.max_episode_tokens,
