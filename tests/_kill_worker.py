@@ -13,6 +13,8 @@ Writes into RUN_DIR:
   global_step), flushed and fsynced. On resume, records beyond the checkpoint's rollout step
   (written by the killed process after its last checkpoint) are cut off first.
 - ``final.pt``: the final policy weights and counters, written only when the fit finished.
+- ``logs/version_<n>/metrics.csv``: every logged metric per update (a CSVLogger; each start
+  adds a version).
 - ``paused``: while a ``DAPO_WORKER_PAUSE`` pause is under way (see :class:`Pause`).
 
 The fit runs with a :class:`~dapo_lightning.callbacks.RunGuard` and exits as the CLI does
@@ -144,6 +146,7 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
     import lightning.pytorch as pl
     from dapo_lightning.callbacks import CollapseDetector, OverlongRewardShaping, RunGuard
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
     from transformers import AutoTokenizer
 
     from dapo_lightning import DAPODataModule, DAPOModule
@@ -234,7 +237,8 @@ def main(model_dir: str, run_dir: str, rollout_steps: int) -> None:
         accelerator="cpu",
         devices=1,
         max_steps=rollout_steps * UPDATES_PER_STEP,
-        logger=False,
+        # every logged metric, per update, in RUN/logs/version_<n>/metrics.csv (one per start)
+        logger=CSVLogger(run, name="logs"),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

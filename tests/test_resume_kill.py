@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from dapo_lightning.checkpoint import AtomicCheckpointIO, atomic_torch_save
+from tests._long_run import metrics_by_step
 
 WORKER = Path(__file__).with_name("_kill_worker.py")
 STEPS = 10  # rollout steps of the worker's fit (2 optimizer updates each)
@@ -353,9 +354,17 @@ def _signal_during_pause(
 
 
 def _resume_and_compare(model: Path, run: Path, reference: Path) -> None:
+    """Resume ``run`` to its end: the weights, counters, drawn prompts and every non-timing
+    metric of every update equal the uninterrupted run's."""
     proc = _start(model, run)
     _finish(proc)
     _check_equal(run, reference)
+    expected, got = metrics_by_step(reference), metrics_by_step(run)
+    # every update's metrics (update/loss, grad_norm, KL, entropy, lr, ...: 18 names)
+    assert {step for step, _ in expected} == set(range(1, 2 * STEPS + 1)), sorted(expected)[:5]
+    assert expected.keys() == got.keys(), sorted(expected.keys() ^ got.keys())[:10]
+    differ = [(k, expected[k], got[k]) for k in expected if got[k] != expected[k]]
+    assert not differ, differ[:10]
 
 
 #: The stop signals of issue 63 beyond SIGTERM / SIGINT (SIGHUP: the terminal closed; SIGUSR1
