@@ -22,13 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import GIB, emit_result, peak_rss_bytes, print_table, run_worker
 from benchmarks.update_throughput import checkpoint_for

@@ -7,7 +7,7 @@ makes three collectives (sum, max, min) whatever their number; the same metrics 
 at a time when computed (a mean has two states: about 80 collectives). Two real gloo ranks on
 this machine, the median of ``--repeats`` reductions, side by side in one run.
 
-    python benchmarks/metric_sync_cost.py            # ~20 s
+    python -m benchmarks.metric_sync_cost            # ~20 s
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -24,9 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torchmetrics import MaxMetric, MeanMetric, SumMetric
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dapo_lightning.metrics import MetricAccumulator  # noqa: E402
-from dapo_lightning.testing import free_port  # noqa: E402
+from dapo_lightning.metrics import MetricAccumulator
+from dapo_lightning.testing import free_port
 
 #: A rollout step's metrics by reduce op (the counts of a real step's log).
 OPS = ["mean"] * 25 + ["sum"] * 14 + ["max"] * 6

@@ -26,13 +26,8 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from torch import Tensor, nn

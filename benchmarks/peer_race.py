@@ -84,9 +84,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file (or as the fit's callback module): repo importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import lightning.pytorch as pl
 import yaml
 

@@ -116,11 +116,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: the repository importable
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import yaml
 
 from benchmarks._common import out_dir

@@ -23,10 +23,10 @@ traces stay beside the runs, ``<mode>/seed<S>/logs/version_0/phase_trace.json``)
 
 Usage::
 
-    .venv/bin/python benchmarks/pipeline_overlap.py                      # seeds 0 1 2
-    .venv/bin/python benchmarks/pipeline_overlap.py --seeds 0 --max-steps 100
-    .venv/bin/python benchmarks/pipeline_overlap.py --quick              # smoke: 1 seed, 4 updates
-    .venv/bin/python benchmarks/pipeline_overlap.py --modes sync one_step_off one_step_off_icepop
+    .venv/bin/python -m benchmarks.pipeline_overlap                      # seeds 0 1 2
+    .venv/bin/python -m benchmarks.pipeline_overlap --seeds 0 --max-steps 100
+    .venv/bin/python -m benchmarks.pipeline_overlap --quick              # smoke: 1 seed, 4 updates
+    .venv/bin/python -m benchmarks.pipeline_overlap --modes sync one_step_off one_step_off_icepop
 """
 
 from __future__ import annotations
@@ -45,11 +45,8 @@ from typing import Any
 import lightning.pytorch as pl
 import yaml
 
-from dapo_lightning.plot import find_metrics_csv, read_metrics
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO_ROOT, out_dir, print_table  # noqa: E402
-from quickstart_curve import (  # noqa: E402
+from benchmarks._common import REPO_ROOT, out_dir, print_table
+from benchmarks.quickstart_curve import (
     QUICKSTART,
     T0_ENV,
     TARGET,
@@ -58,6 +55,7 @@ from quickstart_curve import (  # noqa: E402
     val_curve,
     write_override,
 )
+from dapo_lightning.plot import find_metrics_csv, read_metrics
 
 #: The runs compared (``--modes``), the baseline first: the pipeline and extra CLI arguments.
 MODES: dict[str, tuple[str, list[str]]] = {
@@ -131,7 +129,7 @@ def run_mode(
     config = yaml.safe_load(override.read_text())
     config["trainer"]["callbacks"] += [
         {
-            "class_path": "pipeline_overlap.StepClock",
+            "class_path": "benchmarks.pipeline_overlap.StepClock",
             "init_args": {"path": str(run_dir / "step_clock.jsonl")},
         },
         {"class_path": "dapo_lightning.callbacks.PhaseTrace"},  # logs/version_0/phase_trace.json
@@ -151,7 +149,7 @@ def run_mode(
     cmd += extra
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
+        [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]
     )
     t0 = time.time()
     env[T0_ENV] = repr(t0)

@@ -5,7 +5,7 @@ budget, and the speed ratio the phase times predict.
 Usage (after ``benchmarks/smollm2_curve.py --methods dapo dapo_one_step_off ... --name NAME``;
 several names are read together, e.g. a separate run of ``dapo_one_step_off_fixed``)::
 
-    .venv/bin/python benchmarks/pipeline_phases.py --names rg_share rg_fixed --budget-min 20
+    .venv/bin/python -m benchmarks.pipeline_phases --names rg_share rg_fixed --budget-min 20
 
 The predicted ratios, with G and U a phase's seconds per step on all the cores (the sync run)
 and G1, U1 on the one-step-off split (``dapo_one_step_off_fixed``: the update on one of two
@@ -29,14 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.smollm2_curve import mean_over_budget
 from dapo_lightning.plot import find_metrics_csv, read_metrics
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from smollm2_curve import mean_over_budget  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 #: The metrics read per rollout step, and how a run's values are summarised.

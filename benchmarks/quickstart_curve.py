@@ -21,9 +21,9 @@ wall-clock seconds.
 
 Usage::
 
-    .venv/bin/python benchmarks/quickstart_curve.py                # seeds 0 1 2, the full config
-    .venv/bin/python benchmarks/quickstart_curve.py --quick        # smoke: 1 seed, 2 updates
-    .venv/bin/python benchmarks/quickstart_curve.py --seeds 3 4 --max-steps 100
+    .venv/bin/python -m benchmarks.quickstart_curve                # seeds 0 1 2, the full config
+    .venv/bin/python -m benchmarks.quickstart_curve --quick        # smoke: 1 seed, 2 updates
+    .venv/bin/python -m benchmarks.quickstart_curve --seeds 3 4 --max-steps 100
 """
 
 from __future__ import annotations
@@ -42,10 +42,8 @@ from typing import Any
 import lightning.pytorch as pl
 import yaml
 
+from benchmarks._common import REPO_ROOT, config_callbacks, model_override, out_dir, print_table
 from dapo_lightning.plot import Series, find_metrics_csv, read_metrics
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO_ROOT, config_callbacks, model_override, out_dir, print_table  # noqa: E402
 
 #: The command's config file (relative to the repository root).
 QUICKSTART = "configs/quickstart.yaml"
@@ -100,7 +98,7 @@ def write_override(run_dir: Path, *, quick: bool, model_dir: Path | None = None)
                 args["every_n_train_steps"] = 1
     callbacks.append(
         {
-            "class_path": "quickstart_curve.WallClock",
+            "class_path": "benchmarks.quickstart_curve.WallClock",
             "init_args": {"path": str(run_dir / "wall_clock.jsonl")},
         }
     )
@@ -184,7 +182,7 @@ def run_seed(
     cmd += extra
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
+        [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]
     ).rstrip(os.pathsep)
     t0 = time.time()
     env[T0_ENV] = repr(t0)

@@ -9,8 +9,8 @@ size's rate relative to the largest.
 
 Usage::
 
-    python benchmarks/rollout_throughput.py --quick          # < 1 minute on 2 CPU cores
-    python benchmarks/rollout_throughput.py --model-path /path/to/ckpt --dtype bfloat16
+    python -m benchmarks.rollout_throughput --quick          # < 1 minute on 2 CPU cores
+    python -m benchmarks.rollout_throughput --model-path /path/to/ckpt --dtype bfloat16
     # SmolLM2-135M-Instruct on the recipe's chat prompts (folder from make-model):
     python -m benchmarks.rollout_throughput --model-path benchmarks/out/smollm2-135m-instruct \
         --dtype bfloat16 --word-problems --prompts 16 --n 8 16 --max-tokens 128 512

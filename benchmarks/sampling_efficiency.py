@@ -56,29 +56,25 @@ import argparse
 import math
 import random
 import statistics
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import bar_chart, out_dir, print_table  # noqa: E402
-
-from dapo_lightning.data.prompts.sources import PromptRecord  # noqa: E402
-from dapo_lightning.data.sampling.producer import DynamicSamplingConfig, RolloutProducer  # noqa: E402
-from dapo_lightning.data.sampling.rounds import RoundHooks  # noqa: E402
-from dapo_lightning.rewards.base import RewardResult, RewardRunner  # noqa: E402
-from dapo_lightning.rollout.base import (  # noqa: E402
+from benchmarks._common import bar_chart, out_dir, print_table
+from dapo_lightning.data.prompts.sources import PromptRecord
+from dapo_lightning.data.sampling.producer import DynamicSamplingConfig, RolloutProducer
+from dapo_lightning.data.sampling.rounds import RoundHooks
+from dapo_lightning.rewards.base import RewardResult, RewardRunner
+from dapo_lightning.rollout.base import (
     DRAIN,
     Completion,
     EngineCapabilities,
     RolloutEngine,
     SamplingConfig,
 )
-from dapo_lightning.rollout.session import EngineSession  # noqa: E402
+from dapo_lightning.rollout.session import EngineSession
 
 #: The recipe's dynamic-sampling shape (configs/smollm2_135m.yaml).
 RECIPE = dict(n=8, train_batch_size=8, gen_batch_size=16, max_num_gen_batches=10)

@@ -21,8 +21,8 @@ per-call wall time; calls/s is calls / elapsed wall time. Writes ``docs/img/sand
 
 Usage::
 
-    .venv/bin/python benchmarks/sandbox_throughput.py            # ~40 s
-    .venv/bin/python benchmarks/sandbox_throughput.py --quick
+    .venv/bin/python -m benchmarks.sandbox_throughput            # ~40 s
+    .venv/bin/python -m benchmarks.sandbox_throughput --quick
 """
 
 from __future__ import annotations
@@ -38,13 +38,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO_ROOT, out_dir, print_table  # noqa: E402
-
-from dapo_lightning.envs.python_tool import PythonToolEnvironment  # noqa: E402
-from dapo_lightning.rewards.code_tests import CodeTestsReward  # noqa: E402
-from dapo_lightning.sandbox import Sandbox, SandboxConfig  # noqa: E402
-from dapo_lightning.sandbox.command import interpreter  # noqa: E402
+from benchmarks._common import REPO_ROOT, out_dir, print_table
+from dapo_lightning.envs.python_tool import PythonToolEnvironment
+from dapo_lightning.rewards.code_tests import CodeTestsReward
+from dapo_lightning.sandbox import Sandbox, SandboxConfig
+from dapo_lightning.sandbox.command import interpreter
 
 TESTS = json.dumps(["assert f(2) == 4", "assert f(0) == 0", "assert f(-3) == -6"])
 TOOL_TURN = (

@@ -28,22 +28,22 @@ minutes and optimizer updates, DAPO solid, GRPO dashed, LoRA dotted, one colour 
 
 Usage::
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/smollm2_curve.py   # 2 seeds x 2 methods, 15 min
-    .venv/bin/python benchmarks/smollm2_curve.py --methods dapo --seeds 0 --budget-min 10
-    .venv/bin/python benchmarks/smollm2_curve.py --clock cpu           # equal compute under load
-    .venv/bin/python benchmarks/smollm2_curve.py --quick     # smoke: DAPO, 1 seed, 2 updates
-    .venv/bin/python benchmarks/smollm2_curve.py --methods lora --seeds 0   # LoRA adapters
-    .venv/bin/python benchmarks/smollm2_curve.py --methods dapo calculator --name smollm2_calculator
-    .venv/bin/python benchmarks/smollm2_curve.py --quick --methods dapo calculator --model-dir M
-    .venv/bin/python benchmarks/smollm2_curve.py --report    # tables + PNG of the runs on disk
-    .venv/bin/python benchmarks/smollm2_curve.py --name smollm2_curve_lr1e-4 --model.optimizer.init_args.lr 1e-4
-    .venv/bin/python benchmarks/smollm2_curve.py --recipe reasoning_gym --budget-min 20   # the
+    OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.smollm2_curve   # 2 seeds x 2 methods, 15 min
+    .venv/bin/python -m benchmarks.smollm2_curve --methods dapo --seeds 0 --budget-min 10
+    .venv/bin/python -m benchmarks.smollm2_curve --clock cpu           # equal compute under load
+    .venv/bin/python -m benchmarks.smollm2_curve --quick     # smoke: DAPO, 1 seed, 2 updates
+    .venv/bin/python -m benchmarks.smollm2_curve --methods lora --seeds 0   # LoRA adapters
+    .venv/bin/python -m benchmarks.smollm2_curve --methods dapo calculator --name smollm2_calculator
+    .venv/bin/python -m benchmarks.smollm2_curve --quick --methods dapo calculator --model-dir M
+    .venv/bin/python -m benchmarks.smollm2_curve --report    # tables + PNG of the runs on disk
+    .venv/bin/python -m benchmarks.smollm2_curve --name smollm2_curve_lr1e-4 --model.optimizer.init_args.lr 1e-4
+    .venv/bin/python -m benchmarks.smollm2_curve --recipe reasoning_gym --budget-min 20   # the
         # reasoning-gym recipe (configs/smollm2_reasoning_gym.yaml), target +0.35 over the start
-    .venv/bin/python benchmarks/smollm2_curve.py --recipe tool_use --model-dir SFT_DIR --budget-min 27
+    .venv/bin/python -m benchmarks.smollm2_curve --recipe tool_use --model-dir SFT_DIR --budget-min 27
         # agent RL (configs/smollm2_tool_use.yaml) from a cold start (dapo-lightning sft), target 0.6
-    .venv/bin/python benchmarks/smollm2_curve.py --recipe arithmetic --model-dir SFT_DIR --budget-min 27
+    .venv/bin/python -m benchmarks.smollm2_curve --recipe arithmetic --model-dir SFT_DIR --budget-min 27
         # chained calls (configs/smollm2_arithmetic.yaml) from its cold start, target 0.6
-    .venv/bin/python benchmarks/smollm2_curve.py --recipe python_tool --model-dir SFT_DIR --budget-min 24
+    .venv/bin/python -m benchmarks.smollm2_curve --recipe python_tool --model-dir SFT_DIR --budget-min 24
         # a sandboxed Python tool (configs/smollm2_python_tool.yaml) from its cold start, target 0.8
 
 Extra arguments go to every ``dapo-lightning fit`` (e.g. ``--trainer.val_check_interval 10``).
@@ -66,16 +66,14 @@ from typing import Any
 import lightning.pytorch as pl
 import yaml
 
-from dapo_lightning.plot import find_metrics_csv, read_metrics
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from benchmarks._common import (
     REPO_ROOT,
     config_callbacks,
     generated_steps,
     out_dir,
     print_table,
 )
+from dapo_lightning.plot import find_metrics_csv, read_metrics
 
 #: The recipes (``--recipe``), relative to the repository root.
 RECIPES = {
@@ -231,7 +229,7 @@ def write_override(
             callback.setdefault("init_args", {})["dirpath"] = str(run_dir / "checkpoints")
     callbacks.append(
         {
-            "class_path": "smollm2_curve.TimeBudget",
+            "class_path": "benchmarks.smollm2_curve.TimeBudget",
             "init_args": {
                 "budget_s": budget_s,
                 "path": str(run_dir / "clock.jsonl"),
@@ -396,7 +394,7 @@ def run_one(
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(cores))
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")]
+        [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]
     ).rstrip(os.pathsep)
     load_start = _loadavg()
     print(f"{method} seed {seed}: running (load {load_start}) ...", flush=True)

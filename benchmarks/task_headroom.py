@@ -22,9 +22,9 @@ Writes ``benchmarks/out/task_headroom.png`` (accuracy per template) and ``.json`
 
 Usage::
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/task_headroom.py          # SmolLM2, ~4 min
-    .venv/bin/python benchmarks/task_headroom.py --mixes additive --prompts 64 --n 16
-    .venv/bin/python benchmarks/task_headroom.py --mixes --rg ba_2x1_addsub chain_2x1 \
+    OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.task_headroom          # SmolLM2, ~4 min
+    .venv/bin/python -m benchmarks.task_headroom --mixes additive --prompts 64 --n 16
+    .venv/bin/python -m benchmarks.task_headroom --mixes --rg ba_2x1_addsub chain_2x1 \
         --prompts 32 --max-tokens 64       # reasoning-gym settings only
 """
 
@@ -32,24 +32,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import bar_chart, out_dir, print_table  # noqa: E402
-from smollm2_curve import DEFAULT_MODEL_DIR, ensure_model  # noqa: E402
-
-from dapo_lightning.data.prompts.sources import encode_prompt  # noqa: E402
-from dapo_lightning.rollout.base import SamplingConfig  # noqa: E402
-from dapo_lightning.tasks.reasoning_gym import (  # noqa: E402
+from benchmarks._common import bar_chart, out_dir, print_table
+from benchmarks.smollm2_curve import DEFAULT_MODEL_DIR, ensure_model
+from dapo_lightning.data.prompts.sources import encode_prompt
+from dapo_lightning.rollout.base import SamplingConfig
+from dapo_lightning.tasks.reasoning_gym import (
     ReasoningGymReward,
     make_reasoning_gym_rows,
 )
-from dapo_lightning.tasks.word_problems import (  # noqa: E402
+from dapo_lightning.tasks.word_problems import (
     MIXES,
     LastNumberReward,
     make_word_problem_rows,

@@ -39,9 +39,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from benchmarks._common import REPO_ROOT, bar_chart, out_dir, print_table
 
 CLI = str(Path(sys.executable).parent / "dapo-lightning")

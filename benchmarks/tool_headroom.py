@@ -26,36 +26,33 @@ turns per episode and assistant tokens. Writes ``benchmarks/out/tool_headroom.js
 
 Usage::
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/tool_headroom.py            # ~3 min
-    .venv/bin/python benchmarks/tool_headroom.py --variants tool demo --prompts 64
+    OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.tool_headroom            # ~3 min
+    .venv/bin/python -m benchmarks.tool_headroom --variants tool demo --prompts 64
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import bar_chart, out_dir, print_table  # noqa: E402
-from smollm2_curve import DEFAULT_MODEL_DIR, ensure_model  # noqa: E402
-from task_headroom import RG_SETTINGS  # noqa: E402
-
-from dapo_lightning.data.prompts.sources import (  # noqa: E402
+from benchmarks._common import bar_chart, out_dir, print_table
+from benchmarks.smollm2_curve import DEFAULT_MODEL_DIR, ensure_model
+from benchmarks.task_headroom import RG_SETTINGS
+from dapo_lightning.data.prompts.sources import (
     FieldMap,
     records_from_rows,
     tokenize_records,
 )
-from dapo_lightning.envs import EnvironmentConfig, environment_factory  # noqa: E402
-from dapo_lightning.envs.replay import ReplayEngine  # noqa: E402
-from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter  # noqa: E402
-from dapo_lightning.envs.session import introduce_tools  # noqa: E402
-from dapo_lightning.rollout.base import SamplingConfig  # noqa: E402
-from dapo_lightning.tasks.reasoning_gym import (  # noqa: E402
+from dapo_lightning.envs import EnvironmentConfig, environment_factory
+from dapo_lightning.envs.replay import ReplayEngine
+from dapo_lightning.envs.runner import EpisodeRunner, ObservationFormatter
+from dapo_lightning.envs.session import introduce_tools
+from dapo_lightning.rollout.base import SamplingConfig
+from dapo_lightning.tasks.reasoning_gym import (
     ReasoningGymReward,
     make_reasoning_gym_rows,
 )

@@ -10,7 +10,7 @@ run's minutes; ``-``: no cold start). Prints a table and writes a PNG.
 
 Usage::
 
-    .venv/bin/python benchmarks/tool_use_report.py \\
+    .venv/bin/python -m benchmarks.tool_use_report \\
         "cold start + DAPO, seed 0=benchmarks/out/tool_use_s0/dapo/seed0@runs/smollm2_tool_use/sft_seed0" \\
         "cold start + DAPO, seed 1=benchmarks/out/tool_use_s1/dapo/seed1@runs/smollm2_tool_use/sft_seed1" \\
         --cold-start-only runs/smollm2_tool_use/sft_56_seed0@VALIDATE_RUN_DIR ... \\
@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import generated_steps, print_table  # noqa: E402
-
-from dapo_lightning.plot import find_metrics_csv, read_metrics  # noqa: E402
+from benchmarks._common import generated_steps, print_table
+from dapo_lightning.plot import find_metrics_csv, read_metrics
 
 
 def cold_start_cpu_s(model_dir: str) -> float:

@@ -42,15 +42,11 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (
     GIB,

@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks import quickstart_curve
 from dapo_lightning.tasks import arithmetic_warmup
 from dapo_lightning.tasks.arithmetic import make_arithmetic_rows
 from dapo_lightning.tasks.arithmetic_warmup import (
@@ -30,9 +31,6 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "dapo-lightning")
 QUICKSTART_FIT = [CLI, "fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
                   "--trainer.default_root_dir", "run", "--trainer.max_steps", "0"]  # fmt: skip
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import quickstart_curve  # noqa: E402
 
 
 def _answer_prob(model, tok, prompt: str, answer: str) -> float:

@@ -349,13 +349,13 @@ def test_code_tests_bad_settings_are_named():
 
 @pytest.mark.slow
 def test_the_throughput_benchmark_runs_quick():
-    """benchmarks/sandbox_throughput.py --quick end to end: its table and its PNG (no timing
+    """python -m benchmarks.sandbox_throughput --quick end to end: its table and its PNG (no timing
     asserted: these cores are shared)."""
     root = Path(__file__).resolve().parent.parent
     png = root / "benchmarks" / "out" / "sandbox_throughput_quick.png"
     png.unlink(missing_ok=True)
     proc = subprocess.run(
-        [sys.executable, "benchmarks/sandbox_throughput.py", "--quick"],
+        [sys.executable, "-m", "benchmarks.sandbox_throughput", "--quick"],
         cwd=root,
         env=dict(os.environ, PYTHONPATH=str(root), COLUMNS="200"),
         capture_output=True,
