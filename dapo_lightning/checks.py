@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
 __all__ = [
     "ConfigError",
@@ -90,6 +90,25 @@ def check_count(name: str, value: Any, low: int, what: str, *, none_ok: bool = F
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         null = " or null" if none_ok else ""
         raise ConfigError(f"{name} must be an integer >= {low}{null} ({what}), got {value!r}.")
+
+
+def choices_of(alias: Any) -> tuple[Any, ...]:
+    """The values a ``Literal`` type admits, in order (``Literal[...] | None`` adds None): a
+    setting's choices are declared once, in its type, and checked with :func:`check_choice`.
+
+    Example: ``choices_of(Literal["acc", "score"] | None) == ("acc", "score", None)``.
+    """
+    out: list[Any] = []
+    for arg in get_args(alias):
+        if arg is type(None):
+            out.append(None)
+        elif get_origin(arg) is Literal:
+            out.extend(choices_of(arg))
+        else:
+            out.append(arg)
+    if not out:
+        raise TypeError(f"{alias!r} is not a Literal type (or a union of them with None)")
+    return tuple(out)
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:

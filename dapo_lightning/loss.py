@@ -48,7 +48,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from dapo_lightning.checks import check_choice, check_finite
+from dapo_lightning.checks import check_choice, check_finite, choices_of
 from dapo_lightning.rollout_correction import RolloutCorrection
 
 #: Where :class:`PolicyLossConfig` sits in a run's YAML (``model.init_args.loss``), named as the
@@ -274,7 +274,7 @@ class PolicyLossConfig:
         check_choice(
             f"{LOSS_PATH}.importance_sampling_level",
             self.importance_sampling_level,
-            ("token", "sequence"),
+            choices_of(ImportanceSamplingLevel),
         )
         if self.kl_coef < 0:
             raise ValueError(

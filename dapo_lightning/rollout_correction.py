@@ -42,13 +42,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from dapo_lightning.checks import check_choice, check_finite
+from dapo_lightning.checks import check_choice, check_finite, choices_of
 
 #: Where :class:`RolloutCorrection` sits in a run's YAML (``model.init_args.loss.rollout_correction``),
 #: named as its errors name it: ``loss.LOSS_PATH`` + ``.rollout_correction`` (written out:
 #: ``loss`` imports this module).
 ROLLOUT_CORRECTION_PATH = "model.loss.rollout_correction"
 
+#: Which old log-probs stale rows take in the ratio (RolloutCorrection.stale_old).
+StaleOld = Literal["trainer", "engine"]
 CorrectionMode = Literal[
     "off",
     "token_truncate",
@@ -119,7 +121,7 @@ class RolloutCorrection:
     clip_max: float | None = None
     clip_min: float | None = None
     stale_tis_cap: float | None = 2.0
-    stale_old: Literal["trainer", "engine"] = "trainer"
+    stale_old: StaleOld = "trainer"
 
     def __post_init__(self) -> None:
         prefix = ROLLOUT_CORRECTION_PATH
@@ -128,7 +130,7 @@ class RolloutCorrection:
                 f"{prefix}.mode={self.mode!r} is not known; valid: "
                 f"{', '.join(MODES + tuple(PRESETS))}."
             )
-        check_choice(f"{prefix}.stale_old", self.stale_old, ("trainer", "engine"))
+        check_choice(f"{prefix}.stale_old", self.stale_old, choices_of(StaleOld))
         for name in ("clip_max", "clip_min", "stale_tis_cap"):
             check_finite(f"{prefix}.{name}", getattr(self, name), none_ok=True)
         if self.stale_tis_cap is not None and not self.stale_tis_cap > 0:

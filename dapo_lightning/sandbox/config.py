@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from dapo_lightning.checks import ConfigError, check_choice, check_count, check_finite
+from dapo_lightning.checks import (
+    ConfigError,
+    check_choice,
+    check_count,
+    check_finite,
+    choices_of,
+)
 
 #: How model-written code is isolated: ``bwrap`` (bubblewrap namespaces, the default) or
 #: ``none`` (a plain child process with the same resource limits: no isolation, warned at start).
-ISOLATIONS = ("bwrap", "none")
+#: How the sandbox isolates the code (SandboxConfig.isolation).
+Isolation = Literal["bwrap", "none"]
+ISOLATIONS = choices_of(Isolation)
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,7 @@ class SandboxConfig:
     max_open_files: int = 256
     max_output_bytes: int = 65536
     pool_size: int = 2
-    isolation: str = "bwrap"
+    isolation: Isolation = "bwrap"
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

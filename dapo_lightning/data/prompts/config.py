@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dapo_lightning.checks import ConfigError, check_choice, check_finite
+from dapo_lightning.checks import ConfigError, check_choice, check_finite, choices_of
 from dapo_lightning.data.prompts.sources import FieldMap
 
 __all__ = ["PromptConfig", "ScoringConfig", "ValidationConfig", "check_batch_split"]
@@ -28,6 +28,10 @@ __all__ = ["PromptConfig", "ScoringConfig", "ValidationConfig", "check_batch_spl
 
 def _finite(owner: str, name: str, value: float, fix: str) -> None:
     check_finite(f"data.{owner}.{name}", value, fix)
+
+
+#: What a prompt longer than the prompt budget does (PromptConfig.overlong_prompts).
+OverlongPrompts = Literal["error", "drop"]
 
 
 @dataclass
@@ -66,7 +70,7 @@ class PromptConfig:
     apply_chat_template: bool = True
     dedup: bool = True
     max_prompt_length: int = 2048
-    overlong_prompts: Literal["error", "drop"] = "error"
+    overlong_prompts: OverlongPrompts = "error"
 
     def __post_init__(self) -> None:
         if isinstance(self.max_prompt_length, bool) or not isinstance(self.max_prompt_length, int):
@@ -78,7 +82,9 @@ class PromptConfig:
             raise ConfigError(
                 f"data.prompts.max_prompt_length must be >= 1 token, got {self.max_prompt_length}."
             )
-        check_choice("data.prompts.overlong_prompts", self.overlong_prompts, ("error", "drop"))
+        check_choice(
+            "data.prompts.overlong_prompts", self.overlong_prompts, choices_of(OverlongPrompts)
+        )
         for name in ("prompt_key", "answer_key"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from dapo_lightning.checks import ConfigError, as_group, check_choice, check_count
+from dapo_lightning.checks import ConfigError, as_group, check_choice, check_count, choices_of
 from dapo_lightning.data.prompts.config import check_batch_split
 from dapo_lightning.data.selection.difficulty import (
     SELECTION_PATH,
@@ -178,7 +178,7 @@ class DynamicSamplingConfig:
 
     def __post_init__(self) -> None:
         path = DYNAMIC_SAMPLING_PATH
-        check_choice(f"{path}.pipeline", self.pipeline, ("sync", "one_step_off"))
+        check_choice(f"{path}.pipeline", self.pipeline, choices_of(Pipeline))
         fix = "one_step_off: {share_cores: true, start_after_updates: 0}"
         group = as_group(self.one_step_off, OneStepOffConfig, ONE_STEP_OFF_PATH, fix)
         object.__setattr__(self, "one_step_off", group)
@@ -189,9 +189,9 @@ class DynamicSamplingConfig:
                 f"rollout thread; with {path}.pipeline={self.pipeline!r} every batch starts "
                 "after its step: set pipeline: one_step_off or start_after_updates: 0."
             )
-        check_choice(f"{path}.filter_metric", self.filter_metric, ("acc", "score", "reward", None))
-        check_choice(f"{path}.on_exhausted", self.on_exhausted, ("train_on_kept", "stop", "error"))
-        check_choice(f"{path}.round_sizing", self.round_sizing, ("fixed", "kept_frac"))
+        check_choice(f"{path}.filter_metric", self.filter_metric, choices_of(FilterMetric))
+        check_choice(f"{path}.on_exhausted", self.on_exhausted, choices_of(OnExhausted))
+        check_choice(f"{path}.round_sizing", self.round_sizing, choices_of(RoundSizing))
         check_count(f"{DYNAMIC_SAMPLING_PATH}.n", self.n, 1, "responses per prompt")
         check_count(
             f"{DYNAMIC_SAMPLING_PATH}.train_batch_size",

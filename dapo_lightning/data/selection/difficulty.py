@@ -46,7 +46,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dapo_lightning.checks import ConfigError, check_choice, check_count, check_finite
+from dapo_lightning.checks import (
+    ConfigError,
+    check_choice,
+    check_count,
+    check_finite,
+    choices_of,
+)
 
 SelectionStrategy = Literal["uniform", "predictive"]
 
@@ -120,7 +126,7 @@ class PromptSelectionConfig:
     review_weight: float = 0.2
 
     def __post_init__(self) -> None:
-        check_choice(f"{SELECTION_PATH}.strategy", self.strategy, ("uniform", "predictive"))
+        check_choice(f"{SELECTION_PATH}.strategy", self.strategy, choices_of(SelectionStrategy))
         check_finite(f"{SELECTION_PATH}.max_skip", self.max_skip, "Give a number in [0, 1).")
         if not 0.0 <= self.max_skip < 1.0:
             raise ConfigError(
