@@ -27,7 +27,7 @@ from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
 from dapo_lightning.checks import ConfigError, check_count
-from dapo_lightning.envs.runner import EnvironmentFailureError
+from dapo_lightning.envs.calls import EnvironmentFailureError
 from dapo_lightning.interrupt import AbortRequested, StopRequested, stop_requested
 from dapo_lightning.policy_state import HoldsPolicyState
 from dapo_lightning.ranks import lost_rank

@@ -45,13 +45,13 @@ from transformers.utils import logging as hf_logging
 
 from dapo_lightning.checkpoint.checks import is_sharded_checkpoint
 from dapo_lightning.lora import (
-    LoraSettings,
     apply_lora,
     check_adapter_checkpoint,
     is_peft_model,
     load_quantized_policy,
     merged_model,
 )
+from dapo_lightning.lora.settings import LoraSettings
 from dapo_lightning.weights import load_policy
 
 #: The LightningModule attribute the policy lives under (state_dict keys ``policy.<name>``).

@@ -44,7 +44,6 @@ from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
 from dapo_lightning.lightning_internals import optimizer_step_progress
 from dapo_lightning.log_step import log_rollout_step, set_logging_step
 from dapo_lightning.lora import (
-    LoraSettings,
     as_lora_settings,
     check_quantize_supported,
     is_peft_model,
@@ -55,6 +54,7 @@ from dapo_lightning.lora import (
     restore_adapter_checkpoint,
     with_adapters,
 )
+from dapo_lightning.lora.settings import LoraSettings
 from dapo_lightning.loss import PolicyLossConfig
 from dapo_lightning.policy_state import PolicyState
 from dapo_lightning.rng_state import GLOBAL_RNGS, collect_rng_states, restore_rng_states

@@ -44,7 +44,8 @@ from dapo_lightning.batch import pad_sequences
 from dapo_lightning.checks import ConfigError, check_choice, check_count, check_finite
 from dapo_lightning.data.prompts.config import PromptConfig
 from dapo_lightning.data.prompts.loading import load_tokenizer, prepare_prompts
-from dapo_lightning.envs import EnvironmentConfig, environment_factory
+from dapo_lightning.envs import environment_factory
+from dapo_lightning.envs.base import EnvironmentConfig
 from dapo_lightning.envs.replay import complete_episode, play_demonstrations
 from dapo_lightning.envs.runner import ObservationFormatter
 from dapo_lightning.export import check_new_folder, export_pretrained

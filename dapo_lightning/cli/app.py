@@ -12,8 +12,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
-from dapo_lightning.callbacks import RunGuard
 from dapo_lightning.callbacks.collapse import raise_if_collapsed
+from dapo_lightning.callbacks.run_guard import RunGuard
 from dapo_lightning.callbacks.summary import replace_default_summary
 from dapo_lightning.checkpoint.checks import check_ckpt_path
 from dapo_lightning.checks import ConfigError

@@ -39,11 +39,10 @@ from dapo_lightning.data.prompts.loading import (
     prompt_fields,
     prompt_task,
 )
-from dapo_lightning.data.prompts.sources import PromptRecord
-from dapo_lightning.data.sampling.producer import DynamicSamplingConfig, RolloutProducer
+from dapo_lightning.data.sampling.producer import RolloutProducer
 from dapo_lightning.data.sampling.rank_layout import RankLayout
 from dapo_lightning.data.sampling.rounds import RoundHooks
-from dapo_lightning.data.sampling.settings import OneStepOffConfig
+from dapo_lightning.data.sampling.settings import DynamicSamplingConfig, OneStepOffConfig
 from dapo_lightning.data.selection.difficulty import PromptSelectionConfig
 from dapo_lightning.data.streams.one_step_off import (
     build_stream,
@@ -51,15 +50,13 @@ from dapo_lightning.data.streams.one_step_off import (
     rollout_process_group,
 )
 from dapo_lightning.data.streams.stream import RolloutStream
-from dapo_lightning.envs import (
-    EnvironmentConfig,
-    EpisodeSession,
-    environment_factory,
-    unsolved_demonstrations,
-)
+from dapo_lightning.envs import environment_factory, unsolved_demonstrations
+from dapo_lightning.envs.base import EnvironmentConfig
+from dapo_lightning.envs.session import EpisodeSession
 from dapo_lightning.hooks import call_dapo_hook, warn_undeclared_dapo_hooks
+from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.ranks import gather_objects, sum_over_group, sum_over_ranks
-from dapo_lightning.rewards import RewardRunner
+from dapo_lightning.rewards.base import RewardRunner
 from dapo_lightning.rollout.base import RolloutEngine, SamplingConfig
 from dapo_lightning.rollout.engines import check_engine, engine_capabilities
 from dapo_lightning.rollout.session import EngineSession

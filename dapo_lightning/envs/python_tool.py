@@ -26,7 +26,9 @@ from dapo_lightning.envs.calculator import CalculatorError, evaluate, question_e
 from dapo_lightning.envs.tools import ToolEnvironment
 from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rewards.code_tests import extract_code
-from dapo_lightning.sandbox import SandboxConfig, SandboxResult, as_sandbox_config, shared_sandbox
+from dapo_lightning.sandbox import as_sandbox_config, shared_sandbox
+from dapo_lightning.sandbox.config import SandboxConfig
+from dapo_lightning.sandbox.runner import SandboxResult
 
 #: What the policy sees when the code printed nothing and ended well.
 NO_OUTPUT = "(no output)"

@@ -58,7 +58,8 @@ from dapo_lightning.envs.calls import (
 )
 from dapo_lightning.envs.stats import STAT_KEYS, env_stats
 from dapo_lightning.prompts import PromptRecord
-from dapo_lightning.rewards.base import RewardResult, failure_result
+from dapo_lightning.rewards.base import failure_result
+from dapo_lightning.rewards.results import RewardResult
 from dapo_lightning.rollout.base import (
     Completion,
     EngineCapabilities,

@@ -24,14 +24,9 @@ from typing import Any
 
 from dapo_lightning.checks import check_finite
 from dapo_lightning.rewards.results import RewardResult
-from dapo_lightning.sandbox import (
-    Sandbox,
-    SandboxConfig,
-    SandboxResult,
-    as_sandbox_config,
-    check_isolation,
-    shared_sandbox,
-)
+from dapo_lightning.sandbox import as_sandbox_config, check_isolation, shared_sandbox
+from dapo_lightning.sandbox.config import SandboxConfig
+from dapo_lightning.sandbox.runner import Sandbox, SandboxResult
 
 _FENCE_RE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 

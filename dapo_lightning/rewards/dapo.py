@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from dapo_lightning.rewards.base import RewardResult
+from dapo_lightning.rewards.results import RewardResult
 
 #: The prediction when a response has neither an ``Answer:`` line nor a ``\boxed{}`` answer
 #: (the reference's sentinel string; it never equals a normalised ground truth in practice).

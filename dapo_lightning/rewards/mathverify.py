@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from dapo_lightning.rewards.base import RewardResult
+from dapo_lightning.rewards.results import RewardResult
 
 
 class MathVerifyReward:

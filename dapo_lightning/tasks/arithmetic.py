@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dapo_lightning.rewards import register_reward
-from dapo_lightning.rewards.base import RewardResult
+from dapo_lightning.rewards.results import RewardResult
 from dapo_lightning.tasks.base import register_task
 
 #: Default (operand range, ops) per difficulty level.

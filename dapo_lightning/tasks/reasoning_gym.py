@@ -62,8 +62,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dapo_lightning.rewards import register_reward
-from dapo_lightning.rewards.base import RewardResult
 from dapo_lightning.rewards.dapo import extract_answer_line, extract_boxed
+from dapo_lightning.rewards.results import RewardResult
 from dapo_lightning.tasks.base import register_task
 from dapo_lightning.tasks.word_problems import last_number_text
 

@@ -24,7 +24,7 @@ from fractions import Fraction
 from typing import Any
 
 from dapo_lightning.rewards import register_reward
-from dapo_lightning.rewards.base import RewardResult
+from dapo_lightning.rewards.results import RewardResult
 from dapo_lightning.tasks.base import register_task
 
 #: The instruction appended to every problem (``instruction=`` replaces it). Measured on

@@ -17,16 +17,19 @@ from dapo_lightning.data.prompts.config import PromptConfig, ScoringConfig, Vali
 from dapo_lightning.data.prompts.progress import is_rank_zero
 from dapo_lightning.data.prompts.sources import (
     FieldMap,
-    PromptRecord,
     load_prompt_records,
     records_from_rows,
     split_train_val,
     tokenize_records,
 )
-from dapo_lightning.envs import Environment, EnvironmentConfig, environment_factory
+from dapo_lightning.envs import environment_factory
+from dapo_lightning.envs.base import Environment, EnvironmentConfig
 from dapo_lightning.envs.session import introduce_tools
-from dapo_lightning.rewards import RewardRunner, get_reward
-from dapo_lightning.tasks import Task, get_task
+from dapo_lightning.prompts import PromptRecord
+from dapo_lightning.rewards import get_reward
+from dapo_lightning.rewards.base import RewardRunner
+from dapo_lightning.tasks import get_task
+from dapo_lightning.tasks.base import Task
 
 __all__ = [
     "PreparedPrompts",

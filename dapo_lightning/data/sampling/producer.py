@@ -37,7 +37,6 @@ from typing import Any
 import torch
 
 from dapo_lightning.batch import RolloutBatch, ScoredRollouts
-from dapo_lightning.data.prompts.sources import PromptRecord
 from dapo_lightning.data.sampling.carry_over import CarryOver, VersionedGroups
 from dapo_lightning.data.sampling.draw import selection_stats
 from dapo_lightning.data.sampling.end_game import (
@@ -64,6 +63,7 @@ from dapo_lightning.data.sampling.step_stats import STAT_OPS, StepStats
 from dapo_lightning.data.selection.difficulty import PredictiveSelector
 from dapo_lightning.data.selection.sampler import PromptSampler, PromptsExhausted, sized_round
 from dapo_lightning.interrupt import StopRequested, request_stop, stop_requested
+from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.ranks import sum_over_ranks
 from dapo_lightning.rewards.base import RewardRunner
 from dapo_lightning.rollout.base import SamplingConfig

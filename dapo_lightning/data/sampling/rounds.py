@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dapo_lightning.batch import FILTER_DECISION, ScoredRollouts
-from dapo_lightning.data.prompts.sources import PromptRecord
 from dapo_lightning.data.sampling.draw import draw_round
 from dapo_lightning.data.sampling.groups import (
     concat_rollouts,
@@ -34,6 +33,7 @@ from dapo_lightning.data.sampling.settings import DynamicSamplingConfig
 from dapo_lightning.data.sampling.step_stats import StepStats
 from dapo_lightning.data.selection.difficulty import DifficultyTracker, PredictiveSelector
 from dapo_lightning.data.selection.sampler import PromptSampler
+from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rollout.base import DRAIN, Completion, SamplingConfig
 
 #: Plays the environment's demonstration of each record: a completion, or None where none.

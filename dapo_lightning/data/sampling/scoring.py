@@ -17,10 +17,9 @@ from typing import Any
 import torch
 
 from dapo_lightning.batch import EPISODE_TEXT, PROMPT_TEXT, RESPONSE_TEXT, ScoredRollouts
-from dapo_lightning.data.prompts.sources import PromptRecord
 from dapo_lightning.data.sampling.step_stats import StepStats, numeric_extras
 from dapo_lightning.envs.runner import episode_results, episode_tool_calls, token_masks
-from dapo_lightning.prompts import prompt_text
+from dapo_lightning.prompts import PromptRecord, prompt_text
 from dapo_lightning.rewards.base import RewardRunner
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession

@@ -56,11 +56,11 @@ import torch.distributed as dist
 from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.checks import ConfigError
 from dapo_lightning.data.legacy_checkpoints import legacy_ready_batch
-from dapo_lightning.data.prompts.sources import PromptRecord
 from dapo_lightning.data.sampling.producer import RolloutProducer
 from dapo_lightning.data.sampling.settings import DYNAMIC_SAMPLING_PATH, DynamicSamplingConfig
 from dapo_lightning.data.sampling.step_stats import PIPELINE_STAT_OPS
 from dapo_lightning.data.streams.stream import Produced, RolloutStream
+from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.shared_cores import SharedCores

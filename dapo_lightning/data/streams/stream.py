@@ -14,9 +14,10 @@ from torch import nn
 
 from dapo_lightning.batch import EndOfTraining, RolloutBatch, ScoredRollouts
 from dapo_lightning.contract import PolicyHandle
-from dapo_lightning.data.prompts.sources import PromptRecord
-from dapo_lightning.data.sampling.producer import RolloutProducer, TrainingComplete
-from dapo_lightning.envs import EpisodeSession
+from dapo_lightning.data.sampling.end_game import TrainingComplete
+from dapo_lightning.data.sampling.producer import RolloutProducer
+from dapo_lightning.envs.session import EpisodeSession
+from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.rollout.session import EngineSession
 from dapo_lightning.trace import phase
