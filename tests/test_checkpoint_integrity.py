@@ -261,6 +261,7 @@ def test_a_collapse_stop_exits_non_zero_with_one_line(tmp_path, trained):
     assert torch.load(last, weights_only=True)["global_step"] == 1
 
 
+@pytest.mark.distributed
 def test_two_rank_checkpoint_resumed_on_one_rank_is_one_error_line(tmp_path, trained):
     """Item 10 (2 -> 1): a checkpoint of a real 2-rank DDP fit resumed on one rank: one line
     naming both rank counts and the fix, exit 2, where each rank printed a ValueError
