@@ -30,6 +30,8 @@ import lightning.pytorch as pl
 from dapo_lightning.callbacks.sample_files import Row, SampleFile
 from dapo_lightning.callbacks.sample_rows import (
     DEFERRED,
+    ROUND_GROUP,
+    complete_rows,
     mark_trained,
     rollout_rows,
     row_fingerprints,
@@ -190,7 +192,24 @@ class SampleLog(DAPOCallback):
         if not self.settings.writes_step(step):
             return
         rounds, deferred, _ = taken
-        rows = [*deferred, *(r for rnd in rounds for r in self._round_rows(rnd))]
+        out = self._step_rows(rounds, deferred, outputs, batch, step)
+        self._file(trainer, pl_module, "rollouts").append(out)
+        log_text(trainer, "samples/rollouts", out, self.settings.logger_samples, step)
+
+    def _step_rows(
+        self,
+        rounds: list[ScoredRollouts | list[Row]],
+        deferred: list[Row],
+        outputs: Any,
+        batch: RolloutBatch,
+        step: int,
+    ) -> list[Row]:
+        """The rows step ``step`` writes: its kept rows (deferred ones first) matched to the
+        trained batch, the kept ones not trained carried to the next step, then as many dropped
+        groups as ``max_groups`` leaves room for (only those are built)."""
+        fresh = [(self._next_round_id(), r) for r in rounds if isinstance(r, ScoredRollouts)]
+        rows = [*deferred, *(row for r in rounds if isinstance(r, list) for row in r)]
+        rows += [row for rid, r in fresh for row in rollout_rows(r, rid, dropped=False)]
         advantages = outputs.get("advantages") if isinstance(outputs, dict) else None
         if advantages is not None and len(advantages) == batch.batch_size:
             keys = row_fingerprints(batch.input_ids, batch.attention_mask, batch.response_width)
@@ -198,19 +217,32 @@ class SampleLog(DAPOCallback):
         carry = [
             r for r in rows if r["filter"] == "kept" and not r["trained"] and not r.get(DEFERRED)
         ]
+        complete_rows(carry)  # plain rows: they wait in the state (a checkpoint holds them)
         with self._lock:
             self._deferred.extend({**r, DEFERRED: True} for r in carry)
         held = {id(r) for r in carry}
-        out = step_rows([r for r in rows if id(r) not in held], step, self.settings.max_groups)
-        self._file(trainer, pl_module, "rollouts").append(out)
-        log_text(trainer, "samples/rollouts", out, self.settings.logger_samples, step)
+        rows = [r for r in rows if id(r) not in held]
+        limit = self.settings.max_groups
+        room = None if limit is None else limit - len({r[ROUND_GROUP] for r in rows})
+        for rid, r in fresh if self.settings.dropped else []:
+            if room is not None and room <= 0:
+                break
+            more = rollout_rows(r, rid, kept=False, max_groups=room)
+            rows += more
+            room = None if room is None else room - len({m[ROUND_GROUP] for m in more})
+        return step_rows(rows, step, limit)
+
+    def _next_round_id(self) -> int:
+        self._round_ids += 1
+        return self._round_ids
 
     def _round_rows(self, rnd: ScoredRollouts | list[Row]) -> list[Row]:
-        """The rows of a kept round (rows already, from a checkpoint, as they are)."""
+        """The rows of a round not trained yet (rows already, from a checkpoint, as they are)."""
         if isinstance(rnd, list):
             return rnd
-        self._round_ids += 1
-        return rollout_rows(rnd, self._round_ids, self.settings.dropped)
+        rows = rollout_rows(rnd, self._next_round_id(), self.settings.dropped)
+        complete_rows(rows)
+        return rows
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

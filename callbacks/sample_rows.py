@@ -54,16 +54,18 @@ from dapo_lightning.batch import (
     PROMPT_TEXT,
     RESPONSE_TEXT,
     ScoredRollouts,
-    pad_sequences,
 )
 
 Row = dict[str, Any]
 
 #: Internal row fields (matching, grouping, carried to the next step), never written: every
 #: field whose name starts with ``#``.
-KEY, ROUND_GROUP, DEFERRED = "#key", "#group", "#deferred"
+KEY, ROUND_GROUP, DEFERRED, SOURCE = "#key", "#group", "#deferred", "#source"
 #: ``extra`` keys a row shows in columns of their own.
 _OWN_EXTRAS = {RESPONSE_TEXT, PROMPT_TEXT, FILTER_DECISION, EPISODE_TEXT, "has_answer"}
+
+
+_PROMPT_SALT, _RESPONSE_SALT = 0x14057B7EF767814F, 0x2545F4914F6CDD1D
 
 
 def _weights(n: int, salt: int) -> Tensor:
@@ -79,20 +81,53 @@ def row_fingerprints(input_ids: Tensor, attention_mask: Tensor, response_width: 
     ids = (input_ids.long() + 1) * attention_mask.long()
     split = ids.shape[1] - response_width
     prompt, response = ids[:, :split].flip(1), ids[:, split:]
-    hp = (prompt * _weights(prompt.shape[1], 0x14057B7EF767814F)).sum(1)
-    hr = (response * _weights(response.shape[1], 0x2545F4914F6CDD1D)).sum(1)
+    hp = (prompt * _weights(prompt.shape[1], _PROMPT_SALT)).sum(1)
+    hr = (response * _weights(response.shape[1], _RESPONSE_SALT)).sum(1)
     return hp * 1000003 + hr
 
 
+def _sequence_hashes(seqs: Sequence[Sequence[int]], salt: int, from_end: bool) -> Tensor:
+    """``[len(seqs)]`` int64: ``sum_t (tok_t + 1) * w[pos_t]`` per sequence, ``pos`` counted from
+    its start (or its end): one flat tensor, no padding."""
+    lengths = torch.tensor([len(x) for x in seqs], dtype=torch.long)
+    flat = torch.tensor([t for x in seqs for t in x], dtype=torch.long)
+    row = torch.repeat_interleave(torch.arange(len(seqs)), lengths)
+    pos = torch.arange(len(flat)) - (torch.cumsum(lengths, 0) - lengths)[row]
+    if from_end:
+        pos = lengths[row] - 1 - pos
+    w = _weights(int(lengths.max()) if len(seqs) else 0, salt)
+    return torch.zeros(len(seqs), dtype=torch.long).index_add_(0, row, (flat + 1) * w[pos])
+
+
 def scored_fingerprints(rollouts: ScoredRollouts, rows: Sequence[int]) -> list[int]:
-    """:func:`row_fingerprints` of ``rollouts``' rows ``rows``."""
+    """:func:`row_fingerprints` of ``rollouts``' rows ``rows`` (the same values, computed on
+    the unpadded token lists)."""
     if not rows:
         return []
-    prompts = [rollouts.prompt_ids[i] for i in rows]
-    responses = [rollouts.response_ids[i] for i in rows]
-    ids, mask, _ = pad_sequences(prompts, responses, [[1] * len(r) for r in responses], 0)
-    width = max(1, max(len(r) for r in responses))
-    return row_fingerprints(ids, mask, width).tolist()
+    hp = _sequence_hashes([rollouts.prompt_ids[i] for i in rows], _PROMPT_SALT, True)
+    hr = _sequence_hashes([rollouts.response_ids[i] for i in rows], _RESPONSE_SALT, False)
+    return (hp * 1000003 + hr).tolist()
+
+
+def _columns(rollouts: ScoredRollouts) -> dict[str, list[Any]]:
+    """Every per-response value a row takes, as plain lists (one conversion per round)."""
+    n, extra = len(rollouts), rollouts.extra
+    none = [None] * n
+    has_answer = extra.get("has_answer", none)
+    return {
+        "prompt_id": rollouts.prompt_uid,
+        "prompt": extra.get(PROMPT_TEXT, none),
+        "response": extra.get(RESPONSE_TEXT, none),
+        "score": rollouts.score.float().tolist(),
+        "acc": rollouts.acc.float().tolist(),
+        "has_answer": [None if h is None else bool(h) for h in has_answer],
+        "finish_reason": rollouts.finish_reason,
+        "length": rollouts.response_length.tolist(),
+        "tool_calls": rollouts.tool_calls if rollouts.tool_calls is not None else none,
+        "episode": extra.get(EPISODE_TEXT, none),
+        "reward": rollouts.reward.float().tolist(),
+        "in_loss": rollouts.loss_mask.tolist(),
+    }
 
 
 def _scalar_extras(extra: dict[str, list[Any]], i: int) -> dict[str, Any]:
@@ -105,66 +140,89 @@ def _scalar_extras(extra: dict[str, list[Any]], i: int) -> dict[str, Any]:
     return out
 
 
-def _common(rollouts: ScoredRollouts, i: int) -> Row:
+_SHARED = ("prompt_id", "prompt", "response", "score", "acc", "has_answer", "finish_reason")
+
+
+def _common(cols: dict[str, list[Any]], extra: dict[str, list[Any]], i: int) -> Row:
     """The fields a rollout row and a validation row share."""
-    extra = rollouts.extra
-    has_answer = extra.get("has_answer", [None] * len(rollouts))[i]
-    return {
-        "prompt_id": rollouts.prompt_uid[i],
-        "prompt": extra.get(PROMPT_TEXT, [None] * len(rollouts))[i],
-        "response": extra.get(RESPONSE_TEXT, [None] * len(rollouts))[i],
-        "score": float(rollouts.score[i]),
-        "acc": float(rollouts.acc[i]),
-        "has_answer": None if has_answer is None else bool(has_answer),
-        "truncated": rollouts.finish_reason[i] == "length",
-        "finish_reason": rollouts.finish_reason[i],
-        "length": int(rollouts.response_length[i]),
-        "tool_calls": None if rollouts.tool_calls is None else int(rollouts.tool_calls[i]),
-        "episode": extra.get(EPISODE_TEXT, [None] * len(rollouts))[i],
-        "extra": _scalar_extras(extra, i),
-    }
+    row = {k: cols[k][i] for k in _SHARED}
+    row["truncated"] = row["finish_reason"] == "length"
+    row["length"] = cols["length"][i]
+    row["tool_calls"] = cols["tool_calls"][i]
+    row["episode"] = cols["episode"][i]
+    row["extra"] = _scalar_extras(extra, i)
+    return row
 
 
-def rollout_rows(rollouts: ScoredRollouts, round_id: int, dropped: bool = True) -> list[Row]:
+def rollout_rows(
+    rollouts: ScoredRollouts,
+    round_id: int,
+    dropped: bool = True,
+    *,
+    kept: bool = True,
+    max_groups: int | None = None,
+) -> list[Row]:
     """One row per response of a scored round (its shaping and filter decision final), with its
-    fingerprint; ``dropped=False`` leaves out the groups the filter dropped. ``round_id`` makes
-    the group ids distinct across rounds."""
+    fingerprint: the kept groups (``kept``) and the dropped ones (``dropped``), at most
+    ``max_groups`` groups (None: all). ``round_id`` makes the group ids distinct across
+    rounds. The rest of each row is read from the round by :func:`complete_rows` (only for the
+    rows written: a step's rows are matched first, then cut)."""
     n = len(rollouts)
-    decisions = rollouts.extra.get(FILTER_DECISION, ["kept"] * n)
-    index = [i for i in range(n) if dropped or decisions[i] == "kept"]
+    decisions = rollouts.extra.get(FILTER_DECISION) or ["kept"] * n
+    groups = rollouts.group_index.tolist()
+    index = [i for i in range(n) if (kept if decisions[i] == "kept" else dropped)]
+    if max_groups is not None:
+        chosen = set(list(dict.fromkeys(groups[i] for i in index))[:max_groups])
+        index = [i for i in index if groups[i] in chosen]
     kept_index = [i for i in index if decisions[i] == "kept"]
     keys = dict(zip(kept_index, scored_fingerprints(rollouts, kept_index)))
-    groups = rollouts.group_index.tolist()
     rows = []
     for i in index:
-        reward = float(rollouts.reward[i])
-        row = {
-            "batch_index": int(rollouts.batch_index),
-            "policy_version": int(rollouts.policy_version),
-            "staleness": None,
-            **_common(rollouts, i),
-            "reward": reward,
-            "shaping": reward - float(rollouts.score[i]),
-            "advantage": None,
-            "filter": decisions[i],
-            "trained": False,
-            "in_loss": bool(rollouts.loss_mask[i]),
-            KEY: keys.get(i),
-            ROUND_GROUP: (round_id, groups[i]),
-        }
-        rows.append(row)
+        rows.append(
+            {
+                "batch_index": int(rollouts.batch_index),
+                "policy_version": int(rollouts.policy_version),
+                "staleness": None,
+                "advantage": None,
+                "filter": decisions[i],
+                "trained": False,
+                KEY: keys.get(i),
+                ROUND_GROUP: (round_id, groups[i]),
+                SOURCE: (rollouts, i),
+            }
+        )
     return rows
+
+
+def complete_rows(rows: Iterable[Row]) -> None:
+    """Fill in, in place, the rows :func:`rollout_rows` left to be read from their round
+    (``SOURCE``): text, rewards, flags; only the rows written or kept are ever completed."""
+    cache: dict[int, dict[str, list[Any]]] = {}
+    for row in rows:
+        source = row.pop(SOURCE, None)
+        if source is None:
+            continue
+        rollouts, i = source
+        cols = cache.get(id(rollouts))
+        if cols is None:
+            cols = cache[id(rollouts)] = _columns(rollouts)
+        reward = cols["reward"][i]
+        row.update(_common(cols, rollouts.extra, i))
+        row.update(
+            reward=reward, shaping=reward - cols["score"][i], in_loss=bool(cols["in_loss"][i])
+        )
 
 
 def validation_rows(rollouts: ScoredRollouts, step: int, first_group: int) -> list[Row]:
     """One row per validation response; groups numbered from ``first_group``."""
     groups = rollouts.group_index.tolist()
+    cols = _columns(rollouts)
     seen: dict[int, int] = defaultdict(int)
     rows = []
     for i in range(len(rollouts)):
         g = groups[i]
         rows.append({"step": step, "group": first_group + g, "sample": seen[g]})
-        rows[-1].update(_common(rollouts, i))
+        rows[-1].update(_common(cols, rollouts.extra, i))
         seen[g] += 1
     return rows
 
@@ -202,6 +260,7 @@ def step_rows(rows: Sequence[Row], step: int, max_groups: int | None) -> list[Ro
     ordered = sorted(by_group.values(), key=rank)  # stable: scoring order within a rank
     if max_groups is not None:
         ordered = ordered[:max_groups]
+    complete_rows(row for group in ordered for row in group)
     out = []
     for g, group in enumerate(ordered):
         for s, row in enumerate(group):

@@ -26,6 +26,7 @@ import torch
 from dapo_lightning.callbacks import SampleLog, SampleLogConfig
 from dapo_lightning.callbacks.sample_files import SampleFile
 from dapo_lightning.callbacks.sample_rows import (
+    complete_rows,
     mark_trained,
     rollout_rows,
     row_fingerprints,
@@ -377,9 +378,11 @@ def test_an_episode_row_holds_its_whole_exchange(tiny_checkpoint):
     scorer = RolloutScorer(SimpleNamespace(engine=runner), _AnyAnswer(), decode)
     rollouts = scorer.score_completions([record], [episodes], sampling, 0, StepStats())
     rows = rollout_rows(rollouts, round_id=1)
+    complete_rows(rows)
     for row, episode in zip(rows, episodes):
         assert row["tool_calls"] == 1 and row["prompt"] == "What is 3*4?"
         assert row["episode"] == decode(episode.token_ids) and "obs 7" in row["episode"]
         assert row["response"] == episode.text and row["episode"].endswith(episode.text)
     single = _rollouts([[1, 2], [3]], [1, 0])
-    assert rollout_rows(single, round_id=1)[0]["episode"] is None
+    (out,) = step_rows(rollout_rows(single, round_id=1)[:1], step=1, max_groups=None)
+    assert out["episode"] is None and out["response"] == "1 2" and out["reward"] == 1.0
