@@ -19,7 +19,12 @@ from dapo_lightning.callbacks.collapse_judge import (
     judge,
     ngram_repetition,
 )
-from dapo_lightning.callbacks.entropy import EntropyScheduler, adaptive_coef, schedule_value
+from dapo_lightning.callbacks.entropy import (
+    AdaptiveEntropyBand,
+    EntropyScheduler,
+    adaptive_coef,
+    schedule_value,
+)
 from dapo_lightning.callbacks.initial_validation import ValidateAtStart
 from dapo_lightning.callbacks.overlong import OverlongRewardShaping, overlong_penalty
 from dapo_lightning.callbacks.progress import DAPOProgressBar, run_summary, stop_reason
@@ -50,6 +55,7 @@ __all__ = [
     "StepCheckpoint",
     "TrainingSnapshot",
     "ValidateAtStart",
+    "AdaptiveEntropyBand",
     "adaptive_coef",
     "default_detectors",
     "ema_update",

@@ -10,6 +10,7 @@ measured token entropy (:func:`adaptive_coef`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -24,46 +25,55 @@ _FIXED = ("constant", "linear", "cosine", "exponential")
 _ALL = (*_FIXED, "adaptive")
 
 
-def _check_adaptive(
-    where: str,
-    start: float,
-    target_low: float,
-    target_high: float,
-    adapt_rate: float,
-    max_rel_change: float,
-    coef_min: float,
-    coef_max: float,
-) -> None:
-    """The adaptive schedule's settings: finite, 0 < target_low <= target_high, adapt_rate > 0,
-    max_rel_change in (0, 1), 0 < coef_min <= coef_max, and start within [coef_min, coef_max]."""
-    for name, value in (
-        ("target_low", target_low),
-        ("target_high", target_high),
-        ("coef_min", coef_min),
-        ("coef_max", coef_max),
-        ("adapt_rate", adapt_rate),
-        ("max_rel_change", max_rel_change),
-    ):
-        check_finite(f"{where}.{name}", value)
-    if not 0 < target_low <= target_high:
-        raise ConfigError(
-            f"{where}: the adaptive schedule needs 0 < target_low <= target_high, got "
-            f"target_low={target_low}, target_high={target_high}."
-        )
-    if not adapt_rate > 0:
-        raise ConfigError(f"{where}.adapt_rate must be > 0, got {adapt_rate}.")
-    if not 0 < max_rel_change < 1:
-        raise ConfigError(f"{where}.max_rel_change must be in (0, 1), got {max_rel_change}.")
-    if not 0 < coef_min <= coef_max:
-        raise ConfigError(
-            f"{where}: the adaptive schedule needs 0 < coef_min <= coef_max, got "
-            f"coef_min={coef_min}, coef_max={coef_max}."
-        )
-    if not coef_min <= start <= coef_max:
-        raise ConfigError(
-            f"{where}.start={start} must lie in [coef_min={coef_min}, coef_max={coef_max}] "
-            "for the adaptive schedule."
-        )
+@dataclass(frozen=True)
+class AdaptiveEntropyBand:
+    """The adaptive controller's settings (:func:`adaptive_coef`), one record.
+
+    Args:
+        target_low: Lower edge of the target entropy band (nats per token), > 0.
+        target_high: Upper edge of the target entropy band, >= ``target_low``.
+        adapt_rate: Gain: relative step per unit of relative distance from the band, > 0.
+        max_rel_change: Largest relative change of the coefficient per update, in (0, 1).
+        coef_min: Lower bound of the coefficient, > 0 (a multiplicative controller cannot
+            leave 0).
+        coef_max: Upper bound of the coefficient, >= ``coef_min``.
+    """
+
+    target_low: float = 0.3
+    target_high: float = 1.0
+    adapt_rate: float = 0.1
+    max_rel_change: float = 0.05
+    coef_min: float = 1e-5
+    coef_max: float = 0.1
+
+    def check(self, where: str, start: float) -> None:
+        """Finite, 0 < target_low <= target_high, adapt_rate > 0, max_rel_change in (0, 1),
+        0 < coef_min <= coef_max, and ``start`` within [coef_min, coef_max]; a
+        :class:`ConfigError` naming ``where.<field>`` otherwise."""
+        for name, value in vars(self).items():
+            check_finite(f"{where}.{name}", value)
+        low, high, c_min, c_max = self.target_low, self.target_high, self.coef_min, self.coef_max
+        if not 0 < low <= high:
+            raise ConfigError(
+                f"{where}: the adaptive schedule needs 0 < target_low <= target_high, got "
+                f"target_low={low}, target_high={high}."
+            )
+        if not self.adapt_rate > 0:
+            raise ConfigError(f"{where}.adapt_rate must be > 0, got {self.adapt_rate}.")
+        if not 0 < self.max_rel_change < 1:
+            raise ConfigError(
+                f"{where}.max_rel_change must be in (0, 1), got {self.max_rel_change}."
+            )
+        if not 0 < c_min <= c_max:
+            raise ConfigError(
+                f"{where}: the adaptive schedule needs 0 < coef_min <= coef_max, got "
+                f"coef_min={c_min}, coef_max={c_max}."
+            )
+        if not c_min <= start <= c_max:
+            raise ConfigError(
+                f"{where}.start={start} must lie in [coef_min={c_min}, coef_max={c_max}] "
+                "for the adaptive schedule."
+            )
 
 
 def _check_schedule(
@@ -149,17 +159,7 @@ def schedule_value(
     return start * (end / start) ** p
 
 
-def adaptive_coef(
-    coef: float,
-    entropy: float,
-    *,
-    target_low: float,
-    target_high: float,
-    adapt_rate: float,
-    max_rel_change: float,
-    coef_min: float,
-    coef_max: float,
-) -> float:
+def adaptive_coef(coef: float, entropy: float, band: AdaptiveEntropyBand) -> float:
     """One step of the adaptive entropy-coefficient controller.
 
     The step is proportional to the relative distance of the entropy ``H`` from the target
@@ -177,13 +177,14 @@ def adaptive_coef(
     """
     if not math.isfinite(entropy):
         return coef
-    if entropy < target_low:
-        d = min(adapt_rate * (target_low - entropy) / target_low, max_rel_change)
+    b = band
+    if entropy < b.target_low:
+        d = min(b.adapt_rate * (b.target_low - entropy) / b.target_low, b.max_rel_change)
         coef = coef * (1.0 + d)
-    elif entropy > target_high:
-        d = min(adapt_rate * (entropy - target_high) / target_high, max_rel_change)
+    elif entropy > b.target_high:
+        d = min(b.adapt_rate * (entropy - b.target_high) / b.target_high, b.max_rel_change)
         coef = coef * (1.0 - d)
-    return min(max(coef, coef_min), coef_max)
+    return min(max(coef, b.coef_min), b.coef_max)
 
 
 class EntropyScheduler(DAPOCallback):
@@ -207,13 +208,9 @@ class EntropyScheduler(DAPOCallback):
         warmup_updates: Number of updates of linear warm-up from 0 to ``start``.
         total_updates: Update at which decaying schedules reach ``end`` (warm-up included);
             required for ``"linear"``, ``"cosine"`` and ``"exponential"``.
-        target_low: Adaptive: lower edge of the target entropy band (nats per token), > 0.
-        target_high: Adaptive: upper edge of the target entropy band, >= ``target_low``.
-        adapt_rate: Adaptive: gain; relative step per unit of relative distance from the band.
-        max_rel_change: Adaptive: largest relative change of the coefficient per update, in (0, 1).
-        coef_min: Adaptive: lower bound of the coefficient, > 0 (a multiplicative controller
-            cannot leave 0).
-        coef_max: Adaptive: upper bound of the coefficient.
+        target_low, target_high, adapt_rate, max_rel_change, coef_min, coef_max: The
+            adaptive controller's settings, kept as one :class:`AdaptiveEntropyBand`
+            (``self.band``; each documented there).
 
     Example::
 
@@ -245,28 +242,17 @@ class EntropyScheduler(DAPOCallback):
         super().__init__()
         where = type(self).__name__
         _check_schedule(schedule, start, end, total_updates, warmup_updates, where)
+        #: The adaptive controller's settings (used by ``schedule="adaptive"`` only).
+        self.band = AdaptiveEntropyBand(
+            target_low, target_high, adapt_rate, max_rel_change, coef_min, coef_max
+        )
         if schedule == "adaptive":
-            _check_adaptive(
-                where,
-                start,
-                target_low,
-                target_high,
-                adapt_rate,
-                max_rel_change,
-                coef_min,
-                coef_max,
-            )
+            self.band.check(where, start)
         self.schedule = schedule
         self.start = float(start)
         self.end = float(end)
         self.warmup_updates = warmup_updates
         self.total_updates = total_updates
-        self.target_low = target_low
-        self.target_high = target_high
-        self.adapt_rate = adapt_rate
-        self.max_rel_change = max_rel_change
-        self.coef_min = coef_min
-        self.coef_max = coef_max
         self.updates = 0  # optimizer updates seen
         self.adaptive_state = float(start)  # the adaptive controller's coefficient
         self.coef = self._coef_for(0)  # coefficient applied to the next update
@@ -297,16 +283,8 @@ class EntropyScheduler(DAPOCallback):
         """DAPO hook: after an optimizer update, set the coefficient for the next one."""
         self.updates += 1
         if self.schedule == "adaptive" and self.updates > self.warmup_updates:
-            self.adaptive_state = adaptive_coef(
-                self.adaptive_state,
-                float(metrics.get("entropy", math.nan)),
-                target_low=self.target_low,
-                target_high=self.target_high,
-                adapt_rate=self.adapt_rate,
-                max_rel_change=self.max_rel_change,
-                coef_min=self.coef_min,
-                coef_max=self.coef_max,
-            )
+            entropy = float(metrics.get("entropy", math.nan))
+            self.adaptive_state = adaptive_coef(self.adaptive_state, entropy, self.band)
         self.coef = self._coef_for(self.updates)
         policy_state_of(pl_module, "EntropyScheduler").set_entropy_coef(self.coef)
         pl_module.log("entropy/coef", self.coef, on_step=True, on_epoch=False, batch_size=1)

@@ -8,7 +8,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from dapo_lightning.callbacks.entropy import EntropyScheduler, adaptive_coef, schedule_value
+from dapo_lightning.callbacks.entropy import (
+    AdaptiveEntropyBand,
+    EntropyScheduler,
+    adaptive_coef,
+    schedule_value,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -113,14 +118,17 @@ ADAPTIVE = {
 }
 
 
+BAND = AdaptiveEntropyBand(**ADAPTIVE)
+
+
 def test_adaptive_step_directions_and_rate_limit() -> None:
     c = 0.01
-    assert adaptive_coef(c, 0.6, **ADAPTIVE) == c  # inside the band
-    assert adaptive_coef(c, 0.36, **ADAPTIVE) == pytest.approx(c * (1 + 0.5 * 0.1))  # small gap
-    assert adaptive_coef(c, 0.0, **ADAPTIVE) == pytest.approx(c * 1.05)  # capped
-    assert adaptive_coef(c, 0.88, **ADAPTIVE) == pytest.approx(c * (1 - 0.5 * 0.1))
-    assert adaptive_coef(c, 5.0, **ADAPTIVE) == pytest.approx(c * 0.95)  # capped
-    assert adaptive_coef(c, math.nan, **ADAPTIVE) == c  # skipped update
+    assert adaptive_coef(c, 0.6, BAND) == c  # inside the band
+    assert adaptive_coef(c, 0.36, BAND) == pytest.approx(c * (1 + 0.5 * 0.1))  # small gap
+    assert adaptive_coef(c, 0.0, BAND) == pytest.approx(c * 1.05)  # capped
+    assert adaptive_coef(c, 0.88, BAND) == pytest.approx(c * (1 - 0.5 * 0.1))
+    assert adaptive_coef(c, 5.0, BAND) == pytest.approx(c * 0.95)  # capped
+    assert adaptive_coef(c, math.nan, BAND) == c  # skipped update
 
 
 def test_adaptive_stays_in_bounds_and_respects_the_rate_limit() -> None:
