@@ -278,3 +278,24 @@ def test_huge_observation_is_cut_before_it_is_tokenized(tiny, capfd, monkeypatch
     assert runner.take_stats()["env/observations_cut"] == 4
     assert formatted == [], formatted
     assert "Token indices sequence length" not in capfd.readouterr().err
+
+
+def test_batched_tokenizing_gives_each_prompt_its_own_ids(tiny_checkpoint):
+    """tokenize_records encodes in batch calls (the 200 MB file's 1.16M prompts); the ids are
+    those of encode_prompt, one prompt at a time, with and without the chat template."""
+    from transformers import AutoTokenizer
+
+    from dapo_lightning.data.prompts.sources import records_from_rows, tokenize_records
+    from dapo_lightning.prompts import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    rows = [
+        {"prompt": f"{i} + {i * 7} =", "reward_model": {"ground_truth": "0"}} for i in range(2500)
+    ]
+    for template in (False, True) if tokenizer.chat_template else (False,):
+        records, _ = tokenize_records(
+            records_from_rows(rows), tokenizer, apply_chat_template=template
+        )
+        assert [r.prompt_ids for r in records] == [
+            encode_prompt(tokenizer, r.prompt, template) for r in records
+        ]

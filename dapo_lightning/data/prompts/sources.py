@@ -27,7 +27,7 @@ from dapo_lightning.prompts import (
     Prompt,
     PromptDataError,
     PromptRecord,
-    encode_prompt,
+    encode_prompts,
 )
 
 log = logging.getLogger(__name__)
@@ -425,6 +425,10 @@ def split_train_val(
     return train, val
 
 
+#: Prompts tokenized in one batch call by :func:`tokenize_records`.
+_ENCODE_BATCH = 1024
+
+
 def tokenize_records(
     records: Sequence[PromptRecord],
     tokenizer: Any,
@@ -449,10 +453,15 @@ def tokenize_records(
         )
     kept, dropped = [], 0
     progress = StageProgress("tokenizing", len(records), "prompts")
+    encoded: list[list[int]] = []
     for i, r in enumerate(records):
-        if i % 1024 == 0:
+        if i % _ENCODE_BATCH == 0:  # one batch call per _ENCODE_BATCH prompts
             progress.update(i)
-        ids = encode_prompt(tokenizer, r.prompt, apply_chat_template, tools)
+            batch = records[i : i + _ENCODE_BATCH]
+            encoded = encode_prompts(
+                tokenizer, [b.prompt for b in batch], apply_chat_template, tools
+            )
+        ids = encoded[i % _ENCODE_BATCH]
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             if overlong_prompts == "drop":
                 dropped += 1
