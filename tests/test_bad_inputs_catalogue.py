@@ -249,6 +249,7 @@ def test_large_prompt_file_says_its_progress_and_warns_of_a_huge_validation(
     )
     assert code == 0, err[-3000:]
     assert f"prompts: reading {path}: " in err and " MB, " in err, err[-3000:]
+    assert "prompts: removing duplicates: " in err, err[-3000:]
     assert "prompts: tokenizing: " in err and "of 38,000 prompts" in err, err[-3000:]
     assert "warning: 2,000 held-out prompts (data.validation.fraction=0.05 of 40,000" in err, err[
         -3000:

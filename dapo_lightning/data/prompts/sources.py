@@ -356,7 +356,10 @@ def deduplicate(records: Sequence[PromptRecord]) -> tuple[list[PromptRecord], in
     """
     seen: dict[str, PromptRecord] = {}
     conflicts = 0
-    for r in records:
+    progress = StageProgress("removing duplicates", len(records), "prompts")
+    for i, r in enumerate(records):
+        if i % 65536 == 0:
+            progress.update(i)
         key = prompt_text(r.prompt)
         if key in seen:
             conflicts += seen[key].answer != r.answer
@@ -365,6 +368,7 @@ def deduplicate(records: Sequence[PromptRecord]) -> tuple[list[PromptRecord], in
     if conflicts:
         log.warning("%d duplicate prompts had a different answer; kept the first.", conflicts)
     kept = list(seen.values())
+    progress.finish(f"{len(kept):,} distinct")
     uids = [r.uid for r in kept]
     if len(set(uids)) != len(uids):
         raise PromptDataError(
