@@ -258,16 +258,6 @@ def behaviour_log_probs(
     return Behaviour(rows, token_truncation(cap))
 
 
-@dataclass(frozen=True)
-class StepOutcome:
-    """What the last optimizer step did, set by the step's ``before_optimizer_step`` hook (the
-    strategy calls it inside ``optimizer_step``): the gradient norm before clipping, and
-    whether the step was skipped (a non-finite norm or step input: the weights stay)."""
-
-    grad_norm: float
-    skipped: bool
-
-
 @dataclass
 class StepTensors:
     """What every update of one rollout step shares.

@@ -45,6 +45,7 @@ from dapo_lightning.advantages import (
 )
 from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.contract import CoreShare
+from dapo_lightning.guarded_step import GuardedStep
 from dapo_lightning.interrupt import raise_stop, request_stop, should_stop, stop_requested
 from dapo_lightning.logprobs import response_log_probs
 from dapo_lightning.loss import LossInputs, PolicyLossConfig
@@ -52,14 +53,13 @@ from dapo_lightning.metrics import MetricAccumulator
 from dapo_lightning.policy_loss import policy_loss
 from dapo_lightning.policy_state import PolicyState
 from dapo_lightning.shared_prompts import shared_prompt_log_probs
-from dapo_lightning.step_guard import NonFiniteGuard, StepStart, all_finite, nonfinite_step_input
+from dapo_lightning.step_guard import StepStart
 from dapo_lightning.strategy import StrategyAdapter
 from dapo_lightning.trace import phase
 from dapo_lightning.update import (
     LOSS_METRIC_OPS,
     BatchingConfig,
     OptimizerStepConfig,
-    StepOutcome,
     StepTensors,
     behaviour_log_probs,
     micro_batch,
@@ -186,13 +186,12 @@ class UpdateLoop:
         #: The run state it advances (version, skipped updates, rollout steps) and the entropy
         #: weight it trains with (callbacks set it between updates): its one owner.
         self.state = PolicyState(entropy_coef=loss.entropy_coef)
-        #: Counts non-finite updates, holds the pre-step snapshot (:mod:`~dapo_lightning.step_guard`).
-        self.nonfinite_guard = NonFiniteGuard()
+        #: Each optimizer step with its checks; its guard counts the non-finite updates.
+        self.stepper = GuardedStep(ranks, step_config)
+        self.nonfinite_guard = self.stepper.guard
         #: This step's start copy (None: not taken, the step finishes on a stop) and updates.
         self.step_start: StepStart | None = None
         self.step_updates = 0
-        #: The last optimizer step's outcome: None before it, set by :meth:`before_optimizer_step`.
-        self.step_outcome: StepOutcome | None = None
         self.context = StepContext()
 
     def bind(
@@ -318,18 +317,8 @@ class UpdateLoop:
             if not last:
                 self.honour_stop()
         acc.add("lr", float(self.optimizer.param_groups[0]["lr"]), op="max")  # the rate it uses
-        self.step_outcome = None
-        self.ranks.optimizer_step(self.optimizer, self.before_optimizer_step)
-        if self.step_outcome is None:
-            raise RuntimeError(
-                "the optimizer step ran without before_optimizer_step (the gradient norm, "
-                "clipping and the non-finite check): a strategy must call it inside the step"
-            )
-        grad_norm, skipped = self.step_outcome.grad_norm, self.step_outcome.skipped
-        skipped = skipped or self.undo_if_nonfinite()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.step_config.skip_nonfinite:
-            self.nonfinite_guard.record(skipped, self.nonfinite_guard.last_reason)
+        outcome = self.stepper.step(self.optimizer, self.policy, self.before_optimizer_step)
+        grad_norm, skipped = outcome.grad_norm, outcome.skipped
         if skipped:
             self.state.skipped_updates += 1
         else:
@@ -383,37 +372,9 @@ class UpdateLoop:
         return loss, metrics, logp.detach()
 
     def before_optimizer_step(self, optimizer: Any) -> None:
-        """Gradient norm and clipping (after a GradScaler's unscale: Lightning calls this from
-        ``on_before_optimizer_step``); a non-finite norm, clip value or optimizer setting drops
-        the gradients so the step leaves the weights as they are; otherwise the step is
-        snapshot so that it can be undone (:mod:`dapo_lightning.step_guard`)."""
-        clip, guarded = self.step_config.gradient_clip_val, self.step_config.skip_nonfinite
-        params = [p for p in self.policy.parameters()]
-        norm = self.ranks.clip_grad_norm(params, clip)
-        known = not (math.isnan(norm) and self.ranks.steps_in_engine)
-        skipped = bool(guarded and known and not math.isfinite(norm))
-        guard = self.nonfinite_guard
-        guard.last_reason = f"gradient norm {norm}" if skipped else ""
-        if guarded and not skipped and not self.ranks.steps_in_engine:
-            bad = nonfinite_step_input(optimizer.param_groups, clip)
-            skipped, guard.last_reason = bad is not None, f"the step would use {bad}"
-            if not skipped:
-                guard.snapshot.take(optimizer)
-        if skipped:
-            optimizer.zero_grad(set_to_none=True)
-        self.step_outcome = StepOutcome(grad_norm=norm, skipped=skipped)
-
-    def undo_if_nonfinite(self) -> bool:
-        """After a step: when a parameter is not finite (on any rank), put the snapshot back
-        (parameters and optimizer state as before the step) and return True."""
-        if not self.step_config.skip_nonfinite or self.ranks.steps_in_engine:
-            return False
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        bad = self.ranks.any_rank(not all_finite(params))
-        if bad:
-            self.nonfinite_guard.snapshot.restore()
-            self.nonfinite_guard.last_reason = "the step left non-finite weights (undone)"
-        return bad
+        """The step's checks, right before it (:meth:`GuardedStep.before`: Lightning calls
+        this from the module's ``on_before_optimizer_step``)."""
+        self.stepper.before(optimizer, list(self.policy.parameters()))
 
     def honour_stop(self) -> None:
         """A stop request (on any rank) inside a rollout step, checked before each update after

@@ -143,7 +143,7 @@ def test_each_update_records_its_own_step_outcome_and_a_step_without_it_fails(
 
     def measured(optimizer):
         real(optimizer)
-        norms.append(loop.step_outcome.grad_norm)
+        norms.append(loop.stepper.outcome.grad_norm)
 
     monkeypatch.setattr(loop, "before_optimizer_step", measured)
     updates: list[dict[str, float]] = []
