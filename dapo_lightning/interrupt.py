@@ -23,11 +23,11 @@ then a requeue, :mod:`dapo_lightning.slurm`).
 second SIGINT after a first one (Ctrl-C pressed again) before the stop's save starts raises
 :class:`AbortRequested` at once, abandoning the update under way; any other later signal is
 ignored with one line (the first one is being honoured). Once the save has started
-(:func:`saving`) nothing interrupts it, and from the first request to the process's exit no
-stop signal ends the process early: the handlers stay in place until the exit
-(:func:`exit_on_stop`), and the handlers they were composed with (Lightning's, restored at the
-fit's teardown; :func:`exit_at_once_on_stop_signals`'s) ignore a signal while a stop is under
-way (:func:`stopping`).
+(:func:`saving`) nothing interrupts it, and from the first request until :func:`exit_on_stop`
+consumes it no stop signal ends the process early: the handlers stay in place after the guard's
+restore, and the handlers they were composed with (Lightning's, put back at the fit's
+teardown: :func:`exit_at_once_on_stop_signals`'s, :func:`exit_on_stop`'s) ignore a signal
+while a stop is under way (:func:`stopping`).
 """
 
 from __future__ import annotations
@@ -73,8 +73,6 @@ class StopRequested(Exception):
 
 
 _reason: str | None = None
-#: A stop ended the run (:func:`exit_on_stop` is exiting): later signals are ignored.
-_honoured = False
 #: The stop's save is under way (:func:`saving`): no signal interrupts it.
 _saving = False
 #: The line about a repeated signal was written (once per stop).
@@ -122,9 +120,9 @@ def clear_stop_request() -> None:
 
 
 def stopping() -> bool:
-    """True from a stop request to the process's exit (a stop is being honoured): a stop
-    signal then changes nothing."""
-    return _reason is not None or _honoured
+    """True from a stop request until it is consumed (:func:`exit_on_stop`): a stop signal
+    then changes nothing."""
+    return _reason is not None
 
 
 @contextlib.contextmanager
@@ -181,7 +179,7 @@ def _again(signum: int) -> None:
     the save aborts; any other is ignored, with one line per stop."""
     global _said_again
     again = signum == signal.SIGINT and _reason == signal.SIGINT.name
-    if again and _active and not _saving and not _honoured:
+    if again and _active and not _saving:
         raise AbortRequested  # pressed again: abandon the update under way
     if not _said_again:
         _said_again = True
@@ -219,10 +217,9 @@ def install_stop_handlers(extra: tuple[signal.Signals, ...] = ()) -> Callable[[]
         finally:
             restore()
     """
-    global _active, _signals, _honoured
+    global _active, _signals
     if threading.current_thread() is not threading.main_thread() or _active:
         return lambda: None
-    _honoured = False
     _signals = tuple(dict.fromkeys((*STOP_SIGNALS, *extra)))
     for sig in _signals:
         current = signal.getsignal(sig)
@@ -280,17 +277,15 @@ def exit_on_stop() -> Iterator[None]:
     is cleared on the way out.
 
     Inside, a stop signal that no other handler takes acts as before (it ends the process),
-    except while a stop is under way (:func:`stopping`): then it is ignored, also after the
-    block, until the process exits (a second signal never cuts the save or turns the exit
-    status into the second signal's).
+    except while a stop is under way (:func:`stopping`): then it is ignored (a second signal
+    never cuts the save or turns the exit status into the second signal's). On the way out the
+    handlers are the ones it found (after the fit, Ctrl-C is Ctrl-C again).
 
     Example::
 
         with exit_on_stop():
             trainer.fit(module, datamodule=dm)   # SIGTERM: saved, then exit status 143
     """
-    global _honoured
-    _honoured = False
     before: dict[int, Any] = {}
 
     def _late(signum: int, frame: FrameType | None) -> None:
@@ -312,11 +307,9 @@ def exit_on_stop() -> Iterator[None]:
     except (AbortRequested, KeyboardInterrupt):  # Ctrl-C twice, or once with no handler
         code = exit_code("SIGINT")
     finally:
-        if code is None:  # not stopped (or another exception): the handlers as they were
-            _put_back(before)
+        _put_back(before)  # the handlers as they were (before the request is cleared)
     if code is None:
         return
-    _honoured = True  # later signals are ignored until the process exits
     clear_stop_request()  # consumed here: later runs in this process start clean
     raise SystemExit(code) from None
 
@@ -334,14 +327,12 @@ def exit_at_once_on_stop_signals(outcome: str | Callable[[], str]) -> Iterator[N
     update made), where a signal's default would end the process without a word (or leave a
     half-written folder behind) and SIGINT's ``KeyboardInterrupt`` would print a traceback.
     Handlers installed inside it (the :class:`~dapo_lightning.callbacks.RunGuard`'s, while
-    ``fit`` runs) take over; the previous handlers are restored after, unless a stop is under
-    way (:func:`stopping`: the signal is then ignored, the stop's save goes on). Nothing outside
-    the main thread."""
-    global _honoured
+    ``fit`` runs) take over; while a stop is under way (:func:`stopping`: Lightning's teardown
+    puts this handler back before the stop's save is over) a signal is ignored. The previous
+    handlers are restored after. Nothing outside the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _honoured = False
 
     def _exit(signum: int, frame: FrameType | None) -> None:
         if stopping():  # restored by Lightning's teardown while a stop is saved: ignore
@@ -357,5 +348,4 @@ def exit_at_once_on_stop_signals(outcome: str | Callable[[], str]) -> Iterator[N
     try:
         yield
     finally:
-        if not stopping():
-            _put_back(previous)
+        _put_back(previous)
