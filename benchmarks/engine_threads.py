@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from benchmarks.update_throughput import checkpoint_for
+    from benchmarks._shared.checkpoints import checkpoint_for
 
     threads = torch.get_num_threads()
     quick = args.quick

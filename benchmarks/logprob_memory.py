@@ -37,7 +37,7 @@ from benchmarks._common import (
     print_table,
     run_worker,
 )
-from benchmarks.update_throughput import SMOL_SHAPE
+from benchmarks._shared.checkpoints import SMOL_SHAPE
 
 #: The two paths compared: label -> ``response_log_probs(chunk_size=...)``.
 PATHS: dict[str, str | None] = {"naive (old)": None, "fused (new)": "auto"}

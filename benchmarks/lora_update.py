@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from benchmarks._common import GIB, emit_result, peak_rss_bytes, print_table, run_worker
-from benchmarks.update_throughput import checkpoint_for
+from benchmarks._shared.checkpoints import checkpoint_for
 
 CASES = {
     # shape, sequences, prompt tokens, response tokens, micro-batch, warm-up, timed steps

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from benchmarks._common import bar_chart, median_time, out_dir, print_table
-from benchmarks.update_throughput import SMOL_SHAPE
+from benchmarks._shared.checkpoints import SMOL_SHAPE
 from dapo_lightning.step_guard import StepSnapshot, all_finite
 from dapo_lightning.testing import TINY_CONFIG
 

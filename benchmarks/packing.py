@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.update_throughput import checkpoint_for
+    from benchmarks._shared.checkpoints import checkpoint_for
     from dapo_lightning.testing import make_random_rollout_batch
 
     repeats = args.repeats or (1 if args.quick else 3)

@@ -119,7 +119,7 @@ from typing import Any
 import yaml
 
 from benchmarks._common import out_dir
-from benchmarks.peer_race import ReasoningGymScore, Recipe, Snapshots, trl_clock, trl_config
+from benchmarks._shared.races import ReasoningGymScore, Recipe, Snapshots, trl_clock, trl_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AGENT_RECIPE = "configs/smollm2_arithmetic.yaml"

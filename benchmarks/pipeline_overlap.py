@@ -46,7 +46,7 @@ import lightning.pytorch as pl
 import yaml
 
 from benchmarks._common import REPO_ROOT, out_dir, print_table
-from benchmarks.quickstart_curve import (
+from benchmarks._shared.quickstart import (
     QUICKSTART,
     T0_ENV,
     TARGET,

@@ -32,7 +32,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.smollm2_curve import mean_over_budget
+from benchmarks._shared.smollm2 import mean_over_budget
 from dapo_lightning.plot import find_metrics_csv, read_metrics
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -25,84 +25,15 @@ MFU = FLOPs / seconds / peak GEMM FLOP/s does not credit it.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from typing import Any
 
 import torch
 
 from benchmarks._common import bar_chart, out_dir, print_table
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def measure_gemm_flops(
-    dtype: str = "float32", sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 5
-) -> dict[int, float]:
-    """Median FLOP/s of square ``n x n @ n x n`` matmuls (``2 n^3`` FLOPs each) per size ``n``.
-
-    Each size is run once untimed, then ``repeats`` times; the median time is used.
-    """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}.")
-    out: dict[int, float] = {}
-    gen = torch.Generator().manual_seed(0)
-    for n in sizes:
-        a = torch.randn(n, n, generator=gen).to(_DTYPES[dtype])
-        b = torch.randn(n, n, generator=gen).to(_DTYPES[dtype])
-        torch.mm(a, b)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            times.append(time.perf_counter() - start)
-        out[n] = 2.0 * n**3 / statistics.median(times)
-    return out
-
-
-def measure_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Median memory bandwidth in bytes/s of copying a ``num_bytes`` float32 buffer
-    (bytes read + bytes written per copy)."""
-    src = torch.ones(num_bytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2.0 * num_bytes / statistics.median(times)
-
-
-def matmul_params(config: Any) -> int:
-    """``N`` of the formula: non-embedding matmul parameters of a Qwen2/Llama-style decoder plus
-    the LM head (vocab x hidden). Norm weights and biases are ignored (negligible FLOPs)."""
-    h = config.hidden_size
-    q = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    attn = h * heads * q + 2 * h * kv * q + heads * q * h
-    mlp = 3 * h * config.intermediate_size
-    return config.num_hidden_layers * (attn + mlp) + config.vocab_size * h
-
-
-def update_model_flops(config: Any, num_sequences: int, seq_len: int) -> float:
-    """Model FLOPs of one forward + backward over ``num_sequences`` rows of ``seq_len`` tokens:
-    ``6 N D + 12 L H Q S D`` (see the module docstring)."""
-    q = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    tokens = num_sequences * seq_len
-    attn = 12 * config.num_hidden_layers * config.num_attention_heads * q * seq_len * tokens
-    return 6.0 * matmul_params(config) * tokens + attn
-
-
-def mfu(model_flops: float, seconds: float, peak_flops: float) -> float:
-    """Model FLOP utilisation: ``model_flops / seconds / peak_flops``."""
-    return model_flops / max(seconds, 1e-12) / peak_flops
-
-
-def peak_flops(dtype: str = "float32", quick: bool = False) -> float:
-    """The best median GEMM FLOP/s over the measured sizes (the roof MFU is taken against)."""
-    sizes = (256, 512, 1024) if quick else (512, 1024, 2048)
-    return max(measure_gemm_flops(dtype, sizes, repeats=3 if quick else 5).values())
+from benchmarks._shared.flops import (
+    DTYPES,
+    measure_bandwidth,
+    measure_gemm_flops,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         f"mkldnn bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}"
     )
 
-    results = {dt: measure_gemm_flops(dt, sizes, repeats) for dt in _DTYPES}
+    results = {dt: measure_gemm_flops(dt, sizes, repeats) for dt in DTYPES}
     bandwidth = measure_bandwidth(64 * 2**20 if args.quick else 512 * 2**20, repeats)
     rows = []
     for n in sizes:
@@ -172,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         out_dir() / ("gemm_quick.png" if args.quick else "gemm.png"),
         "Square GEMM GFLOP/s",
         [str(n) for n in sizes],
-        {dt: [results[dt][n] / 1e9 for n in sizes] for dt in _DTYPES},
+        {dt: [results[dt][n] / 1e9 for n in sizes] for dt in DTYPES},
         ylabel="GFLOP/s",
     )
     print(f"wrote {path}")

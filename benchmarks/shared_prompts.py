@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the tiny model (CI smoke)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per layout")
     args = parser.parse_args(argv)
-    from benchmarks.update_throughput import checkpoint_for
+    from benchmarks._shared.checkpoints import checkpoint_for
     from dapo_lightning.precision import decide_bf16, device_caps
 
     if args.quick:

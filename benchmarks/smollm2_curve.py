@@ -55,7 +55,6 @@ import argparse
 import copy
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -73,17 +72,16 @@ from benchmarks._common import (
     out_dir,
     print_table,
 )
+from benchmarks._shared.smollm2 import (
+    DEFAULT_MODEL_DIR,
+    RECIPES,
+    TARGETS,
+    ensure_model,
+    mean_over_budget,
+    process_cpu_s,
+)
 from dapo_lightning.plot import find_metrics_csv, read_metrics
 
-#: The recipes (``--recipe``), relative to the repository root.
-RECIPES = {
-    "word_problems": "configs/smollm2_135m.yaml",
-    "reasoning_gym": "configs/smollm2_reasoning_gym.yaml",
-    "tool_use": "configs/smollm2_tool_use.yaml",  # agent RL: products with the calculator
-    "arithmetic": "configs/smollm2_arithmetic.yaml",  # agent RL: chained calls of binary tools
-    "python_tool": "configs/smollm2_python_tool.yaml",  # agent RL: a sandboxed Python tool
-    "code_functions": "configs/smollm2_code_functions.yaml",  # code scored by unit tests
-}
 #: The word-problem recipe (the default ``--recipe``).
 RECIPE = RECIPES["word_problems"]
 #: The override files of each method, after the recipe.
@@ -118,16 +116,6 @@ METHOD_RECIPES: dict[str, str] = {"calculator": "configs/smollm2_calculator.yaml
 METHODS: dict[str, list[str]] = {
     m: [METHOD_RECIPES.get(m, RECIPE), *o] for m, o in METHOD_OVERRIDES.items()
 }
-#: Each recipe's target: ``("acc", x)`` held-out val/acc >= x, ``("gain", x)`` val/acc >= the
-#: initial val/acc + x.
-TARGETS = {
-    "word_problems": ("acc", 0.8),
-    "reasoning_gym": ("gain", 0.35),
-    "tool_use": ("acc", 0.6),
-    "arithmetic": ("acc", 0.6),
-    "python_tool": ("acc", 0.8),
-    "code_functions": ("gain", 0.1),
-}
 #: Line style of each method in the PNG.
 STYLES = {
     "dapo": "-",
@@ -144,14 +132,6 @@ STYLES = {
 TARGET = TARGETS["word_problems"][1]
 #: The default training-time budget per run (minutes).
 BUDGET_MIN = 15.0
-#: Where the shared model folder is written when ``--model-dir`` is not given.
-DEFAULT_MODEL_DIR = REPO_ROOT / "runs" / "smollm2" / "model"
-
-
-def process_cpu_s() -> float:
-    """CPU seconds (user + system, all threads) this process has used so far."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 class TimeBudget(pl.Callback):
@@ -474,17 +454,6 @@ def plot(results: list[dict[str, Any]], path: Path, budget_min: float, clock: st
     plt.close(fig)
 
 
-def ensure_model(model_dir: Path) -> Path:
-    """The model folder, written with ``make-model smollm2-135m-instruct`` when missing."""
-    if not (model_dir / "config.json").exists():
-        from dapo_lightning.models import make_smollm2_folder
-
-        print(f"writing SmolLM2-135M-Instruct into {model_dir} (not timed) ...", flush=True)
-        model_dir.parent.mkdir(parents=True, exist_ok=True)
-        make_smollm2_folder(model_dir)
-    return model_dir.resolve()
-
-
 def _num(value: float | None, digits: int = 1) -> Any:
     return "-" if value is None else round(value, digits)
 
@@ -566,30 +535,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:  # noqa: D103
                 shutil.rmtree(Path(r["run_dir"]) / "checkpoints", ignore_errors=True)
             results.append(r)
     return report(results, name, args.budget_min, args.clock)
-
-
-def mean_over_budget(curve: list[Any], budget_min: float, clock: str) -> float | None:
-    """val/acc averaged over the training budget: the area under the curve of val/acc against
-    minutes (wall or idle-equivalent, by ``clock``), linear between validations, cut at the
-    budget, divided by the minutes covered (the budget, or less if the run ended sooner)::
-
-        (1 / T) * integral_0^T acc(t) dt,  T = min(budget, last validation)
-
-    Equal for two runs at every instant means equal; one run ahead of the other at every
-    instant has the larger value (None: fewer than two validations)."""
-    column = 2 if clock == "wall" else 3
-    points = [(p[column] / 60, p[1]) for p in curve]
-    if len(points) < 2:
-        return None
-    area, covered = 0.0, 0.0
-    for (t0, a0), (t1, a1) in zip(points, points[1:]):
-        if t0 >= budget_min or t1 <= t0:
-            continue
-        end = min(t1, budget_min)
-        a_end = a0 + (a1 - a0) * (end - t0) / (t1 - t0)
-        area += (a0 + a_end) / 2 * (end - t0)
-        covered = end
-    return area / covered if covered else None
 
 
 def compare_runs(groups: list[str]) -> list[dict[str, Any]]:

@@ -39,8 +39,8 @@ from statistics import fmean
 from typing import Any
 
 from benchmarks._common import bar_chart, out_dir, print_table
-from benchmarks.smollm2_curve import DEFAULT_MODEL_DIR, ensure_model
-from dapo_lightning.data.prompts.sources import encode_prompt
+from benchmarks._shared.smollm2 import DEFAULT_MODEL_DIR, RG_SETTINGS, ensure_model
+from dapo_lightning.prompts import encode_prompt
 from dapo_lightning.rollout.base import SamplingConfig
 from dapo_lightning.tasks.reasoning_gym import (
     ReasoningGymReward,
@@ -51,47 +51,6 @@ from dapo_lightning.tasks.word_problems import (
     LastNumberReward,
     make_word_problem_rows,
 )
-
-#: Reasoning-gym settings measured with ``--rg``: name -> (dataset, config). One operation on
-#: one-digit numbers first (each chained step multiplies a small model's slips).
-RG_SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "ba_2x1_add": (
-        "basic_arithmetic",
-        {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"]},
-    ),
-    "ba_2x1_addsub": (
-        "basic_arithmetic",
-        {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+", "-"]},
-    ),
-    "ba_2x1_addsub_plain": (  # no parentheses or negative operands: "Calculate 7 - 3."
-        "basic_arithmetic",
-        {
-            "min_terms": 2,
-            "max_terms": 2,
-            "max_digits": 1,
-            "operators": ["+", "-"],
-            "allow_parentheses": False,
-            "allow_negation": False,
-        },
-    ),
-    "ba_2x1_mul": (
-        "basic_arithmetic",
-        {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["*"]},
-    ),
-    "chain_2x1": ("chain_sum", {"min_terms": 2, "max_terms": 2, "max_digits": 1}),
-    "chain_3x1": ("chain_sum", {"min_terms": 3, "max_terms": 3, "max_digits": 1}),
-    "chain_2x2": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}),
-    # issue 39's tool-needing task: "Solve the following multiplication: 57 * 87."
-    "products_2x2": (
-        "products",
-        {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2},
-    ),
-    # the two-call task (binary tools: multiply, then multiply the result): "15 * 43 * 75."
-    "products_3x2": (
-        "products",
-        {"min_terms": 3, "max_terms": 3, "min_digits": 2, "max_digits": 2},
-    ),
-}
 
 
 def word_problem_rows(mix: str, prompts: int) -> tuple[list[dict[str, Any]], Any]:

@@ -40,8 +40,7 @@ from statistics import fmean
 from typing import Any
 
 from benchmarks._common import bar_chart, out_dir, print_table
-from benchmarks.smollm2_curve import DEFAULT_MODEL_DIR, ensure_model
-from benchmarks.task_headroom import RG_SETTINGS
+from benchmarks._shared.smollm2 import DEFAULT_MODEL_DIR, RG_SETTINGS, ensure_model
 from dapo_lightning.data.prompts.sources import (
     FieldMap,
     records_from_rows,

@@ -58,18 +58,7 @@ from benchmarks._common import (
     print_table,
     run_worker,
 )
-
-#: SmolLM2-135M's shape, randomly initialised (the brief's "real size").
-SMOL_SHAPE: dict[str, Any] = dict(
-    hidden_size=576,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    intermediate_size=1536,
-    vocab_size=49152,
-    max_position_embeddings=2048,
-)
+from benchmarks._shared.checkpoints import checkpoint_for
 
 
 @dataclass
@@ -551,14 +540,6 @@ def worker_main(payload: dict[str, Any]) -> None:
 
 
 # ============================================================================ parent side
-def checkpoint_for(model: str) -> str:
-    """Cached checkpoint folder under ``benchmarks/out/`` (written once)."""
-    from dapo_lightning.testing import make_tiny_checkpoint
-
-    path = out_dir() / f"ckpt_{model}"
-    if not (path / "config.json").exists():
-        make_tiny_checkpoint(path, **(SMOL_SHAPE if model == "smol" else {}))
-    return str(path)
 
 
 def padded_tokens(case: Case) -> dict[str, int]:
@@ -607,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from benchmarks.roofline import mfu, peak_flops, update_model_flops
+    from benchmarks._shared.flops import mfu, peak_flops, update_model_flops
 
     if args.mmap_threshold is not None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)

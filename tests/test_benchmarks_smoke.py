@@ -46,7 +46,7 @@ def test_model_flops_formula() -> None:
     """6 N D + 12 L H Q S D on a hand-computed toy config."""
     from types import SimpleNamespace
 
-    from benchmarks.roofline import matmul_params, mfu, update_model_flops
+    from benchmarks._shared.flops import matmul_params, mfu, update_model_flops
 
     cfg = SimpleNamespace(
         hidden_size=8,
@@ -114,7 +114,7 @@ def test_sampling_efficiency_simulated_quick() -> None:
 
 def test_mean_over_budget_is_the_area_under_the_curve() -> None:
     """smollm2_curve's "mean in budget": trapezoids of val/acc over minutes, cut at the budget."""
-    from benchmarks.smollm2_curve import mean_over_budget
+    from benchmarks._shared.smollm2 import mean_over_budget
 
     # (updates, val/acc, wall s, idle-equivalent s, load): 0.2 -> 0.4 in minute 1, -> 0.6 by 3
     curve = [(0, 0.2, 0, 0, 0), (8, 0.4, 60, 120, 0), (16, 0.6, 180, 240, 0)]

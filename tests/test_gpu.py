@@ -16,7 +16,7 @@ Only correctness is asserted, never timings. The numbers go to the JSON file nam
 keeps what it measured. The tests without the marker check the helpers (FLOP counting, the
 report, the script's environment step and summary) on the CPU.
 
-FLOPs (the convention of ``benchmarks/roofline.py``, PaLM appendix B): a forward + backward over
+FLOPs (the convention of ``benchmarks/_shared/flops.py``, PaLM appendix B): a forward + backward over
 ``B`` rows of ``L`` tokens is ``6 N B L + 12 n_layers n_heads head_dim L B L`` with ``N`` the
 matmul parameters (LM head counted once although tied), a forward alone a third of it. Every
 forward the policy runs in an update is counted (a forward hook): the micro-batches' forward +
@@ -47,7 +47,7 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from benchmarks.roofline import matmul_params, mfu, update_model_flops
+from benchmarks._shared.flops import matmul_params, mfu, update_model_flops
 from dapo_lightning.batch import RolloutBatch
 from dapo_lightning.module import DAPOModule
 from dapo_lightning.testing import make_random_rollout_batch
@@ -125,7 +125,7 @@ class ForwardFlops:
     """Counts the model FLOPs of every forward of ``model`` while active (a forward hook).
 
     A forward with gradients enabled is counted with its backward
-    (:func:`~benchmarks.roofline.update_model_flops` of its ``[B, L]`` input), one without as a
+    (:func:`~benchmarks._shared.flops.update_model_flops` of its ``[B, L]`` input), one without as a
     third of that. ``forwards_with_grad`` / ``forwards_without_grad`` count the calls, ``tokens``
     the ``B * L`` input positions.
     """
