@@ -183,7 +183,7 @@ def tool_tokenizer(model_dir: str | Path) -> Any:
 @dataclass
 class AgentRecipe:
     """What TRL takes from ``configs/smollm2_arithmetic.yaml``: the settings
-    ``benchmarks.peer_race.trl_config`` reads (:attr:`recipe`), the episodes' limits, the
+    ``benchmarks._shared.races.trl_config`` reads (:attr:`recipe`), the episodes' limits, the
     sequences per forward/backward and the data module's settings (:attr:`config`)."""
 
     recipe: Recipe

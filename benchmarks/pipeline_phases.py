@@ -2,7 +2,7 @@
 per minute, each phase's median seconds per rollout step, staleness, held-out accuracy over the
 budget, and the speed ratio the phase times predict.
 
-Usage (after ``benchmarks/smollm2_curve.py --methods dapo dapo_one_step_off ... --name NAME``;
+Usage (after ``python -m benchmarks.smollm2_curve --methods dapo dapo_one_step_off ... --name NAME``;
 several names are read together, e.g. a separate run of ``dapo_one_step_off_fixed``)::
 
     .venv/bin/python -m benchmarks.pipeline_phases --names rg_share rg_fixed --budget-min 20
