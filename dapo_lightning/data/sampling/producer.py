@@ -29,7 +29,6 @@ their own modules and are importable from here as before.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,16 +51,16 @@ from dapo_lightning.data.sampling.groups import (
 )
 from dapo_lightning.data.sampling.rank_layout import RankLayout, member_rows
 from dapo_lightning.data.sampling.round_report import RoundReport, Shortfall, SumOverRanks
+from dapo_lightning.data.sampling.round_sizing import RoundSizer
 from dapo_lightning.data.sampling.rounds import Demonstrate, GenerationRounds, RoundHooks
 from dapo_lightning.data.sampling.scoring import RolloutScorer
 from dapo_lightning.data.sampling.settings import (
-    KEPT_FRAC_DECAY,
     LEGACY_SELECTION_KEYS,
     DynamicSamplingConfig,
 )
 from dapo_lightning.data.sampling.step_stats import STAT_OPS, StepStats
 from dapo_lightning.data.selection.difficulty import PredictiveSelector
-from dapo_lightning.data.selection.sampler import PromptSampler, PromptsExhausted, sized_round
+from dapo_lightning.data.selection.sampler import PromptSampler, PromptsExhausted
 from dapo_lightning.interrupt import StopRequested, request_stop, stop_requested
 from dapo_lightning.prompts import PromptRecord
 from dapo_lightning.ranks import sum_over_ranks
@@ -140,7 +139,6 @@ class RolloutProducer:
         self.layout = layout
         #: Groups of one engine group's batch (every rank of the group holds all of them).
         self.local_train = config.train_batch_size // layout.groups
-        self.local_gen = config.prompts_per_round // layout.groups
         self.sync = sync or sum_over_ranks
         self.tracker = config.make_tracker()
         self.sampler = PromptSampler(
@@ -156,8 +154,8 @@ class RolloutProducer:
             tracker=self.tracker, selector=self.selector, on_scored=self.hooks.scored,
             demonstrations=demonstrations,
         )  # fmt: skip
-        #: Decayed (kept, generated) group counts over all ranks: the round-sizing estimate.
-        self.kept_estimate = [0.0, 0.0]
+        #: How many prompts each round draws (its kept-fraction estimate is checkpointed).
+        self.sizer = RoundSizer(config, layout, self.sampler)
         self.carry = CarryOver(config)
         #: The state the last :meth:`next_batch` started from (None: none since the last
         #: :meth:`rewind`); the one snapshot of a batch's start.
@@ -187,27 +185,10 @@ class RolloutProducer:
         filter; validation uses it too): :meth:`RolloutScorer.score`."""
         return self.scorer.score(records, sizes, sampling, policy_version, stats)
 
-    def _round_size(self, missing: int, short_ranks: int) -> int:
-        """Prompts this rank draws next: ``gen_batch_size / ranks`` (fixed sizing or no history
-        yet), else enough for the short ranks' mean missing groups at the kept fraction
-        ``(kept + 1) / (generated + 2)`` of the agreed estimate (exactly 1 without a filter:
-        every group is kept, so the round is what is missing), floored and capped
-        (:func:`sized_round`). Equal on all ranks."""
-        kept, generated = self.kept_estimate
-        if self.config.round_sizing == "fixed" or generated <= 0 or short_ranks <= 0:
-            return self.local_gen
-        frac = 1.0 if self.config.filter_metric is None else (kept + 1.0) / (generated + 2.0)
-        want = math.ceil(missing / short_ranks / frac)
-        cap = max(1, self.config.round_cap // self.layout.groups)
-        per_rank = self.sampler.num_prompts // self.sampler.world_size  # one epoch at most
-        floor = math.ceil(self.config.min_gen_batch_size / self.layout.groups)
-        return sized_round(want, floor, cap, per_rank)
-
-    def _update_kept_estimate(self, kept: int, generated: int) -> None:
-        """Decay the agreed (kept, generated) counts by :data:`KEPT_FRAC_DECAY`, add a round's."""
-        if generated > 0:
-            k, g = self.kept_estimate
-            self.kept_estimate = [KEPT_FRAC_DECAY * k + kept, KEPT_FRAC_DECAY * g + generated]
+    @property
+    def kept_estimate(self) -> list[float]:
+        """The agreed, decayed (kept, generated) group counts (:class:`RoundSizer`)."""
+        return self.sizer.kept_estimate
 
     # ------------------------------------------------------------------ a batch
     def next_batch(self, policy_version: int = 0) -> RolloutBatch:
@@ -295,7 +276,7 @@ class RolloutProducer:
         before = (stats.kept_groups, stats.generated_groups)
         if have < self.local_train and stop_requested() is None:
             try:
-                count = self._round_size(last.missing, last.short)
+                count = self.sizer.size(last.missing, last.short)
                 got = self.rounds.run(count, self.local_train - have, policy_version, stats)
                 stats.gen_rounds += 1.0
                 if got is not None and len(got):
@@ -317,7 +298,7 @@ class RolloutProducer:
             generated=int(stats.generated_groups - before[1]),
             **RoundReport.stop_fields(reason),
         ).summed(self.sync)
-        self._update_kept_estimate(report.kept, report.generated)
+        self.sizer.observe(report.kept, report.generated)
         if error is not None:
             raise error
         if report.failed:
@@ -376,7 +357,7 @@ class RolloutProducer:
             self.tracker.load_state_dict(state["tracker"])
         if self.selector is not None and state.get("selector") is not None:
             self.selector.load_state_dict(state["selector"])
-        self.kept_estimate = [float(x) for x in state.get("kept_estimate", [0.0, 0.0])]
+        self.sizer.kept_estimate = [float(x) for x in state.get("kept_estimate", [0.0, 0.0])]
         self.carry.load_state_dict(state["carried"])
         self.batches_made = int(state.get("batches_made", 0))  # 0 in older checkpoints
 
