@@ -15,6 +15,9 @@ Row = dict[str, Any]
 
 log = logging.getLogger(__name__)
 
+#: One encoder for every line (no circular-reference check: a row is flat data).
+_ENCODER = json.JSONEncoder(ensure_ascii=False, check_circular=False)
+
 
 def read_rows(path: str | Path) -> list[Row]:
     """The rows of a sample file (a torn last line, from a killed writer, skipped)."""
@@ -44,7 +47,7 @@ class SampleFile:
         """Append ``rows``, one JSON object a line, flushed (a failure warns once)."""
         if self.failed or not rows:
             return
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        text = "".join(_ENCODER.encode(r) + "\n" for r in rows)
         self._guarded(lambda: self._write(text, "a"))
 
     def keep_only(self, keep: Callable[[Row], bool]) -> list[Row]:
@@ -58,7 +61,7 @@ class SampleFile:
             kept.extend(r for r in read_rows(self.path) if keep(r))
             tmp = self.path.with_name(f".{self.path.name}.tmp")
             with open(tmp, "w", encoding="utf-8") as f:
-                f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
+                f.write("".join(_ENCODER.encode(r) + "\n" for r in kept))
             os.replace(tmp, self.path)
 
         self._guarded(rewrite)

@@ -134,8 +134,10 @@ def _scalar_extras(extra: dict[str, list[Any]], i: int) -> dict[str, Any]:
     """Row ``i``'s reward extras that are a number, a bool or a string (own columns apart)."""
     out = {}
     for key, values in extra.items():
+        if key in _OWN_EXTRAS:
+            continue
         v = values[i] if i < len(values) else None
-        if key not in _OWN_EXTRAS and isinstance(v, (int, float, bool, str)):
+        if isinstance(v, (int, float, bool, str)):
             out[key] = v
     return out
 

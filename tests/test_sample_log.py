@@ -386,3 +386,19 @@ def test_an_episode_row_holds_its_whole_exchange(tiny_checkpoint):
     single = _rollouts([[1, 2], [3]], [1, 0])
     (out,) = step_rows(rollout_rows(single, round_id=1)[:1], step=1, max_groups=None)
     assert out["episode"] is None and out["response"] == "1 2" and out["reward"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_cost_benchmark_runs_quick():
+    """benchmarks/sample_log_cost.py --quick: one 3-step quickstart fit, its table and PNG."""
+    png = REPO / "benchmarks" / "out" / "sample_log_cost_quick.png"
+    png.unlink(missing_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.sample_log_cost", "--quick"], cwd=REPO,
+        env={**_env(), "PYTHONPATH": str(REPO), "COLUMNS": "200"}, capture_output=True,
+        text=True, timeout=850,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cost, share of all steps (%)" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
