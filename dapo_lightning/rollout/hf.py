@@ -232,12 +232,7 @@ class HFRolloutEngine(RolloutEngine):
     def _sample_batch(self, seqs: list[list[int]], sampling: SamplingConfig) -> list[Completion]:
         device = self._device
         B = len(seqs)
-        P = max(len(s) for s in seqs)
-        input_ids = torch.full((B, P), self.pad_token_id, dtype=torch.long, device=device)
-        attention_mask = torch.zeros((B, P), dtype=torch.long, device=device)
-        for i, s in enumerate(seqs):
-            input_ids[i, P - len(s) :] = torch.as_tensor(s, dtype=torch.long, device=device)
-            attention_mask[i, P - len(s) :] = 1
+        input_ids, attention_mask = left_padded(seqs, self.pad_token_id, device)
         position_ids = position_ids_from_mask(attention_mask)
         eos = torch.as_tensor(self.eos_token_ids, dtype=torch.long, device=device)
 
@@ -275,17 +270,32 @@ class HFRolloutEngine(RolloutEngine):
             position_ids = position_ids[:, -1:] + 1
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((B, 1))], dim=1)
 
-        tok = torch.stack(tokens, 1).tolist()
-        lp = torch.stack(logps, 1).tolist()
-        done = finished.tolist()
-        out_list = []
-        for i in range(B):
-            k = int(lengths[i])
-            out_list.append(
-                Completion(
-                    token_ids=tok[i][:k],
-                    log_probs=lp[i][:k],
-                    finish_reason="stop" if done[i] else "length",
-                )
-            )
-        return out_list
+        return completions(torch.stack(tokens, 1), torch.stack(logps, 1), lengths, finished)
+
+
+def left_padded(seqs: list[list[int]], pad_token_id: int, device: Any) -> tuple[Tensor, Tensor]:
+    """``seqs`` as ``[B, P]`` ids and attention mask, padded on the left to the longest."""
+    B, P = len(seqs), max(len(s) for s in seqs)
+    input_ids = torch.full((B, P), pad_token_id, dtype=torch.long, device=device)
+    attention_mask = torch.zeros((B, P), dtype=torch.long, device=device)
+    for i, s in enumerate(seqs):
+        input_ids[i, P - len(s) :] = torch.as_tensor(s, dtype=torch.long, device=device)
+        attention_mask[i, P - len(s) :] = 1
+    return input_ids, attention_mask
+
+
+def completions(
+    tokens: Tensor, log_probs: Tensor, lengths: Tensor, finished: Tensor
+) -> list[Completion]:
+    """One :class:`Completion` per row of the sampled ``[B, T]`` ``tokens`` and their
+    ``log_probs``, cut at its length (``"stop"`` where it sampled an end token, else
+    ``"length"``)."""
+    tok, lp, done = tokens.tolist(), log_probs.tolist(), finished.tolist()
+    return [
+        Completion(
+            token_ids=tok[i][: int(k)],
+            log_probs=lp[i][: int(k)],
+            finish_reason="stop" if done[i] else "length",
+        )
+        for i, k in enumerate(lengths.tolist())
+    ]
