@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -103,22 +104,29 @@ def updates_left(trainer: Any) -> float:
 
 
 def rollout_step_values(
-    batch: RolloutBatch, step: StepTensors, version: int, seconds: float, module: DAPOModule
+    batch: RolloutBatch,
+    step: StepTensors,
+    version: int,
+    seconds: float,
+    *,
+    state: PolicyState,
+    parity_every: int,
+    reduce: Callable[[Tensor, str], Tensor],
 ) -> dict[str, float]:
-    """The rollout step's metrics, reduced over ranks; staleness and parity against
-    ``version``, the policy version before this step's updates (after them every row would
-    look stale); parity every ``parity_check_every`` rollout steps."""
-    every = module.hparams.parity_check_every
-    check = bool(every) and module.rollout_step % every == 0
+    """The rollout step's metrics, reduced over ranks (``reduce``); staleness and parity
+    against ``version``, the policy version before this step's updates (after them every row
+    would look stale); parity every ``parity_every`` rollout steps (0: never) of ``state``'s
+    count."""
+    check = bool(parity_every) and state.rollout_step % parity_every == 0
     acc = rollout_step_metrics(batch, version, seconds, step.trainer_logp if check else None)
-    values = acc.reduce(module.adapter.reduce)
+    values = acc.reduce(reduce)
     gen_s = values.get("data/gen_seconds", 0.0)
     values.update(
         {
-            "rollout/step": float(module.rollout_step),
+            "rollout/step": float(state.rollout_step),
             "rollout/tokens_per_second": values.pop("rollout/tokens") / max(seconds + gen_s, 1e-9),
             "time/generation_s": gen_s,
-            "update/skipped_total": float(module.skipped_updates),
+            "update/skipped_total": float(state.skipped_updates),
         }
     )
     return values
@@ -338,7 +346,10 @@ class DAPOModule(LightningModule):
         t_start, version = time.perf_counter(), self.policy_version  # the version it was drawn for
         batch = batch.trim()
         step = self.updater.run(batch, self._step_context())  # counts the rollout step
-        values = rollout_step_values(batch, step, version, time.perf_counter() - t_start, self)
+        values = rollout_step_values(
+            batch, step, version, time.perf_counter() - t_start, state=self.policy_state,
+            parity_every=self.hparams.parity_check_every, reduce=self.adapter.reduce,
+        )  # fmt: skip
         # Lightning logs self.log() values (callbacks', the validation after this step) at its
         # batch counter, which counts rollout steps: with several updates per step, put it at
         # updates done - 1, as with one (update/* are at global_step; plot's x axis is updates).
