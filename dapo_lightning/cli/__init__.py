@@ -54,8 +54,10 @@ contract), :mod:`~dapo_lightning.cli.sft_command` (``sft``'s options, in ``fit``
 
 **Exit status**: 0 when the fit finished; 143 / 130 when SIGTERM / SIGINT stopped it (after
 saving); 2 for a bad configuration (one ``error:`` line, no traceback), found before training
-starts where it can be: an unwritable run directory or checkpoint folder, a model path that
-cannot be loaded, batch sizes that do not split over the ranks; 1 otherwise.
+starts where it can be: a ``--config`` file that is no YAML mapping of settings (binary,
+empty, tab-indented, a key given twice: :mod:`~dapo_lightning.cli.config_files`), a value of
+the wrong type, an unwritable run directory or checkpoint folder, a model path that cannot be
+loaded, batch sizes that do not split over the ranks; 1 otherwise.
 
 **Precision**: ``trainer.precision: auto`` becomes ``bf16-mixed`` where the device computes
 bf16 natively (CUDA with bf16, a CPU with AVX512-BF16 or AMX) and ``32-true`` elsewhere, before
