@@ -301,8 +301,11 @@ def test_the_index_names_every_script_once_and_only_scripts():
     assert not sorted(set(indexed) - set(scripts())), "indexed scripts that do not exist"
 
 
-def test_the_index_links_resolve():
-    assert not broken_links(INDEX)
+@pytest.mark.parametrize("page", ["README.md", "RESULTS.md", "JOURNAL.md"])
+def test_the_benchmark_pages_links_resolve(page):
+    """The index, the current numbers and the journal (README.md's links into RESULTS.md:
+    tests/test_readme.py)."""
+    assert not broken_links(BENCH / page)
 
 
 @pytest.mark.parametrize("module", indexed_scripts(INDEX.read_text()) if INDEX.exists() else [])
