@@ -41,9 +41,10 @@ def is_helper(module: str) -> bool:
 
 
 def scripts() -> list[str]:
-    """The benchmark scripts' module names (every module that is not a helper)."""
-    names = (module_name(p) for p in benchmark_sources())
-    return sorted(n for n in names if n != "benchmarks" and not is_helper(n))
+    """The benchmark scripts' module names (every module that is not a helper or a package's
+    ``__init__``)."""
+    names = (module_name(p) for p in benchmark_sources() if p.name != "__init__.py")
+    return sorted(n for n in names if not is_helper(n))
 
 
 # ----------------------------------------------------------------------------- the checks
