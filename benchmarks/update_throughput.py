@@ -557,7 +557,7 @@ def padded_tokens(case: Case) -> dict[str, int]:
     return {"real": real, "dapo": ours, "trl": trl}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes for CI (< 60 s)")
     parser.add_argument(
@@ -581,6 +581,136 @@ def main(argv: list[str] | None = None) -> int:
         "allocations this large get their own pages, returned to the OS when freed",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser
+
+
+def _measure_case(case: Case, args: argparse.Namespace, threads: int) -> dict[str, dict[str, Any]]:
+    """Each implementation's worker result for ``case`` (TRL left out with ``--skip-trl``)."""
+    results: dict[str, dict[str, Any]] = {}
+    for impl in case.impls:
+        if impl == "trl" and args.skip_trl:
+            continue
+        payload = asdict(case) | {"impl": impl, "threads": threads}
+        t0 = time.perf_counter()
+        results[impl] = run_worker(
+            "benchmarks.update_throughput",
+            payload,
+            timeout=case.timeout,
+            log_name=f"update{'_quick' if args.quick else ''}_{_slug(case.name)}_{impl}",
+        )
+        print(
+            f"  {case.name} [{impl}]: {results[impl]['seconds']:.2f} s/update "
+            f"(worker {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
+    return results
+
+
+def _case_rows(
+    case: Case,
+    results: dict[str, dict[str, Any]],
+    pads: dict[str, int],
+    resp_tokens: int,
+    flops: float,
+    peak: float,
+) -> list[list[Any]]:
+    """The table's rows of ``case``: one per implementation, then TRL's time and memory over ours."""
+    from benchmarks._shared.flops import mfu
+
+    rows: list[list[Any]] = []
+    for impl, r in results.items():
+        rows.append(
+            [
+                case.name,
+                "ours" if impl == "dapo" else "trl",
+                f"{case.num_sequences}x{case.prompt_len}+{max(case.lengths())}",
+                case.micro_batch_size,
+                r["seconds"],
+                resp_tokens / r["seconds"],
+                pads[impl] / pads["real"],
+                r["peak_rss"] / GIB,
+                (r["peak_rss"] - r["rss_before_update"]) / GIB,
+                mfu(flops, r["seconds"], peak),
+                r["grad_norm"],
+            ]
+        )
+    if "dapo" in results and "trl" in results:
+        rows.append(
+            [
+                case.name,
+                "trl / ours time",
+                "",
+                "",
+                results["trl"]["seconds"] / results["dapo"]["seconds"],
+                float("nan"),
+                float("nan"),
+                results["trl"]["peak_rss"] / results["dapo"]["peak_rss"],
+                float("nan"),
+                float("nan"),
+                float("nan"),
+            ]
+        )
+    return rows
+
+
+def _print_update_table(rows: list[list[Any]]) -> None:
+    print_table(
+        "One DAPO optimizer update (median of repeats)",
+        [
+            "case",
+            "impl",
+            "seqs x prompt+resp",
+            "micro",
+            "s / update",
+            "resp tok/s",
+            "computed / real tok",
+            "peak RSS GiB",
+            "RSS delta GiB",
+            "MFU",
+            "grad norm",
+        ],
+        rows,
+        caption="peak RSS = fresh-process ru_maxrss (imports+weights+optimizer+activations); "
+        "RSS delta = peak minus RSS just before the first update; MFU = (6ND + 12LHQSD) / s / "
+        "GEMM peak; grad norm = first update, before clipping (equal-work check)",
+    )
+
+
+def _print_extras(extras: dict[str, Any], profiles: dict[str, Any]) -> None:
+    """The extras case's phase shares and forward counts, then every profile."""
+    for name, r in extras.items():
+        gen, push = r["gen_seconds"], r["push_seconds"]
+        upd = r["seconds"]
+        total = gen + push + upd
+        print_table(
+            f"Rollout step shares ({name}, HF engine, generation of the same shape)",
+            ["phase", "seconds", "share"],
+            [
+                ["generation (HFRolloutEngine)", gen, gen / total],
+                ["weight push (HF engine: no-op)", push, push / total],
+                ["update (DAPOModule)", upd, upd / total],
+            ],
+        )
+        print_table(
+            f"Redundant-forward check ({name})",
+            ["setting", "policy forwards per training_step"],
+            [
+                [
+                    f"single update (mini_batch_size=None), {r['micro_batches']} micro-batches",
+                    r["forwards_per_update"],
+                ],
+                ["two mini-batches (old log-probs needed)", r["forwards_two_minibatches"]],
+            ],
+        )
+        prof = r.get("profile")
+        if prof:
+            print_profile(name, prof)
+    for name, prof in profiles.items():
+        print_profile(name, prof)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.worker:
         worker_main(json.loads(args.worker))
@@ -588,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from benchmarks._shared.flops import mfu, peak_flops, update_model_flops
+    from benchmarks._shared.flops import peak_flops, update_model_flops
 
     if args.mmap_threshold is not None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
@@ -620,116 +750,22 @@ def main(argv: list[str] | None = None) -> int:
         resp_tokens = sum(case.lengths())
         seq_len = pads["real"] / case.num_sequences
         flops = update_model_flops(config, case.num_sequences, round(seq_len))
-        results: dict[str, dict[str, Any]] = {}
-        for impl in case.impls:
-            if impl == "trl" and args.skip_trl:
-                continue
-            # --quick: one thread per worker (robust to a loaded CI machine; numbers not meaningful).
-            threads = 1 if args.quick else torch.get_num_threads()
-            payload = asdict(case) | {"impl": impl, "threads": threads}
-            t0 = time.perf_counter()
-            results[impl] = run_worker(
-                "benchmarks.update_throughput",
-                payload,
-                timeout=case.timeout,
-                log_name=f"update{'_quick' if args.quick else ''}_{_slug(case.name)}_{impl}",
-            )
-            print(
-                f"  {case.name} [{impl}]: {results[impl]['seconds']:.2f} s/update "
-                f"(worker {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f})",
-                flush=True,
-            )
-        for impl, r in results.items():
-            rows.append(
-                [
-                    case.name,
-                    "ours" if impl == "dapo" else "trl",
-                    f"{case.num_sequences}x{case.prompt_len}+{max(case.lengths())}",
-                    case.micro_batch_size,
-                    r["seconds"],
-                    resp_tokens / r["seconds"],
-                    pads[impl] / pads["real"],
-                    r["peak_rss"] / GIB,
-                    (r["peak_rss"] - r["rss_before_update"]) / GIB,
-                    mfu(flops, r["seconds"], peaks[case.precision]),
-                    r["grad_norm"],
-                ]
-            )
+        # --quick: one thread per worker (robust to a loaded CI machine; numbers not meaningful).
+        threads = 1 if args.quick else torch.get_num_threads()
+        results = _measure_case(case, args, threads)
+        rows += _case_rows(case, results, pads, resp_tokens, flops, peaks[case.precision])
         labels.append(case.name)
         for impl, key in (("dapo", "dapo (ours)"), ("trl", "trl GRPOTrainer")):
             r = results.get(impl)
             tps[key].append(resp_tokens / r["seconds"] if r else float("nan"))
-        if "dapo" in results and "trl" in results:
-            rows.append(
-                [
-                    case.name,
-                    "trl / ours time",
-                    "",
-                    "",
-                    results["trl"]["seconds"] / results["dapo"]["seconds"],
-                    float("nan"),
-                    float("nan"),
-                    results["trl"]["peak_rss"] / results["dapo"]["peak_rss"],
-                    float("nan"),
-                    float("nan"),
-                    float("nan"),
-                ]
-            )
         if case.extras:
             extras[case.name] = results["dapo"]
         for impl, r in results.items():
             if r.get("profile") and not (case.extras and impl == "dapo"):
                 profiles[f"{case.name}, {'ours' if impl == 'dapo' else 'TRL'}"] = r["profile"]
 
-    print_table(
-        "One DAPO optimizer update (median of repeats)",
-        [
-            "case",
-            "impl",
-            "seqs x prompt+resp",
-            "micro",
-            "s / update",
-            "resp tok/s",
-            "computed / real tok",
-            "peak RSS GiB",
-            "RSS delta GiB",
-            "MFU",
-            "grad norm",
-        ],
-        rows,
-        caption="peak RSS = fresh-process ru_maxrss (imports+weights+optimizer+activations); "
-        "RSS delta = peak minus RSS just before the first update; MFU = (6ND + 12LHQSD) / s / "
-        "GEMM peak; grad norm = first update, before clipping (equal-work check)",
-    )
-    for name, r in extras.items():
-        gen, push = r["gen_seconds"], r["push_seconds"]
-        upd = r["seconds"]
-        total = gen + push + upd
-        print_table(
-            f"Rollout step shares ({name}, HF engine, generation of the same shape)",
-            ["phase", "seconds", "share"],
-            [
-                ["generation (HFRolloutEngine)", gen, gen / total],
-                ["weight push (HF engine: no-op)", push, push / total],
-                ["update (DAPOModule)", upd, upd / total],
-            ],
-        )
-        print_table(
-            f"Redundant-forward check ({name})",
-            ["setting", "policy forwards per training_step"],
-            [
-                [
-                    f"single update (mini_batch_size=None), {r['micro_batches']} micro-batches",
-                    r["forwards_per_update"],
-                ],
-                ["two mini-batches (old log-probs needed)", r["forwards_two_minibatches"]],
-            ],
-        )
-        prof = r.get("profile")
-        if prof:
-            print_profile(name, prof)
-    for name, prof in profiles.items():
-        print_profile(name, prof)
+    _print_update_table(rows)
+    _print_extras(extras, profiles)
     png = bar_chart(
         out_dir() / ("update_throughput_quick.png" if args.quick else "update_throughput.png"),
         "One DAPO update: response tokens / s (higher is better)",
