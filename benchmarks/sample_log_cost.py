@@ -92,7 +92,7 @@ def write_override(run_dir: Path, model_dir: Path, times: Path) -> Path:
     callbacks = copy.deepcopy(config_callbacks([QUICKSTART]))
     for cb in callbacks:
         if cb["class_path"].endswith(".SampleLog"):
-            cb["class_path"] = "sample_log_cost.TimedSampleLog"
+            cb["class_path"] = "benchmarks.sample_log_cost.TimedSampleLog"
             cb.setdefault("init_args", {})["path"] = str(times)
         if cb["class_path"].endswith(".ModelCheckpoint"):
             cb["init_args"]["dirpath"] = str(run_dir / "checkpoints")
@@ -116,7 +116,7 @@ def run(steps: int, run_dir: Path) -> dict[str, Any]:
     cli = str(Path(sys.executable).parent / "dapo-lightning")
     cmd = [cli, "fit", "--config", QUICKSTART, "--config", str(write_override(run_dir, model_dir, times)),
            "--trainer.max_steps", str(2 * steps), "--trainer.val_check_interval", "1000"]  # fmt: skip
-    paths = [str(REPO_ROOT / "benchmarks"), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
+    paths = [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
