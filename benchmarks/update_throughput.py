@@ -709,34 +709,46 @@ def _print_extras(extras: dict[str, Any], profiles: dict[str, Any]) -> None:
         print_profile(name, prof)
 
 
+def _set_mmap_threshold(threshold: int | None) -> None:
+    """``MALLOC_MMAP_THRESHOLD_`` for every worker (when given); the load and the setting printed."""
+    if threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+    print(
+        f"load average at start: {os.getloadavg()}; MALLOC_MMAP_THRESHOLD_="
+        f"{os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset (glibc dynamic)')}",
+        flush=True,
+    )
+
+
+def _gemm_peaks(cases: list[Case], quick: bool) -> dict[str, float]:
+    """The GEMM peak (FLOP/s) of each precision the cases use, printed."""
+    from benchmarks._shared.flops import peak_flops
+
+    peaks = {
+        p: peak_flops("bfloat16" if p == "bf16-mixed" else "float32", quick=quick)
+        for p in {c.precision for c in cases}
+    }
+    print(
+        "GEMM peak this run: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
+    )
+    return peaks
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     if args.worker:
         worker_main(json.loads(args.worker))
         return 0
 
     import torch
 
-    from benchmarks._shared.flops import peak_flops, update_model_flops
+    from benchmarks._shared.flops import update_model_flops
 
-    if args.mmap_threshold is not None:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-    print(
-        f"load average at start: {os.getloadavg()}; MALLOC_MMAP_THRESHOLD_="
-        f"{os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset (glibc dynamic)')}",
-        flush=True,
-    )
+    _set_mmap_threshold(args.mmap_threshold)
     cases = build_cases(args.quick, args.full or args.only_full, args.full_sequences)
     if args.only_full:
         cases = cases[-1:]
-    peaks = {
-        p: peak_flops("bfloat16" if p == "bf16-mixed" else "float32", quick=args.quick)
-        for p in {c.precision for c in cases}
-    }
-    print(
-        "GEMM peak this run: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
-    )
+    peaks = _gemm_peaks(cases, args.quick)
 
     rows, labels, tps = [], [], {"dapo (ours)": [], "trl GRPOTrainer": []}
     extras: dict[str, Any] = {}
