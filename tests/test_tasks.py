@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dapo_lightning.data.prompts.sources import FieldMap, records_from_rows, tokenize_records
 from dapo_lightning.models import SMOLLM2_INSTALL, make_model_main, make_smollm2_folder
 from dapo_lightning.rewards import RewardRunner, get_reward
+from dapo_lightning.rewards.rounds import job_kwargs
 from dapo_lightning.tasks import TASKS, get_task
 from dapo_lightning.tasks.arithmetic import ArithmeticReward, make_arithmetic_rows
 from dapo_lightning.tasks.word_problems import (
@@ -51,7 +52,7 @@ def test_every_task_feeds_the_data_pipeline(name):
     tokenized, _ = tokenize_records(records, make_tiny_tokenizer(), apply_chat_template=True)
     assert all(len(r.prompt_ids) > 0 for r in tokenized)
     reward = get_reward(task.reward)
-    kw = RewardRunner._kw([r.meta.get("reward_kwargs", {}) for r in records], list(range(8)))
+    kw = job_kwargs([r.meta.get("reward_kwargs", {}) for r in records], list(range(8)))
     responses = [ANSWER_FORMAT.get(name, "{}").format(r.answer) for r in records[:8]]
     if name in RESPONSE_FIELD:
         responses = [row[RESPONSE_FIELD[name]] for row in rows[:8]]
