@@ -141,9 +141,37 @@ def test_reports_and_stats_over_two_gloo_ranks(tmp_path):
     for rank in range(2):
         need, report, agreed, seen, logged = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
         assert need == Shortfall(missing=7, short=2)
-        assert report == RoundReport(1, 0, 0, 5, 5, 16, sigterm=1, sigint=0, other_stop=0)
+        assert report == RoundReport(
+            1, 0, 0, 5, 5, 16, signalled=1, signal_sum=15, signal_squares=225
+        )
         assert report.stopped and agreed == "SIGTERM" == seen  # rank 0 takes rank 1's signal
         assert logged["data/generated_groups"] == 12.0  # summed
         assert logged["data/gen_seconds"] == 5.0  # the slowest rank
         assert logged["reward/long"] == pytest.approx((2 / 3 + 0.0) / 2)  # ranks weigh 1
         assert logged["data/epoch"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("reasons", "agreed"),
+    [
+        (["SIGHUP"], "SIGHUP"),  # issue 63: a SIGHUP on one rank of several
+        (["SIGUSR1", "SIGUSR1"], "SIGUSR1"),
+        (["SIGQUIT", None], "SIGQUIT"),
+        (["SIGHUP", "SIGQUIT"], "a stop was requested on another rank"),  # mean 2 = SIGINT
+        (["stop requested on another rank"], "a stop was requested on another rank"),
+    ],
+)
+def test_a_rank_without_a_stop_takes_the_signal_the_others_saw(reasons, agreed):
+    """The summed report of the ranks that saw ``reasons``: a rank with no stop of its own
+    stops as they did (so every rank exits 128 + that signal), and signals that differ are
+    never averaged into a third one."""
+    fields = [RoundReport.stop_fields(r) for r in reasons]
+    summed = {k: sum(f[k] for f in fields) for k in fields[0]}
+    report = RoundReport(short=0, failed=0, out_of_prompts=0, missing=0, kept=0, generated=0,
+                         **summed)  # fmt: skip
+    try:
+        assert report.stopped
+        assert report.agreed_stop(None) == agreed
+        assert stop_requested() == (agreed if agreed.startswith("SIG") else None)
+    finally:
+        clear_stop_request()

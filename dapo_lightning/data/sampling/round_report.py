@@ -8,17 +8,18 @@ the sums back by field. A full rank still reports (zeros), so no collective can 
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from dataclasses import astuple, dataclass
 from typing import TypeVar
 
-from dapo_lightning.interrupt import request_stop
+from dapo_lightning.interrupt import STOP_SIGNALS, request_stop
 
 #: Sums a list of integers over ranks, element by element (``ranks.sum_over_ranks``).
 SumOverRanks = Callable[[list[int]], list[int]]
 
-#: Stop reasons the ranks agree on by name (the signals a run guard turns into exit codes).
-STOP_NAMES = ("SIGTERM", "SIGINT")
+#: Stop reasons the ranks agree on by name: the stop signals (a run guard exits 128 + number).
+STOP_NAMES = tuple(s.name for s in STOP_SIGNALS)
 
 _Report = TypeVar("_Report", "Shortfall", "RoundReport")
 
@@ -55,8 +56,11 @@ class RoundReport:
         missing: Groups the rank still needs.
         kept: Groups the round kept (the round-sizing estimate).
         generated: Groups the round generated.
-        sigterm: 1 if a SIGTERM stop is requested here.
-        sigint: 1 if a SIGINT stop is requested here.
+        signalled: 1 if a stop signal's stop is requested here (summed: such ranks).
+        signal_sum: That signal's number, else 0 (summed: their sum).
+        signal_squares: Its square (summed: the sum of squares; the signalled ranks saw one
+            signal exactly when ``signalled * signal_squares == signal_sum ** 2``, and then it
+            is ``signal_sum / signalled``, the one every rank takes).
         other_stop: 1 if a stop for another reason is requested here.
     """
 
@@ -66,23 +70,27 @@ class RoundReport:
     missing: int
     kept: int
     generated: int
-    sigterm: int = 0
-    sigint: int = 0
+    signalled: int = 0
+    signal_sum: int = 0
+    signal_squares: int = 0
     other_stop: int = 0
 
     @classmethod
     def stop_fields(cls, reason: str | None) -> dict[str, int]:
         """The stop fields of a rank whose stop request is ``reason`` (None: none)."""
+        signalled = reason in STOP_NAMES
+        number = int(signal.Signals[reason]) if signalled else 0
         return {
-            "sigterm": int(reason == "SIGTERM"),
-            "sigint": int(reason == "SIGINT"),
-            "other_stop": int(reason is not None and reason not in STOP_NAMES),
+            "signalled": int(signalled),
+            "signal_sum": number,
+            "signal_squares": number * number,
+            "other_stop": int(reason is not None and not signalled),
         }
 
     @property
     def stopped(self) -> bool:
         """A stop was requested on some rank."""
-        return bool(self.sigterm or self.sigint or self.other_stop)
+        return bool(self.signalled or self.other_stop)
 
     def summed(self, sync: SumOverRanks) -> RoundReport:
         """Every field summed over ranks (one call of ``sync``)."""
@@ -93,8 +101,9 @@ class RoundReport:
         another rank (recorded here too, so this rank exits as that one does)."""
         if reason is not None:
             return reason
-        for name, seen in zip(STOP_NAMES, (self.sigterm, self.sigint)):
-            if seen:
-                request_stop(name)
-                return name
+        one_signal = self.signalled * self.signal_squares == self.signal_sum**2
+        if self.signalled and one_signal:  # else the ranks saw different signals
+            name = signal.Signals(self.signal_sum // self.signalled).name
+            request_stop(name)
+            return name
         return "a stop was requested on another rank"
